@@ -1,0 +1,5 @@
+import sys
+
+from .running import main
+
+sys.exit(main())

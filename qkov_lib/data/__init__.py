@@ -1,0 +1,5 @@
+"""Datasets: every loader returns :class:`Batch` objects (left-padded, query last)."""
+
+from .batch import Batch, left_pad
+
+__all__ = ["Batch", "left_pad"]

@@ -1,0 +1,114 @@
+"""Attention metrics of PAPER.md ("Metrics: what is known and what we specify").
+
+Shapes: ``attn`` and ``relevant`` (N, T); ``probs`` (N, C); ``y`` (N,). Values are plain
+tensors or floats in [0, 1] (fractions, not percent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+FOCUS_CELLS = ("FTPT", "FFPT", "FTPF", "FFPF")
+DEFAULT_TAUS = (0.5, 0.7, 0.9)
+
+
+def relevant_mass(attn: Tensor, relevant: Tensor) -> Tensor:
+    """``a_i = sum_{t in R_i} alpha_{i,t}`` (N,)."""
+    return (attn * relevant.to(attn.dtype)).sum(dim=-1)
+
+
+def confidence(probs: Tensor, y: Tensor) -> Tensor:
+    """``c_i = p_i(y_i)`` (N,), the probability of the gold class."""
+    return probs.gather(-1, y[:, None].long())[:, 0]
+
+
+def _check_tau(tau: float) -> float:
+    if not 0.0 <= float(tau) <= 1.0:
+        raise ValueError(f"threshold must lie in [0, 1], got {tau}")
+    return float(tau)
+
+
+def ac(a: Tensor, tau: float = 0.5) -> float:
+    """AC: fraction of instances with ``a_i >= tau``."""
+    return float((a >= _check_tau(tau)).float().mean())
+
+
+def acmc(a: Tensor, c: Tensor, tau_a: float = 0.5, tau_c: float | None = None) -> float:
+    """ACMC: fraction with ``a_i >= tau_a`` and ``c_i >= tau_c`` (``tau_c`` defaults to ``tau_a``)."""
+    tau_c = tau_a if tau_c is None else tau_c
+    return float(((a >= _check_tau(tau_a)) & (c >= _check_tau(tau_c))).float().mean())
+
+
+def dtap_histogram(a: Tensor, c: Tensor, bins: int = 10) -> Tensor:
+    """DTAP heatmap (bins, bins): fraction of instances per (attention bin, confidence bin).
+
+    Row ``i`` is attention in ``[i/bins, (i+1)/bins)``, column ``j`` confidence likewise; the
+    value 1.0 falls in the last bin. Entries sum to 1.
+    """
+    if a.shape != c.shape or a.dim() != 1 or a.numel() == 0:
+        raise ValueError("a and c must be non-empty 1-D tensors of equal length")
+    ia = (a.double().clamp(0, 1) * bins).long().clamp(max=bins - 1)
+    ic = (c.double().clamp(0, 1) * bins).long().clamp(max=bins - 1)
+    h = torch.zeros(bins * bins, dtype=torch.float64)
+    h.index_add_(0, ia * bins + ic, torch.ones_like(ia, dtype=torch.float64))
+    return (h / a.numel()).reshape(bins, bins)
+
+
+def focus_cells(attn: Tensor, relevant: Tensor, pred: Tensor, y: Tensor) -> dict[str, Tensor]:
+    """Boolean masks (N,) of the cells FTPT/FFPT/FTPF/FFPF: focus true when
+    ``argmax_t alpha_t`` is a relevant position (ties: first maximum), prediction true when
+    ``pred == y``."""
+    top = attn.argmax(dim=-1)
+    ft = relevant.gather(-1, top[:, None])[:, 0].bool()
+    pt = pred == y
+    return {"FTPT": ft & pt, "FFPT": ~ft & pt, "FTPF": ft & ~pt, "FFPF": ~ft & ~pt}
+
+
+def focus_prediction_table(attn: Tensor, relevant: Tensor, pred: Tensor, y: Tensor) -> dict[str, float]:
+    """Fractions of instances in each focus/prediction cell (they sum to 1)."""
+    return {k: float(v.float().mean()) for k, v in focus_cells(attn, relevant, pred, y).items()}
+
+
+def summarize(attn: Tensor, probs: Tensor, relevant: Tensor, y: Tensor,
+              taus: Sequence[float] = DEFAULT_TAUS, weight: Tensor | None = None) -> dict[str, float]:
+    """Loss, accuracy, mean relevant mass and confidence, AC/ACMC at each ``tau`` and the
+    focus/prediction table, as one flat dict. ``weight`` (N,) turns means into expectations
+    (population batches); the threshold fractions are then weighted too."""
+    w = torch.full_like(y, 1.0 / len(y), dtype=torch.float64) if weight is None else weight.double() / weight.sum()
+    a, c = relevant_mass(attn, relevant).double(), confidence(probs, y).double()
+    pred = probs.argmax(-1)
+    mean = lambda v: float((w * v.double()).sum())  # noqa: E731
+    out = {
+        "loss": mean(-c.clamp_min(1e-300).log()),
+        "accuracy": mean(pred == y),
+        "attn_relevant": mean(a),
+        "confidence": mean(c),
+    }
+    for tau in taus:
+        out[f"AC@{tau:g}"] = mean(a >= _check_tau(tau))
+        out[f"ACMC@{tau:g}"] = mean((a >= tau) & (c >= tau))
+    for k, v in focus_cells(attn, relevant, pred, y).items():
+        out[k] = mean(v)
+    return out
+
+
+def circuit_scalars(W_QK: Tensor, W_OV: Tensor, E_distinct: Tensor, E_common: Tensor,
+                    e_query: Tensor) -> dict[str, float]:
+    """The two scalars of the symmetric reduction (claim T1), averaged over classes:
+
+    * ``ov``: the logit margin the distinct token of class k gives class k,
+      ``(W_OV e_k)_k - mean_{j != k} (W_OV e_k)_j``;
+    * ``qk``: the score advantage of distinct over common tokens,
+      ``mean_k e_k^T W_QK e_q - mean_c e_c^T W_QK e_q``.
+
+    Shapes: W_QK (d, d), W_OV (K, d), E_distinct (K, d), E_common (M, d), e_query (d,).
+    """
+    K = E_distinct.shape[0]
+    L = E_distinct @ W_OV.T  # (K, K): row k = logits given distinct token k
+    diag = L.diagonal()
+    off = (L.sum(dim=1) - diag) / (K - 1)
+    s_q = W_QK @ e_query
+    return {"ov": float((diag - off).mean()), "qk": float((E_distinct @ s_q).mean() - (E_common @ s_q).mean())}

@@ -1,0 +1,100 @@
+"""Figures (seaborn/matplotlib), all on a white face colour so they read in dark mode too."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+FACE = "white"
+
+
+def setup() -> None:
+    """Seaborn theme with white figure and axes faces."""
+    sns.set_theme(style="whitegrid", context="notebook",
+                  rc={"figure.facecolor": FACE, "axes.facecolor": FACE, "savefig.facecolor": FACE,
+                      "figure.dpi": 90})
+
+
+def dtap_grid(hists: Mapping[tuple[str, float], np.ndarray], rows: Sequence[str], cols: Sequence[float],
+              row_label: str = "", col_label: str = "eta_QK/eta_OV", vmax: float | None = None) -> plt.Figure:
+    """DTAP heatmaps (attention on relevant tokens vs. confidence in the gold class), one panel
+    per (row, col) key of ``hists``; each panel is a (bins, bins) array of fractions with the
+    attention bin as row index. Colour is the fraction of instances (log-like scale)."""
+    setup()
+    bins = next(iter(hists.values())).shape[0]
+    fig, axes = plt.subplots(len(rows), len(cols), figsize=(2.4 * len(cols) + 1.2, 2.3 * len(rows) + 0.6),
+                             squeeze=False, facecolor=FACE, sharex=True, sharey=True)
+    vmax = vmax or max(float(h.max()) for h in hists.values())
+    from matplotlib.colors import PowerNorm
+
+    norm = PowerNorm(0.4, vmin=0, vmax=vmax)
+    edges = np.linspace(0, 1, bins + 1)
+    for i, r in enumerate(rows):
+        for j, c in enumerate(cols):
+            ax = axes[i, j]
+            h = hists.get((r, c))
+            if h is None:
+                ax.set_axis_off()
+                continue
+            # x = confidence, y = attention, origin bottom-left
+            mesh = ax.pcolormesh(edges, edges, h, cmap="mako_r", norm=norm)
+            ax.set_aspect("equal")
+            if i == 0:
+                ax.set_title(f"{col_label} = {c:g}", fontsize=10)
+            if j == 0:
+                ax.set_ylabel(f"{row_label}{r}\nattention on relevant")
+            if i == len(rows) - 1:
+                ax.set_xlabel("confidence p(y)")
+    fig.colorbar(mesh, ax=axes, shrink=0.8, label="fraction of instances")
+    return fig
+
+
+def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style: str | None = None,
+                    col_wrap: int | None = None, logx: bool = True) -> plt.Figure:
+    """Line plots of ``metrics`` against ``step`` from a long history table (one line per
+    ``hue``/``style`` value, mean over the remaining columns such as seeds, with a band)."""
+    setup()
+    n = len(metrics)
+    ncols = col_wrap or n
+    nrows = int(np.ceil(n / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.2 * nrows), squeeze=False, facecolor=FACE)
+    data = hist[hist["step"] > 0] if logx else hist
+    for k, m in enumerate(metrics):
+        ax = axes.flat[k]
+        sns.lineplot(data=data, x="step", y=m, hue=hue, style=style, ax=ax, errorbar=("ci", 95),
+                     legend=(k == n - 1))
+        if logx:
+            ax.set_xscale("log")
+        ax.set_title(m)
+    for ax in list(axes.flat)[n:]:
+        ax.set_axis_off()
+    if n and axes.flat[n - 1].get_legend() is not None:
+        sns.move_legend(axes.flat[n - 1], "upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return fig
+
+
+def bar_with_ci(table: pd.DataFrame, x: str, y: str, hue: str, ci: str | None = None,
+                ax: plt.Axes | None = None) -> plt.Axes:
+    """Grouped bars of ``y`` with optional error bars from the ``ci`` column (half-widths)."""
+    setup()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3.5), facecolor=FACE)
+    xs = list(dict.fromkeys(table[x]))
+    hs = list(dict.fromkeys(table[hue]))
+    w = 0.8 / len(hs)
+    pal = sns.color_palette(n_colors=len(hs))
+    for k, h in enumerate(hs):
+        sub = table[table[hue] == h].set_index(x).reindex(xs)
+        pos = np.arange(len(xs)) + (k - (len(hs) - 1) / 2) * w
+        err = sub[ci].fillna(0).to_numpy() if ci else None
+        ax.bar(pos, sub[y].to_numpy(), width=w, yerr=err, label=f"{hue}={h:g}" if isinstance(h, float) else str(h),
+               color=pal[k], capsize=3)
+    ax.set_xticks(np.arange(len(xs)), [str(v) for v in xs])
+    ax.set_ylabel(y)
+    ax.legend(frameon=False, fontsize=8)
+    return ax

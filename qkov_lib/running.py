@@ -1,0 +1,242 @@
+"""Profiles, chapter parameters, devices, seeds, results files and papermill reruns.
+
+Every chapter's ``parameters`` cell holds plain literals (``profile = None``, overrides set to
+``None``); :func:`resolve` turns them into a validated settings dict from the chapter's
+profile table, so a papermill parameter of the wrong type fails with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+PROFILES = ("test", "cpu", "full")
+PROFILE_ENV = "QKOV_PROFILE"
+RESULTS_ENV = "QKOV_RESULTS_DIR"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def profile_name(profile: str | None) -> str:
+    """``profile``, or ``$QKOV_PROFILE``, or ``"cpu"``; raises ValueError if unknown."""
+    name = profile if profile is not None else os.environ.get(PROFILE_ENV, "cpu")
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile {name!r}; expected one of {', '.join(PROFILES)}")
+    return name
+
+
+def _type_ok(value: Any, default: Any) -> bool:
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, (list, tuple)):
+        if not isinstance(value, (list, tuple)) or not value:
+            return False
+        return all(_type_ok(v, default[0]) for v in value) if default else True
+    return True
+
+
+def _type_name(default: Any) -> str:
+    if isinstance(default, (list, tuple)):
+        inner = _type_name(default[0]) if default else "value"
+        return f"a non-empty list of {inner}s"
+    return {bool: "bool", float: "number", int: "integer", str: "string"}.get(type(default), type(default).__name__)
+
+
+def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overrides: Any) -> dict[str, Any]:
+    """Settings of ``profile`` from a chapter's profile ``table``, updated with the overrides
+    that are not None. Each override must have the type of the profile's value (ints pass as
+    floats, lists as tuples); a wrong type or unknown name raises TypeError/ValueError."""
+    name = profile_name(profile)
+    base = dict(table[name])
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key not in base:
+            raise ValueError(f"unknown parameter {key!r}; this chapter takes {', '.join(sorted(base))}")
+        if base[key] is not None and not _type_ok(value, base[key]):
+            raise TypeError(
+                f"parameter {key!r} must be {_type_name(base[key])}, got {type(value).__name__} {value!r}"
+                " (with papermill, pass lists as YAML: -y 'ratios: [1, 10]')"
+            )
+        base[key] = list(value) if isinstance(value, tuple) else value
+    return {"profile": name, **base}
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """``device`` if given, else CUDA when available, else CPU."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python, NumPy and torch; return a CPU generator seeded with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python and the libraries that shape the numbers."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("torch", "numpy", "qkov", "jupyter-book", "papermill", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit, with ``+dirty`` when the tree has changes; ``unknown``
+    outside a checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "qkov_lib", "book"], cwd=REPO_ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def default_results_path(chapter: str) -> Path:
+    """``$QKOV_RESULTS_DIR/<chapter>.json``, else ``<repo>/_build/results/<chapter>.json``."""
+    root = Path(os.environ.get(RESULTS_ENV, REPO_ROOT / "_build" / "results"))
+    return root / f"{chapter}.json"
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, Mapping):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (np.generic,)):
+        return x.item()
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def save_results(chapter: str, params: Mapping[str, Any], metrics: Any, path: str | os.PathLike | None = None,
+                 wall_time_s: float | None = None, device: str | None = None) -> Path:
+    """Write the chapter's machine-readable results: parameters, metrics (any JSON-able
+    structure, typically a list of row dicts), versions, git commit, device and wall time."""
+    out = Path(path) if path else default_results_path(chapter)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "chapter": chapter,
+        "params": _jsonable(dict(params)),
+        "metrics": _jsonable(metrics),
+        "versions": versions(),
+        "git_commit": git_commit(),
+        "device": device or str(pick_device()),
+        "wall_time_s": wall_time_s,
+    }
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=True))
+    tmp.replace(out)  # atomic: a reader never sees half a file
+    return out
+
+
+class Timer:
+    """Wall-clock seconds since construction (``Timer().elapsed``)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+
+def chapter_path(chapter: str | os.PathLike) -> Path:
+    """The MyST source of a chapter, given its name (``synthetic``) or a path."""
+    p = Path(chapter)
+    if p.suffix == ".md" and p.exists():
+        return p
+    cand = REPO_ROOT / "book" / f"{p.stem}.md"
+    if not cand.exists():
+        names = sorted(q.stem for q in (REPO_ROOT / "book").glob("*.md"))
+        raise FileNotFoundError(f"no chapter {chapter!r}; chapters: {', '.join(names)}")
+    return cand
+
+
+def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
+                name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
+    """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
+    ``parameters`` tag), inject ``parameters`` plus ``results_path``, and write
+    ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths."""
+    import jupytext
+    import papermill as pm
+
+    src = chapter_path(chapter)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = name or src.stem
+    nb_in = out_dir / f"{name}.input.ipynb"
+    nb = jupytext.read(src)
+    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
+        raise ValueError(f"{src} has no cell tagged 'parameters'")
+    nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
+    jupytext.write(nb, nb_in)
+    nb_out, results = out_dir / f"{name}.ipynb", out_dir / f"{name}.json"
+    params = {**(parameters or {}), "results_path": str(results.resolve())}
+    try:
+        pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
+                            progress_bar=progress, kernel_name="python3")
+    finally:
+        nb_in.unlink(missing_ok=True)
+    return nb_out, results
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value: JSON/YAML-like literal when it parses, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qkov_lib run CHAPTER [-p NAME VALUE ...] [--out DIR] [--name NAME]``."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m qkov_lib", description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="execute one chapter through papermill")
+    run.add_argument("chapter", help="chapter name (e.g. synthetic) or path to its .md")
+    run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                     help="parameter override; VALUE is parsed as JSON when possible (e.g. -p ratios '[1, 100]')")
+    run.add_argument("--out", default="runs", help="output folder (default: runs/)")
+    run.add_argument("--name", default=None, help="base name of the outputs (default: the chapter name)")
+    args = ap.parse_args(argv)
+    params = {k: _parse_value(v) for k, v in args.param}
+    nb, res = run_chapter(args.chapter, args.out, params, name=args.name, progress=True)
+    print(f"notebook: {nb}\nresults:  {res}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
