@@ -160,6 +160,17 @@ def save_results(chapter: str, params: Mapping[str, Any], metrics: Any, path: st
     return out
 
 
+VERDICTS = ("reproduced", "partly", "not reproduced", "not tested")
+
+
+def claim(claim_id: str, paper: str, ours: str, verdict: str, chapter: str | None = None) -> dict[str, str]:
+    """One row of the reproducibility scorecard: a claim ID of PAPER.md (T1..T6, S1..S3,
+    R1..R3), what the paper says, what we measured (numbers included) and a verdict."""
+    if verdict not in VERDICTS:
+        raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
+    return {"id": claim_id, "paper": paper, "ours": ours, "verdict": verdict, "chapter": chapter or ""}
+
+
 class Timer:
     """Wall-clock seconds since construction (``Timer().elapsed``)."""
 
@@ -172,15 +183,17 @@ class Timer:
 
 
 def chapter_path(chapter: str | os.PathLike) -> Path:
-    """The MyST source of a chapter, given its name (``synthetic``) or a path."""
+    """The MyST source of a chapter, given a path or a name: ``synthetic`` finds
+    ``book/01_synthetic.md`` (chapter files carry a number prefix that sets their order)."""
     p = Path(chapter)
     if p.suffix == ".md" and p.exists():
         return p
-    cand = REPO_ROOT / "book" / f"{p.stem}.md"
-    if not cand.exists():
-        names = sorted(q.stem for q in (REPO_ROOT / "book").glob("*.md"))
-        raise FileNotFoundError(f"no chapter {chapter!r}; chapters: {', '.join(names)}")
-    return cand
+    book = REPO_ROOT / "book"
+    found = [q for q in sorted(book.glob("*.md")) if q.stem == p.stem or q.stem.split("_", 1)[-1] == p.stem]
+    if len(found) != 1:
+        names = sorted(q.stem.split("_", 1)[-1] for q in book.glob("[0-9]*_*.md"))
+        raise FileNotFoundError(f"no single chapter {str(chapter)!r}; chapters: {', '.join(names)}")
+    return found[0]
 
 
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
@@ -194,7 +207,7 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     src = chapter_path(chapter)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    name = name or src.stem
+    name = name or src.stem.split("_", 1)[-1]
     nb_in = out_dir / f"{name}.input.ipynb"
     nb = jupytext.read(src)
     if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells):

@@ -190,3 +190,23 @@ def chapter_facts(summary: pd.DataFrame, cfg: dict) -> dict[str, str]:
         "top2_low": " and ".join(top2),
         "s2_verdict": S2_CLAIMS.get(frozenset(top2), "neither summary exactly"),
     }
+
+
+def claims(facts: dict[str, str]) -> list[dict[str, str]]:
+    """Scorecard rows for S1-S3 from :func:`chapter_facts`."""
+    from ..running import claim
+
+    n, up = int(facts["n_param"]), int(facts["n_sharper"])
+    s3 = "reproduced" if up == n and float(facts["max_dloss"]) < 0.05 else ("partly" if up else "not reproduced")
+    s2 = "partly" if facts["s2_verdict"] != "neither summary exactly" else "not reproduced"
+    ch = "01_synthetic"
+    return [
+        claim("S1", "DTAP heatmaps differ between the four parameterizations",
+              f"DTAP heatmaps for all four at ratios {facts['r_low']} and {facts['r_high']}; "
+              f"ranking by attention at equal rates: {facts['rank_low']}", "reproduced", ch),
+        claim("S2", "summaries disagree: (CACO, FACO) or (CAFO, CACO) concentrate attention",
+              f"top two at equal rates: {facts['top2_low']}; matches {facts['s2_verdict']}", s2, ch),
+        claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same",
+              f"attention rose for {up}/{n} parameterizations from ratio {facts['r_low']} to {facts['r_high']}; "
+              f"largest test-loss change {facts['max_dloss']} nats", s3, ch),
+    ]

@@ -1,0 +1,31 @@
+# qkov: set up, build the book, run the tests. See README.md.
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+PYTHON ?= python3
+VENV ?= .venv
+PROFILE ?= cpu
+DATA ?= $(abspath ../shared/data)
+BIN := $(VENV)/bin
+export QKOV_DATA_DIR ?= $(DATA)
+
+.PHONY: setup book test clean
+
+$(BIN)/activate: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -e .
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 > /dev/null
+	touch $(BIN)/activate
+
+setup: $(BIN)/activate  ## create .venv and install everything
+
+book: setup  ## execute every chapter (profile $(PROFILE)) and build _build/html
+	rm -rf _build/results
+	QKOV_PROFILE=$(PROFILE) $(BIN)/jupyter-book build . -W --keep-going
+
+test: setup  ## the unit tests
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf _build runs
