@@ -122,19 +122,20 @@ class QKOVAttention(nn.Module):
 
     def _unbalanced_init(self, scale: float, gen: torch.Generator | None, dtype: torch.dtype) -> None:
         # independent Gaussian factors whose product has entries of std ``scale``
+        def gauss(std: float, *shape: int) -> nn.Parameter:
+            return nn.Parameter(std * torch.randn(*shape, generator=gen, dtype=dtype))
+
         d, C, rq, ro = self.d_model, self.n_out, self.rank_qk, self.rank_ov
         if self.param.qk_factorized:
             s = math.sqrt(scale / math.sqrt(rq))
-            self.W_Q = nn.Parameter(s * torch.randn(rq, d, generator=gen, dtype=dtype))
-            self.W_K = nn.Parameter(s * torch.randn(rq, d, generator=gen, dtype=dtype))
+            self.W_Q, self.W_K = gauss(s, rq, d), gauss(s, rq, d)
         else:
-            self.W_QK = nn.Parameter(scale * torch.randn(d, d, generator=gen, dtype=dtype))
+            self.W_QK = gauss(scale, d, d)
         if self.param.ov_factorized:
             s = math.sqrt(scale / math.sqrt(ro))
-            self.W_O = nn.Parameter(s * torch.randn(C, ro, generator=gen, dtype=dtype))
-            self.W_V = nn.Parameter(s * torch.randn(ro, d, generator=gen, dtype=dtype))
+            self.W_O, self.W_V = gauss(s, C, ro), gauss(s, ro, d)
         else:
-            self.W_OV = nn.Parameter(scale * torch.randn(C, d, generator=gen, dtype=dtype))
+            self.W_OV = gauss(scale, C, d)
 
     @torch.no_grad()
     def set_effective(self, W_QK: Tensor, W_OV: Tensor) -> None:

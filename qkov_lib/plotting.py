@@ -41,8 +41,12 @@ def dtap_grid(hists: Mapping[tuple[str, float], np.ndarray], rows: Sequence[str]
                 ax.set_axis_off()
                 continue
             # x = confidence, y = attention, origin bottom-left
-            mesh = ax.pcolormesh(edges, edges, h, cmap="mako_r", norm=norm)
+            # empty bins stay white (masked), so sparse panels read at a glance
+            mesh = ax.pcolormesh(edges, edges, np.ma.masked_equal(h, 0.0), cmap="mako_r", norm=norm)
             ax.set_aspect("equal")
+            ax.grid(False)
+            ax.set_xlim(0, 1)
+            ax.set_ylim(0, 1)
             if i == 0:
                 ax.set_title(f"{col_label} = {c:g}", fontsize=10)
             if j == 0:

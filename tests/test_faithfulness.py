@@ -1,0 +1,453 @@
+"""Tests of qkov_lib.faithfulness: hand-worked ERASER cases, an independent loop implementation
+of AOPC, scikit-learn's average precision, derived properties and bad input."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from sklearn.metrics import average_precision_score
+
+from qkov_lib.data.batch import Batch
+from qkov_lib.faithfulness import (DEFAULT_FRACS, aopc_scores, auprc, average_precision_per_instance,
+                                   comprehensiveness, faithfulness, iou_f1, iou_match_counts, n_selected,
+                                   plausibility, random_attention, sufficiency, token_f1, topk_mask,
+                                   uniform_attention)
+from qkov_lib.models import SyntheticModel, TokenModel
+
+F64 = torch.float64
+
+
+def sig(z: float) -> float:
+    """p(class 0) for two classes with logits (z, 0)."""
+    return 1 / (1 + math.exp(-z))
+
+
+def _b(rows):
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+# --- top-k ------------------------------------------------------------------------------------
+def test_topk_mask_by_hand_ties_and_rounding():
+    # 4 keys (column 4 is the query, not a key, and its 0.9 must be ignored)
+    attn = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.9]])
+    km = _b([[1, 1, 1, 1, 0]])
+    # frac 0.25: ceil(1.0) = 1 key; columns 1 and 2 tie at 0.3, the earlier column wins
+    assert topk_mask(attn, km, 0.25).tolist() == [[False, True, False, False, False]]
+    # frac 0.5: ceil(2.0) = 2 -> {1, 2}; frac 0.6: ceil(2.4) = 3 -> {1, 2, 3}
+    assert topk_mask(attn, km, 0.5).tolist() == [[False, True, True, False, False]]
+    assert topk_mask(attn, km, 0.6).tolist() == [[False, True, True, True, False]]
+    # frac 0.01: ceil(0.04) = 1 (at least one key); frac 1: all four keys, never the query
+    assert topk_mask(attn, km, 0.01).sum() == 1
+    assert topk_mask(attn, km, 1.0).tolist() == km.tolist()
+    # 0.07 * 100 = 7.000000000000001 in floating point; the rule means 7 keys, not 8
+    assert 0.07 * 100 > 7
+    km100 = torch.ones(1, 100, dtype=torch.bool)
+    assert int(n_selected(km100, 0.07)[0]) == 7
+    assert int(topk_mask(torch.rand(1, 100), km100, 0.07).sum()) == 7
+
+
+def test_topk_mask_tie_break_uniform_selects_first_keys():
+    # uniform attention over keys at columns 2..6 of a left-padded row: ties -> the first keys
+    km = _b([[0, 0, 1, 1, 1, 1, 1, 0]])
+    m = topk_mask(uniform_attention(km), km, 0.4)  # ceil(0.4 * 5) = 2
+    assert m.nonzero()[:, 1].tolist() == [2, 3]
+    # long rows of ties (an unstable sort reorders these): still the first k keys
+    km = torch.ones(3, 500, dtype=torch.bool)
+    km[:, :7] = False
+    m = topk_mask(uniform_attention(km), km, 0.1)  # ceil(49.3) = 50 keys: columns 7..56
+    assert m.sum(1).tolist() == [50] * 3 and bool(m[:, 7:57].all())
+
+
+def test_topk_mask_counts_match_independent_rule():
+    g = torch.Generator().manual_seed(0)
+    km = torch.rand(50, 30, generator=g) < 0.6
+    km[:, 0] = True
+    attn = torch.rand(50, 30, generator=g)
+    for frac in (0.01, 0.05, 0.1, 0.2, 0.5, 0.33, 1.0):
+        m = topk_mask(attn, km, frac)
+        for i in range(50):
+            n = int(km[i].sum())
+            k = min(n, max(1, math.ceil(Fraction(str(frac)) * n)))  # exact rational arithmetic
+            keys = sorted((float(attn[i, t]), -t) for t in range(30) if km[i, t])
+            expect = {-t for _, t in keys[-k:]}
+            assert set(m[i].nonzero().flatten().tolist()) == expect
+
+
+# --- baselines --------------------------------------------------------------------------------
+def test_uniform_attention_by_hand():
+    km = _b([[0, 1, 1, 1, 1], [1, 1, 0, 0, 0]])
+    torch.testing.assert_close(uniform_attention(km), torch.tensor([[0, .25, .25, .25, .25], [.5, .5, 0, 0, 0]]))
+
+
+def test_random_attention_is_a_seeded_flat_dirichlet_over_keys():
+    km = torch.ones(20000, 5, dtype=torch.bool)
+    km[:, 0] = False  # 4 keys per row
+    a = random_attention(km, torch.Generator().manual_seed(3))
+    assert torch.equal(a, random_attention(km, torch.Generator().manual_seed(3)))
+    assert not torch.equal(a, random_attention(km, torch.Generator().manual_seed(4)))
+    assert bool((a[:, 0] == 0).all()) and bool((a[:, 1:] > 0).all())
+    torch.testing.assert_close(a.sum(1), torch.ones(20000))
+    # Dirichlet(1,1,1,1) marginals are Beta(1, 3): mean 1/4, variance 3 / (16 * 5) = 0.0375
+    # (standard errors: 0.19/sqrt(20000) ~ 0.0014 for the mean, ~0.0004 for the variance)
+    assert a[:, 1:].mean(0).sub(0.25).abs().max() < 0.006
+    assert a[:, 1:].var(0).sub(0.0375).abs().max() < 0.002
+
+
+# --- a hand-built model for AOPC ------------------------------------------------------------
+# Tokens A=0, B=1, D=2, Q=3 (query), PAD=4 (zero embedding); one-hot in R^4. W_QK = 0, so the
+# model attends uniformly to whatever keys are left, and the logits are W_OV * mean(kept keys)
+# with W_OV = [[2, 0, 0, 0], [0, 0, 2, 0]]: A pushes class 0 by 2, D pushes class 1 by 2, B nothing.
+A, B_, D, Q, PAD = 0, 1, 2, 3, 4
+
+
+def _hand_model():
+    E = torch.cat([torch.eye(4, dtype=F64), torch.zeros(1, 4, dtype=F64)])
+    m = SyntheticModel(E, 2, parameterization="CACO", init_scale=0.0, dtype=F64)
+    m.attention.set_effective(torch.zeros(4, 4, dtype=F64), torch.tensor([[2., 0, 0, 0], [0, 0, 2, 0]], dtype=F64))
+    return m
+
+
+def _hand_batch():
+    tokens = torch.tensor([[A, B_, B_, B_, Q],
+                           [PAD, PAD, B_, A, Q],
+                           [PAD, PAD, D, B_, Q],
+                           [PAD, PAD, PAD, A, Q]])
+    km = tokens.ne(PAD) & tokens.ne(Q)
+    attn = torch.tensor([[0.7, 0.1, 0.1, 0.1, 0.0],
+                         [0.0, 0.0, 0.2, 0.8, 0.0],
+                         [0.0, 0.0, 0.3, 0.7, 0.0],
+                         [0.0, 0.0, 0.0, 1.0, 0.0]], dtype=F64)
+    batch = Batch(tokens, km, torch.zeros_like(km), torch.zeros(4, dtype=torch.long))
+    return batch, attn
+
+
+def test_aopc_by_hand():
+    model, (batch, attn) = _hand_model(), _hand_batch()
+    fracs = (0.25, 0.5)
+    s = aopc_scores(model, batch, attn, fracs)
+    # instance 0: keys A,B,B,B (n=4) -> mean (1/4 A) -> logits (0.5, 0): yhat 0, p = sig(0.5).
+    #   frac .25: k=1, r={A}: without r = B,B,B -> logits 0 -> 1/2; r only = A -> logits (2,0) -> sig(2)
+    #   frac .5 : k=2, r={A, first B} (0.1 ties -> earliest): without = B,B -> 1/2; only A,B -> (1,0) -> sig(1)
+    # instance 1: keys B,A (n=2, k=1 for both fracs) -> logits (1,0): yhat 0, p = sig(1); r = {A}
+    #   without r = B -> 1/2; r only = A -> sig(2)
+    # instance 2: keys D,B -> logits (0,1): yhat 1, p = sig(1); r = {B} (0.7)
+    #   without r = D -> logits (0,2) -> p(1) = sig(2); r only = B -> 1/2
+    # instance 3: a single key A: k = n = 1, comprehensiveness undefined; r only = full input -> 0
+    assert s["yhat"].tolist() == [0, 0, 1, 0]
+    assert s["k"].tolist() == [[1, 2], [1, 1], [1, 1], [1, 1]]
+    exp_p = torch.tensor([sig(.5), sig(1), sig(1), sig(2)], dtype=F64)
+    exp_c = torch.tensor([[sig(.5) - .5, sig(.5) - .5],
+                          [sig(1) - .5, sig(1) - .5],
+                          [sig(1) - sig(2), sig(1) - sig(2)],
+                          [math.nan, math.nan]], dtype=F64)
+    exp_s = torch.tensor([[sig(.5) - sig(2), sig(.5) - sig(1)],
+                          [sig(1) - sig(2), sig(1) - sig(2)],
+                          [sig(1) - .5, sig(1) - .5],
+                          [0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(s["p_full"], exp_p)
+    torch.testing.assert_close(s["comprehensiveness"], exp_c, equal_nan=True)
+    torch.testing.assert_close(s["sufficiency"], exp_s)
+    # AOPC = mean over fracs
+    torch.testing.assert_close(comprehensiveness(model, batch, attn, fracs), exp_c.mean(1), equal_nan=True)
+    torch.testing.assert_close(sufficiency(model, batch, attn, fracs), exp_s.mean(1))
+    f = faithfulness(model, batch, attn, fracs)
+    assert f["n_comprehensiveness_undefined"] == 1 and f["n"] == 4
+    assert f["comprehensiveness"] == pytest.approx(float(exp_c[:3].mean()))
+    assert f["sufficiency"] == pytest.approx(float(exp_s.mean()))
+    assert f["sufficiency_by_frac"] == pytest.approx(exp_s.mean(0).tolist())
+    assert f["comprehensiveness_by_frac"] == pytest.approx(exp_c[:3].mean(0).tolist())
+
+
+def test_frac_one_sufficiency_zero_comprehensiveness_undefined():
+    model, (batch, attn) = _hand_model(), _hand_batch()
+    s = aopc_scores(model, batch, attn, (1.0,))
+    assert bool((s["sufficiency"] == 0).all())        # r = all keys: the same forward pass
+    assert bool(torch.isnan(s["comprehensiveness"]).all())
+    assert faithfulness(model, batch, attn, (1.0,))["n_comprehensiveness_undefined"] == 4
+    # fracs (0.5, 1): frac 1 is undefined everywhere, so each AOPC is its frac-0.5 value
+    # (from test_aopc_by_hand): sig(.5) - 1/2, sig(1) - 1/2, sig(1) - sig(2), and NaN for one key
+    c = comprehensiveness(model, batch, attn, (0.5, 1.0))
+    exp = torch.tensor([sig(.5) - .5, sig(1) - .5, sig(1) - sig(2), math.nan], dtype=F64)
+    torch.testing.assert_close(c, exp, equal_nan=True)
+
+
+def test_model_state_is_restored():
+    model, (batch, attn) = _hand_model(), _hand_batch()
+    model.train()
+    comprehensiveness(model, batch, attn)
+    assert model.training
+
+
+# --- an independent straightforward implementation on a random TokenModel ------------------
+def _token_setup(seed=0, N=11, T=9):
+    g = torch.Generator().manual_seed(seed)
+    model = TokenModel(12, 6, 3, max_len=16, generator=g, parameterization="FAFO", init_scale=1.5, dtype=F64)
+    lengths = torch.randint(1, T, (N,), generator=g)  # 1..T-1 keys, so some single-key rows
+    lengths[0] = 1
+    tokens = torch.randint(1, 12, (N, T), generator=g)
+    km = torch.arange(T)[None] >= (T - 1 - lengths)[:, None]
+    km[:, -1] = False  # the query is not a key
+    tokens[~km] = 0
+    tokens[:, -1] = 11
+    rel = km & (torch.rand(N, T, generator=g) < 0.4)
+    batch = Batch(tokens, km, rel, torch.randint(0, 3, (N,), generator=g))
+    return model, batch, g
+
+
+def _reference_aopc(model, batch, attn, fracs):
+    """One instance, one frac at a time; python sorting and exact-rational ceil."""
+    comp, suff = [], []
+    for i in range(len(batch)):
+        tok, km = batch.tokens[i:i + 1], batch.key_mask[i:i + 1]
+        keys = [t for t in range(km.shape[1]) if km[0, t]]
+        p = torch.softmax(model(tok, km)[0][0], -1)
+        yhat = int(torch.argmax(p))
+        ci, si = [], []
+        for f in fracs:
+            k = min(len(keys), max(1, math.ceil(Fraction(str(f)) * len(keys))))
+            r = sorted(keys, key=lambda t: (-float(attn[i, t]), t))[:k]
+            only = torch.zeros_like(km)
+            only[0, r] = True
+            without = km & ~only
+            si.append(float(p[yhat] - torch.softmax(model(tok, only)[0][0], -1)[yhat]))
+            if without.any():
+                ci.append(float(p[yhat] - torch.softmax(model(tok, without)[0][0], -1)[yhat]))
+        comp.append(sum(ci) / len(ci) if ci else math.nan)
+        suff.append(sum(si) / len(si))
+    return torch.tensor(comp, dtype=F64), torch.tensor(suff, dtype=F64)
+
+
+@pytest.mark.parametrize("which", ["model", "random", "uniform"])
+def test_aopc_matches_independent_loop(which):
+    model, batch, g = _token_setup()
+    with torch.no_grad():
+        attn = {"model": lambda: model(batch.tokens, batch.key_mask)[1],
+                "random": lambda: random_attention(batch.key_mask, g),
+                "uniform": lambda: uniform_attention(batch.key_mask)}[which]()
+    with torch.no_grad():
+        rc, rs = _reference_aopc(model, batch, attn, DEFAULT_FRACS)
+    c = comprehensiveness(model, batch, attn, chunk_size=3)  # chunks of 3, 3, 3, 2
+    s = sufficiency(model, batch, attn, chunk_size=3)
+    torch.testing.assert_close(c, rc, equal_nan=True)
+    torch.testing.assert_close(s, rs)
+    assert bool(torch.isnan(c[0])) and int(torch.isnan(c).sum()) == int((batch.key_mask.sum(1) == 1).sum())
+    assert not bool(torch.isnan(s).any())
+
+
+def test_aopc_invariances_permutation_chunking_padding():
+    model, batch, g = _token_setup(seed=1, N=13)
+    attn = random_attention(batch.key_mask, g)
+    c, s = comprehensiveness(model, batch, attn), sufficiency(model, batch, attn)
+    perm = torch.randperm(len(batch), generator=g)
+    torch.testing.assert_close(comprehensiveness(model, batch.index(perm), attn[perm]), c[perm], equal_nan=True)
+    torch.testing.assert_close(sufficiency(model, batch.index(perm), attn[perm]), s[perm])
+    torch.testing.assert_close(sufficiency(model, batch, attn, chunk_size=1), s)
+    # one more left-padding column (not a key): positions are counted back from the query, so
+    # nothing changes
+    pad = lambda x, v: torch.cat([torch.full((x.shape[0], 1), v, dtype=x.dtype), x], 1)  # noqa: E731
+    wide = Batch(pad(batch.tokens, 0), pad(batch.key_mask, False), pad(batch.relevant, False), batch.y)
+    torch.testing.assert_close(comprehensiveness(model, wide, pad(attn, 0.0)), c, equal_nan=True)
+    torch.testing.assert_close(sufficiency(model, wide, pad(attn, 0.0)), s)
+
+
+def test_identical_keys_make_every_attention_zero_aopc():
+    # no positions and all keys the same token: every kept subset has the same mean embedding,
+    # so p(yhat) never changes and both scores are 0 for any attention
+    g = torch.Generator().manual_seed(5)
+    model = TokenModel(5, 4, 3, max_len=8, positional=False, generator=g, init_scale=2.0, dtype=F64)
+    tokens = torch.tensor([[2, 2, 2, 2, 2, 4], [0, 0, 2, 2, 2, 4]])
+    km = _b([[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 0]])
+    batch = Batch(tokens, km, km, torch.zeros(2, dtype=torch.long))
+    attn = random_attention(km, g)
+    assert comprehensiveness(model, batch, attn).abs().max() < 1e-12
+    assert sufficiency(model, batch, attn).abs().max() < 1e-12
+
+
+def test_oracle_vs_uniform_attention_on_the_distinct_token_task():
+    # One-hot tokens: commons 0..2, distinct 3 (class 0) and 4 (class 1), query 5. The QK score
+    # of a distinct key is 40 (attention on it ~ 1 - 4e-17), the OV margin m = 3. A sequence is
+    # three commons then the distinct token, so p(yhat|x) = sig(3).
+    # * the model's own (oracle) attention ranks the distinct token first: every "without r"
+    #   holds only commons (logits 0, p = 1/2) and every "r only" keeps it, so
+    #   comprehensiveness = sig(3) - 1/2 and sufficiency = 0;
+    # * uniform attention picks the first k keys (ties -> earliest), commons only for k < 4:
+    #   sufficiency = sig(3) - 1/2 and comprehensiveness = 0, the roles swapped.
+    E = torch.eye(6, dtype=F64)
+    model = SyntheticModel(E, 2, parameterization="FAFO", init_scale=0.0, dtype=F64)
+    W_QK = torch.zeros(6, 6, dtype=F64)
+    W_QK[3, 5] = W_QK[4, 5] = 40.0
+    W_OV = torch.zeros(2, 6, dtype=F64)
+    W_OV[0, 3] = W_OV[1, 4] = 3.0
+    model.attention.set_effective(W_QK, W_OV)
+    tokens = torch.tensor([[0, 1, 2, 3, 5], [2, 2, 0, 4, 5]])
+    km = _b([[1, 1, 1, 1, 0]] * 2)
+    batch = Batch(tokens, km, km & (tokens >= 3), torch.tensor([0, 1]))
+    with torch.no_grad():
+        own = model(tokens, km)[1]
+    fr = (0.25, 0.5)
+    gap = sig(3) - 0.5
+    torch.testing.assert_close(comprehensiveness(model, batch, own, fr), torch.full((2,), gap, dtype=F64))
+    torch.testing.assert_close(sufficiency(model, batch, own, fr), torch.zeros(2, dtype=F64))
+    uni = uniform_attention(km).double()
+    torch.testing.assert_close(comprehensiveness(model, batch, uni, fr), torch.zeros(2, dtype=F64))
+    torch.testing.assert_close(sufficiency(model, batch, uni, fr), torch.full((2,), gap, dtype=F64))
+
+
+# --- plausibility -----------------------------------------------------------------------------
+def test_token_f1_by_hand():
+    attn = torch.tensor([[0.1, 0.4, 0.3, 0.05, 0.15, 0.0],
+                         [0.2, 0.2, 0.2, 0.2, 0.2, 0.0],
+                         [0.5, 0.3, 0.1, 0.05, 0.05, 0.0]])
+    km = _b([[1, 1, 1, 1, 1, 0]] * 3)
+    rat = _b([[0, 1, 0, 0, 1, 0],     # {1, 4}: top-2 = {1, 2} -> 1 hit -> P = R = F1 = 1/2
+              [0, 0, 0, 0, 0, 0],     # empty: skipped
+              [1, 1, 1, 0, 0, 0]])    # {0, 1, 2}: top-3 = {0, 1, 2} -> F1 = 1
+    assert token_f1(attn, km, rat) == pytest.approx((0.5 + 1.0) / 2)
+    # k = 3: instance 0 top-3 = {1, 2, 4} -> P = 2/3, R = 1, F1 = 2*(2/3)/(5/3) = 0.8;
+    # instance 2 unchanged (F1 = 1)
+    assert token_f1(attn, km, rat, k=3) == pytest.approx((0.8 + 1.0) / 2)
+    # k = 1: instance 0 top-1 = {1} -> P = 1, R = 1/2, F1 = 2/3; instance 2 {0} -> P = 1, R = 1/3, F1 = 1/2
+    assert token_f1(attn, km, rat, k=1) == pytest.approx((2 / 3 + 1 / 2) / 2)
+    p = plausibility(attn, km, rat)
+    assert p["n_skipped_empty"] == 1 and p["n_evaluated"] == 2
+    assert p["token_f1"] == pytest.approx(0.75)
+
+
+def test_iou_f1_by_hand():
+    # instance 0: keys 0..7, rationale {1,2,3} + {6} -> spans [1,4), [6,7).
+    # top-4 by attention = {2, 3, 4, 7} -> spans [2,5), [7,8).
+    #   IOU([2,5), [1,4)) = |{2,3}| / |{1,2,3,4}| = 2/4 = 0.5 -> a match at threshold 0.5
+    #   IOU([7,8), [6,7)) = 0 -> no match.  P = 1/2 (of 2 predicted), R = 1/2 (of 2 true)
+    # instance 1: rationale {0}, top-1 = {0}: P = R = 1.  instance 2: empty rationale, skipped.
+    attn = torch.tensor([[0.0, 0.05, 0.2, 0.2, 0.2, 0.05, 0.1, 0.2, 0.0],
+                         [0.9, 0.1, 0, 0, 0, 0, 0, 0, 0.0],
+                         [0.5, 0.5, 0, 0, 0, 0, 0, 0, 0.0]])
+    km = _b([[1] * 8 + [0], [1, 1] + [0] * 7, [1, 1] + [0] * 7])
+    rat = _b([[0, 1, 1, 1, 0, 0, 1, 0, 0], [1] + [0] * 8, [0] * 9])
+    counts = iou_match_counts(attn, km, rat)
+    assert counts.tolist() == [[1, 2, 2], [1, 1, 1], [0, 1, 0]]
+    # macro: P = (1/2 + 1)/2 = 3/4, R = 3/4, F1 = 3/4
+    assert iou_f1(attn, km, rat) == pytest.approx(0.75)
+    # micro: 2 matches of 3 predicted and 3 true spans: P = R = F1 = 2/3
+    assert iou_f1(attn, km, rat, average="micro") == pytest.approx(2 / 3)
+    # threshold 0.6: instance 0 has no match: macro P = R = (0 + 1)/2 -> F1 = 1/2
+    assert iou_f1(attn, km, rat, threshold=0.6) == pytest.approx(0.5)
+    # a non-key column breaks a span: keys {0,1,3,4}, top-4 = all -> spans [0,2), [3,5);
+    # rationale {0,1} -> IOU 1 and 0 -> P = 1/2, R = 1, F1 = 2/3
+    a2 = torch.tensor([[0.25, 0.25, 0.0, 0.25, 0.25, 0.0]])
+    km2 = _b([[1, 1, 0, 1, 1, 0]])
+    assert iou_f1(a2, km2, _b([[1, 1, 0, 0, 0, 0]]), k=4) == pytest.approx(2 / 3)
+    assert plausibility(attn, km, rat)["iou_f1"] == pytest.approx(0.75)
+
+
+def test_average_precision_by_hand():
+    km = _b([[1, 1, 1, 1, 0]] * 3)
+    attn = torch.tensor([[0.4, 0.3, 0.2, 0.1, 0.0],    # labels 1,0,1,0
+                         [0.5, 0.5, 0.2, 0.1, 0.0],    # labels 0,1,1,0 with a tie at the top
+                         [0.1, 0.2, 0.3, 0.4, 0.0]])   # labels 1,1,1,1
+    rat = _b([[1, 0, 1, 0, 0], [0, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+    ap = average_precision_per_instance(attn, km, rat)
+    # row 0: hits at ranks 1 and 3: AP = 1/2 * 1/1 + 1/2 * 2/3 = 5/6
+    # row 1: the tied pair enters together: R 0 -> 1/2 at P = 1/2; then rank 3: R = 1 at P = 2/3
+    #        AP = 1/2 * 1/2 + 1/2 * 2/3 = 7/12
+    # row 2: every key is in the rationale: AP = 1
+    torch.testing.assert_close(ap, torch.tensor([5 / 6, 7 / 12, 1.0], dtype=F64))
+    assert auprc(attn, km, rat) == pytest.approx((5 / 6 + 7 / 12 + 1) / 3)
+
+
+def test_average_precision_matches_sklearn_with_ties():
+    g = torch.Generator().manual_seed(7)
+    N, T = 60, 25
+    km = torch.arange(T)[None] >= torch.randint(0, T - 2, (N,), generator=g)[:, None]
+    km[:, -1] = False
+    attn = (torch.rand(N, T, generator=g) * 5).round() / 5  # 6 distinct values -> many ties
+    rat = km & (torch.rand(N, T, generator=g) < 0.3)
+    rat[0] = False  # an empty rationale: skipped
+    ours = average_precision_per_instance(attn, km, rat)
+    assert bool(torch.isnan(ours[0]))
+    ref = []
+    for i in range(1, N):
+        keys = km[i].numpy()
+        y, s = rat[i].numpy()[keys], attn[i].numpy()[keys]
+        if y.any():
+            assert ours[i].item() == pytest.approx(average_precision_score(y, s), abs=1e-12)
+            ref.append(average_precision_score(y, s))
+        else:
+            assert bool(torch.isnan(ours[i]))
+    assert auprc(attn, km, rat) == pytest.approx(np.mean(ref))
+
+
+def test_uniform_attention_plausibility_properties():
+    # all scores tied: AP = precision at the single threshold = |rationale| / n (per instance);
+    # top-k with k = |rationale| = the first k keys
+    km = _b([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 0]])
+    rat = _b([[0, 1, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0]])
+    u = uniform_attention(km)
+    torch.testing.assert_close(average_precision_per_instance(u, km, rat), torch.tensor([2 / 4, 1 / 5], dtype=F64))
+    # instance 0: first 2 keys {1, 2} vs {1, 4}: F1 = 1/2; instance 1: {0} vs {3}: 0
+    assert token_f1(u, km, rat) == pytest.approx(0.25)
+
+
+def test_plausibility_invariant_to_instance_order():
+    g = torch.Generator().manual_seed(2)
+    km = torch.ones(30, 12, dtype=torch.bool)
+    km[:, -1] = False
+    attn = random_attention(km, g)
+    rat = km & (torch.rand(30, 12, generator=g) < 0.25)
+    perm = torch.randperm(30, generator=g)
+    a, b = plausibility(attn, km, rat), plausibility(attn[perm], km[perm], rat[perm])
+    assert a == pytest.approx(b)
+
+
+# --- bad input --------------------------------------------------------------------------------
+def test_bad_inputs_raise_clear_errors():
+    km = _b([[1, 1, 0]])
+    attn = torch.tensor([[0.5, 0.5, 0.0]])
+    rat = _b([[1, 0, 0]])
+    for frac in (0.0, -0.1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="frac"):
+            topk_mask(attn, km, frac)
+    with pytest.raises(ValueError, match="key_mask must have the shape"):
+        topk_mask(attn, _b([[1, 1]]), 0.5)
+    with pytest.raises(ValueError, match="attn must have shape"):
+        topk_mask(torch.tensor([0.5, 0.5]), km, 0.5)
+    with pytest.raises(TypeError, match="bool"):
+        topk_mask(attn, km.long(), 0.5)
+    with pytest.raises(ValueError, match="empty key_mask"):
+        topk_mask(attn, _b([[0, 0, 0]]), 0.5)
+    with pytest.raises(ValueError, match="empty batch"):
+        topk_mask(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.bool), 0.5)
+    with pytest.raises(ValueError, match="non-finite"):
+        topk_mask(torch.tensor([[float("nan"), 0.5, 0.0]]), km, 0.5)
+    with pytest.raises(ValueError, match="rationale must have the shape"):
+        token_f1(attn, km, _b([[1, 0]]))
+    with pytest.raises(ValueError, match="not attendable keys"):
+        auprc(attn, km, _b([[0, 0, 1]]))
+    with pytest.raises(ValueError, match="no instance has a non-empty rationale"):
+        plausibility(attn, km, _b([[0, 0, 0]]))
+    for f in (token_f1, auprc, iou_f1):
+        with pytest.raises(ValueError, match="non-empty rationale"):
+            f(attn, km, _b([[0, 0, 0]]))
+    with pytest.raises(ValueError, match="k must be"):
+        token_f1(attn, km, rat, k=0)
+    with pytest.raises(ValueError, match="threshold"):
+        iou_f1(attn, km, rat, threshold=0.0)
+    with pytest.raises(ValueError, match="average"):
+        iou_f1(attn, km, rat, average="weighted")
+    with pytest.raises(ValueError, match="at least one key"):
+        uniform_attention(_b([[0, 0, 0]]))
+    with pytest.raises(ValueError, match="at least one key"):
+        random_attention(_b([[0, 0, 0]]), torch.Generator().manual_seed(0))
+    model, (batch, hattn) = _hand_model(), _hand_batch()
+    with pytest.raises(ValueError, match="fracs"):
+        comprehensiveness(model, batch, hattn, fracs=())
+    with pytest.raises(ValueError, match="frac"):
+        sufficiency(model, batch, hattn, fracs=(0.1, 2.0))
+    with pytest.raises(ValueError, match="key_mask must have the shape"):
+        sufficiency(model, batch, hattn[:, :3])
+    with pytest.raises(ValueError, match="chunk_size"):
+        sufficiency(model, batch, hattn, chunk_size=0)
+    with pytest.raises(TypeError, match="Batch"):
+        sufficiency(model, (batch.tokens, batch.key_mask), hattn)

@@ -1,0 +1,28 @@
+import matplotlib
+import numpy as np
+import pandas as pd
+
+from qkov_lib import plotting
+
+matplotlib.use("Agg")
+
+
+def test_dtap_grid_panels_and_white_face():
+    h = np.zeros((10, 10))
+    h[9, 9] = 1.0
+    hists = {("FAFO", 1.0): h, ("FAFO", 10.0): h, ("CACO", 1.0): h}
+    fig = plotting.dtap_grid(hists, rows=["FAFO", "CACO"], cols=[1.0, 10.0])
+    axes = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"]
+    assert fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
+    panels = [ax for ax in axes if ax.axison]
+    assert len(panels) == 3  # (CACO, 10) is missing and switched off
+    assert panels[0].get_title() == "eta_QK/eta_OV = 1"
+
+
+def test_training_curves_one_axis_per_metric():
+    hist = pd.DataFrame({"step": [0, 1, 10, 0, 1, 10], "loss": [1, 0.5, 0.1, 1, 0.6, 0.2],
+                         "attn_relevant": [0.2, 0.4, 0.9, 0.2, 0.3, 0.5], "ratio": [1, 1, 1, 10, 10, 10]})
+    fig = plotting.training_curves(hist, ["loss", "attn_relevant"], hue="ratio")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[:2] == ["loss", "attn_relevant"]
+    assert fig.axes[0].get_xscale() == "log"
