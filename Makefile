@@ -8,7 +8,7 @@ DATA ?= $(abspath ../shared/data)
 BIN := $(VENV)/bin
 export QKOV_DATA_DIR ?= $(DATA)
 
-.PHONY: setup book test clean
+.PHONY: setup book book-cached test browser-test clean
 
 $(BIN)/activate: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,16 @@ setup: $(BIN)/activate  ## create .venv and install everything
 
 book: setup  ## execute every chapter (profile $(PROFILE)) and build _build/html
 	rm -rf _build/results
-	QKOV_PROFILE=$(PROFILE) $(BIN)/jupyter-book build . -W --keep-going
+	QKOV_PROFILE=$(PROFILE) $(BIN)/jupyter-book build . -W --keep-going --all
 
 test: setup  ## the unit tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/browser
+
+book-cached: setup  ## like book, but reuse outputs keyed on the chapter cells AND qkov_lib
+	QKOV_PROFILE=$(PROFILE) $(BIN)/qkov book --mode cache
+
+browser-test:  ## headless Chromium checks of the built _build/html (needs chromium + chromium-driver)
+	QKOV_BROWSER_REQUIRED=1 $(BIN)/python -m pytest -q -rs tests/browser
 
 clean:
 	rm -rf _build runs

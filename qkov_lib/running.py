@@ -233,10 +233,19 @@ def _parse_value(text: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qkov_lib run CHAPTER [-p NAME VALUE ...] [--out DIR] [--name NAME]``."""
+    """qkov: run chapters, sweep their parameters, build the book.
+
+    qkov run CHAPTER [-p NAME VALUE ...] [--out DIR]      one chapter through papermill
+    qkov sweep CHAPTER -g NAME VALUES ... [--out DIR]     a grid of runs, a results table, resume
+    qkov chapters                                        the executable chapters, in book order
+    qkov book [--mode force|cache|executed]              build the HTML book
+    qkov cache key|clear                                 the library-keyed output cache
+    qkov scorecard [--results DIR]                       the claims scorecard as a table
+    """
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m qkov_lib", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="qkov", description=main.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="execute one chapter through papermill")
     run.add_argument("chapter", help="chapter name (e.g. synthetic) or path to its .md")
@@ -244,10 +253,53 @@ def main(argv: list[str] | None = None) -> int:
                      help="parameter override; VALUE is parsed as JSON when possible (e.g. -p ratios '[1, 100]')")
     run.add_argument("--out", default="runs", help="output folder (default: runs/)")
     run.add_argument("--name", default=None, help="base name of the outputs (default: the chapter name)")
+    from . import sweeps
+
+    sw = sub.add_parser("sweep", help="run a chapter over a parameter grid (papermill; local pool or Slurm)")
+    sweeps.add_arguments(sw)
+    sub.add_parser("chapters", help="list the executable chapters in book order")
+    book = sub.add_parser("book", help="build the HTML book (library-aware caching, or from executed notebooks)")
+    book.add_argument("--mode", choices=("force", "cache", "executed"), default="force",
+                      help="force: execute all chapters; cache: reuse outputs keyed on qkov_lib + profile; "
+                           "executed: use the notebooks in --executed, execute nothing")
+    book.add_argument("--executed", help="folder of executed notebooks (qkov run ... --out DIR) for --mode executed")
+    book.add_argument("--no-strict", action="store_true", help="do not turn warnings into errors")
+    cache = sub.add_parser("cache", help="show or clear the library-keyed cache")
+    cache.add_argument("action", choices=("key", "clear"))
+    sc = sub.add_parser("scorecard", help="print the reproducibility scorecard from results files")
+    sc.add_argument("--results", default=None, help="results folder (default: $QKOV_RESULTS_DIR or _build/results)")
     args = ap.parse_args(argv)
-    params = {k: _parse_value(v) for k, v in args.param}
-    nb, res = run_chapter(args.chapter, args.out, params, name=args.name, progress=True)
-    print(f"notebook: {nb}\nresults:  {res}")
+
+    if args.cmd == "run":
+        params = {k: _parse_value(v) for k, v in args.param}
+        nb, res = run_chapter(args.chapter, args.out, params, name=args.name, progress=True)
+        print(f"notebook: {nb}\nresults:  {res}")
+        return 0
+    if args.cmd == "sweep":
+        return sweeps.from_args(args)
+    from . import cache as qcache
+
+    if args.cmd == "chapters":
+        print("\n".join(sweeps.chapter_name(p) for p in qcache.chapters(REPO_ROOT)))
+        return 0
+    if args.cmd == "book":
+        return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
+    if args.cmd == "cache":
+        if args.action == "key":
+            print(qcache.cache_key())
+            print(json.dumps(qcache.key_parts(), indent=1))
+        else:
+            for d in qcache.clear(REPO_ROOT):
+                print(f"removed {d}")
+        return 0
+    from . import scorecard
+
+    folder = Path(args.results) if args.results else default_results_path("scorecard").parent
+    results = scorecard.load_results(folder)
+    card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
+                                                pages=qcache.toc_files(REPO_ROOT)))
+    print(scorecard.to_myst(card, link=False))
+    print(json.dumps(scorecard.counts(card)))
     return 0
 
 

@@ -24,7 +24,7 @@ PROFILES: dict[str, dict] = {
                  steps=60, eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=3,
                  n_common_vocab=2, n_common=[2, 4], embedding="onehot", n_test=400, dtype="float64"),
     "cpu": dict(parameterizations=list(PARAMETERIZATIONS), ratios=[1.0, 10.0], seeds=[0, 1, 2],
-                steps=2000, eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=4,
+                steps=1000, eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=4,
                 n_common_vocab=3, n_common=[2, 4, 8, 12], embedding="onehot", n_test=4000, dtype="float64"),
     "full": dict(parameterizations=list(PARAMETERIZATIONS), ratios=[1.0, 10.0], seeds=[0, 1, 2, 3, 4],
                  steps=20000, eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=8,

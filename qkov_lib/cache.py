@@ -1,0 +1,311 @@
+"""Keep cached chapter outputs honest: a change to ``qkov_lib`` invalidates them.
+
+Jupyter Book caches a notebook's outputs keyed on its code cells (jupyter-cache), and Sphinx
+re-reads only the sources whose files changed. Neither sees the library the cells call, nor the
+``QKOV_PROFILE`` the kernels inherit. This module adds that missing part of the key:
+
+- :func:`library_hash` hashes the library's ``.py`` files; :func:`cache_key` combines it with the
+  ``QKOV_*`` environment (profile included) and the Python/torch/numpy versions.
+- A Sphinx extension (``sphinx: extra_extensions: [qkov_lib.cache]`` in ``_config.yml``):
+
+  * registers the key as a config value that forces a full re-read when it changes, so an
+    incremental build re-executes every chapter after a library change (``force`` mode);
+  * in ``cache`` mode, points jupyter-cache at ``<cache>/<key>/jc`` and the chapters' results
+    files at ``<cache>/<key>/results``: each key has its own cache, so outputs and the numbers the
+    scorecard reads always come from the same library state;
+  * always re-reads the pages in ``qkov_always_read`` (the scorecard, which summarises the others).
+
+- :func:`stage_executed` + :func:`build_book`: build the book from notebooks that papermill
+  already executed (the GPU workflow), without executing anything again.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+KEY_ENV_EXCLUDE = ("QKOV_RESULTS_DIR",)  # where results go does not change what they are
+MODES = ("force", "cache", "executed")
+
+
+def library_hash(package_dir: str | os.PathLike | None = None) -> str:
+    """SHA-256 (hex) over the relative paths and bytes of every ``.py`` file under
+    ``package_dir`` (default: the installed ``qkov_lib``), in sorted order."""
+    root = Path(package_dir) if package_dir else PACKAGE_DIR
+    if not root.is_dir():
+        raise FileNotFoundError(f"library folder {root} does not exist")
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _version(pkg: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(pkg)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def key_parts(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What the cache key is made of: the library hash, the ``QKOV_*`` variables (profile
+    defaulting to ``cpu`` as in :func:`qkov_lib.running.profile_name`) and library versions."""
+    env = os.environ if environ is None else environ
+    qkov_env = {k: v for k, v in sorted(env.items()) if k.startswith("QKOV_") and k not in KEY_ENV_EXCLUDE}
+    qkov_env.setdefault("QKOV_PROFILE", "cpu")
+    return {"library": library_hash(package_dir), "env": qkov_env, "python": platform.python_version(),
+            "torch": _version("torch"), "numpy": _version("numpy")}
+
+
+def cache_key(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> str:
+    """16 hex digits identifying the library state and settings that chapter outputs depend on."""
+    blob = json.dumps(key_parts(package_dir, environ), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def keyed_dirs(base: str | os.PathLike, key: str) -> tuple[Path, Path]:
+    """(jupyter-cache folder, results folder) of ``key`` under ``base``."""
+    d = Path(base) / key
+    return d / "jc", d / "results"
+
+
+def prune(base: str | os.PathLike, keep: int = 3, protect: str | None = None) -> list[Path]:
+    """Delete all but the ``keep`` most recently used key folders under ``base`` (never
+    ``protect``). Returns the folders deleted."""
+    base = Path(base)
+    if not base.is_dir():
+        return []
+    dirs = sorted((d for d in base.iterdir() if d.is_dir() and (d / "jc").is_dir()),
+                  key=lambda d: d.stat().st_mtime, reverse=True)
+    gone = [d for d in dirs[keep:] if d.name != protect]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone
+
+
+# ----------------------------------------------------------------------------- Sphinx extension
+
+
+def _config_inited(app, config) -> None:
+    from sphinx.util import logging
+
+    log = logging.getLogger(__name__)
+    lib = config.qkov_library_dir or None
+    key = cache_key(lib)
+    config.qkov_cache_key = key
+    log.info(f"[qkov] cache key {key} (library {library_hash(lib)[:12]}, profile {os.environ.get('QKOV_PROFILE', 'cpu')})")
+    if config.nb_execution_mode != "cache":
+        return
+    base = Path(config.nb_execution_cache_path or Path(app.outdir).parent / ".jupyter_cache")
+    if not base.is_absolute():
+        base = Path(app.confdir) / base
+    jc, results = keyed_dirs(base, key)
+    jc.mkdir(parents=True, exist_ok=True)
+    results.mkdir(parents=True, exist_ok=True)
+    os.utime(jc.parent)
+    gone = prune(base, keep=config.qkov_cache_keep, protect=key)
+    config.nb_execution_cache_path = str(jc)
+    os.environ["QKOV_RESULTS_DIR"] = str(results)  # the kernels inherit it
+    log.info(f"[qkov] jupyter-cache {jc}; results {results}" + (f"; pruned {len(gone)} old keys" if gone else ""))
+
+
+def _always_read(app, env, added, changed, removed) -> list[str]:
+    pats = app.config.qkov_always_read
+    return sorted(d for d in env.found_docs if any(fnmatch.fnmatch(d, p) for p in pats) and d not in added | changed)
+
+
+def setup(app) -> dict[str, Any]:
+    """Sphinx entry point (``extra_extensions: [qkov_lib.cache]``)."""
+    app.add_config_value("qkov_cache_key", "", "env")
+    app.add_config_value("qkov_library_dir", "", "env")
+    app.add_config_value("qkov_always_read", ["*scorecard*"], "env")
+    app.add_config_value("qkov_cache_keep", 3, "")
+    app.connect("config-inited", _config_inited, priority=400)
+    app.connect("env-get-outdated", _always_read)
+    return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
+
+
+# ----------------------------------------------------------------------------- book helpers
+
+
+def toc_files(root: str | os.PathLike = REPO_ROOT) -> list[str]:
+    """Docnames in ``_toc.yml`` (root first), in reading order."""
+    import yaml
+
+    path = Path(root) / "_toc.yml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    toc = yaml.safe_load(path.read_text())
+    out: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            for k in ("root", "file"):
+                if isinstance(node.get(k), str):
+                    out.append(str(Path(node[k]).with_suffix("")) if Path(node[k]).suffix in (".md", ".ipynb") else node[k])
+            for k in ("parts", "chapters", "sections", "entries"):
+                for child in node.get(k) or []:
+                    walk(child)
+        elif isinstance(node, list):
+            for child in node:
+                walk(child)
+
+    walk(toc)
+    return out
+
+
+def is_notebook(path: str | os.PathLike) -> bool:
+    """True for an ``.ipynb`` or a MyST file whose front matter has a ``kernelspec``/``jupytext``."""
+    p = Path(path)
+    if p.suffix == ".ipynb":
+        return True
+    text = p.read_text(encoding="utf-8")
+    if not text.startswith("---"):
+        return False
+    head = text.split("\n---", 1)[0]
+    return "kernelspec:" in head or "jupytext:" in head
+
+
+def chapters(root: str | os.PathLike = REPO_ROOT) -> list[Path]:
+    """The executable pages of the book (MyST notebooks in ``_toc.yml``), in toc order."""
+    root = Path(root)
+    out = []
+    for doc in toc_files(root):
+        for suffix in (".md", ".ipynb"):
+            p = root / f"{doc}{suffix}"
+            if p.exists() and is_notebook(p):
+                out.append(p)
+                break
+    return out
+
+
+def _executed_for(src: Path, executed: Path) -> Path | None:
+    stem = src.stem
+    head, _, tail = stem.partition("_")
+    for name in ([tail] if head.isdigit() and tail else []) + [stem]:
+        p = executed / f"{name}.ipynb"
+        if p.exists():
+            return p
+    return None
+
+
+def _load_config(root: Path) -> dict[str, Any]:
+    import yaml
+
+    path = root / "_config.yml"
+    return yaml.safe_load(path.read_text()) if path.exists() else {}
+
+
+def _write_config(cfg: Mapping[str, Any], path: Path) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(dict(cfg), sort_keys=False))
+    return path
+
+
+def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: str | os.PathLike) -> Path:
+    """A copy of the book at ``stage`` in which every chapter notebook is replaced by its
+    papermill-executed version from ``executed`` (``<name>.ipynb``, as written by
+    :func:`qkov_lib.running.run_chapter`) and execution is switched off. Raises
+    FileNotFoundError naming the chapters that have no executed notebook."""
+    import nbformat
+
+    root, executed, stage = Path(root).resolve(), Path(executed).resolve(), Path(stage).resolve()
+    if not executed.is_dir():
+        raise FileNotFoundError(f"folder of executed notebooks {executed} does not exist")
+    pages = chapters(root)
+    found = {p: _executed_for(p, executed) for p in pages}
+    missing = [str(p.relative_to(root)) for p, e in found.items() if e is None]
+    if missing:
+        raise FileNotFoundError(f"no executed notebook in {executed} for: {', '.join(missing)}")
+    if stage.exists():
+        shutil.rmtree(stage)
+    top_skip = {".git", "_build", "runs", ".jupyter_cache", ".pytest_cache"}
+
+    def ignore(d: str, names: list[str]) -> set[str]:
+        skip = {n for n in names if n == "__pycache__" or n.endswith(".ipynb") or n.startswith(".venv")}
+        return skip | (top_skip & set(names) if Path(d).resolve() == root else set())
+
+    shutil.copytree(root, stage, ignore=ignore)
+    for src, nb_path in found.items():
+        nb = nbformat.read(nb_path, as_version=4)
+        nb.metadata.get("mystnb", {}).pop("execution_mode", None)
+        rel = src.relative_to(root)
+        (stage / rel).unlink(missing_ok=True)
+        nbformat.write(nb, stage / rel.with_suffix(".ipynb"))
+    cfg = _load_config(root)
+    cfg.setdefault("execute", {})["execute_notebooks"] = "off"
+    _write_config(cfg, stage / "_config.yml")
+    return stage
+
+
+def overlay_config(root: str | os.PathLike, mode: str, out: str | os.PathLike) -> Path:
+    """``_config.yml`` with ``execute_notebooks: <mode>`` and this extension added, written to ``out``."""
+    cfg = _load_config(Path(root))
+    cfg.setdefault("execute", {})["execute_notebooks"] = mode
+    sph = cfg.setdefault("sphinx", {})
+    ext = list(sph.get("extra_extensions") or [])
+    if __name__ not in ext:
+        ext.append(__name__)
+    sph["extra_extensions"] = ext
+    return _write_config(cfg, Path(out))
+
+
+def _jupyter_book() -> list[str]:
+    exe = Path(sys.executable).parent / "jupyter-book"
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("jupyter-book")
+    if not found:
+        raise FileNotFoundError("jupyter-book is not installed (pip install 'jupyter-book<2')")
+    return [found]
+
+
+def build_book(root: str | os.PathLike = REPO_ROOT, mode: str = "force", executed: str | os.PathLike | None = None,
+               strict: bool = True, extra: list[str] | None = None) -> int:
+    """Build the HTML book into ``<root>/_build/html``.
+
+    ``force``: execute every chapter (incremental builds re-execute all after a library change);
+    ``cache``: reuse outputs cached under the library key; ``executed``: no execution, pages come
+    from the notebooks in ``executed`` (see :func:`stage_executed`). Returns jupyter-book's status."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    root = Path(root).resolve()
+    work = root / "_build" / "qkov"
+    flags = (["-W", "--keep-going"] if strict else []) + list(extra or [])
+    if mode == "executed":
+        if executed is None:
+            raise ValueError("mode 'executed' needs the folder of executed notebooks")
+        stage = stage_executed(root, executed, work / "stage")
+        cmd = _jupyter_book() + ["build", str(stage), "--path-output", str(root)] + flags
+    else:
+        cfg = overlay_config(root, mode, work / f"_config.{mode}.yml")
+        cmd = _jupyter_book() + ["build", str(root), "--config", str(cfg)] + flags
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode
+
+
+def clear(root: str | os.PathLike = REPO_ROOT) -> list[Path]:
+    """Delete the keyed caches under ``<root>/_build/.jupyter_cache``."""
+    base = Path(root) / "_build" / ".jupyter_cache"
+    gone = [d for d in base.iterdir() if d.is_dir()] if base.is_dir() else []
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return gone

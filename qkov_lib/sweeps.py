@@ -1,0 +1,578 @@
+"""Parameter sweeps over a chapter: a grid of papermill runs, a tidy results table, resume.
+
+A sweep expands a grid (``{"eta_ov": [0.25, 0.5], "steps": [30, 60]}`` = 4 runs) into runs of
+one chapter, each executed by :func:`qkov_lib.running.run_chapter`. Every run gets a stable ID
+(a hash of the chapter and its parameters), so rerunning a sweep skips the runs that already
+finished. A run that fails is recorded with its error and the sweep goes on.
+
+Layout of a sweep folder ``OUT``::
+
+    OUT/runs/<run_id>.ipynb     executed notebook (also kept for failed runs, with the error)
+    OUT/runs/<run_id>.json      the chapter's results file (parameters, metrics, versions, ...)
+    OUT/records/<run_id>.json   one record per run: status, error, parameters, timings
+    OUT/results.{json,csv,parquet}   the table, one row per run of the current grid
+    OUT/submitit/               logs of submitit jobs (Slurm or its local executor)
+
+Executors: ``local`` (in-process for one worker, else a process pool of N workers),
+``slurm`` and ``submitit-local`` (the same submitit code path; the latter runs the jobs as local
+processes and is what the tests use).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import hashlib
+import itertools
+import json
+import math
+import os
+import platform
+import re
+import sys
+import time
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+EXECUTORS = ("local", "slurm", "submitit-local")
+RESERVED = ("results_path",)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+# ----------------------------------------------------------------------------- grid
+
+
+def expand_grid(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Sequence[Any]]]) -> list[dict[str, Any]]:
+    """All combinations of a grid ``{name: [value, ...]}``, the last name varying fastest.
+    A list of grids gives the concatenation of their expansions (duplicates dropped).
+    Every value list must be a non-empty list; raises TypeError/ValueError otherwise."""
+    if isinstance(grid, Mapping):
+        grids: list[Mapping[str, Sequence[Any]]] = [grid]
+    elif isinstance(grid, Sequence) and not isinstance(grid, (str, bytes)):
+        grids = list(grid)
+    else:
+        raise TypeError(f"a grid is a mapping name -> list of values (or a list of such mappings), got {type(grid).__name__}")
+    points: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for g in grids:
+        if not isinstance(g, Mapping):
+            raise TypeError(f"each grid must be a mapping name -> list of values, got {type(g).__name__}")
+        for name, values in g.items():
+            if not isinstance(values, (list, tuple)):
+                raise TypeError(f"grid values of {name!r} must be a list, got {type(values).__name__} {values!r}"
+                                " (to sweep over list-valued parameters, give a list of lists: '[[1], [10]]')")
+            if not values:
+                raise ValueError(f"grid values of {name!r} are empty")
+        names = list(g)
+        for combo in itertools.product(*(g[n] for n in names)):
+            point = dict(zip(names, combo))
+            key = _canonical(point)
+            if key not in seen:
+                seen.add(key)
+                points.append(point)
+    return points
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def run_id(chapter: str, params: Mapping[str, Any]) -> str:
+    """Stable ID of one run: ``<chapter>-<10 hex>`` from a hash of the chapter name and the
+    parameters (order of keys does not matter; ``1`` and ``1.0`` differ)."""
+    digest = hashlib.sha256(_canonical({"chapter": chapter, "params": dict(params)}).encode()).hexdigest()
+    return f"{chapter}-{digest[:10]}"
+
+
+def chapter_name(path: Path) -> str:
+    """``book/01_synthetic.md`` -> ``synthetic`` (the number prefix only sets the order)."""
+    stem = path.stem
+    head, _, tail = stem.partition("_")
+    return tail if head.isdigit() and tail else stem
+
+
+def chapter_parameters(path: str | os.PathLike) -> dict[str, Any]:
+    """Names and default values of the ``parameters`` cell of a chapter (MyST or ipynb).
+    Raises ValueError when there is no such cell or it is not plain assignments."""
+    import jupytext
+
+    nb = jupytext.read(Path(path))
+    cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        raise ValueError(f"{path} has no cell tagged 'parameters'")
+    out: dict[str, Any] = {}
+    for node in ast.parse(cells[0].source).body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                value = ast.unparse(node.value)
+            for t in node.targets:
+                out[t.id] = value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = ast.literal_eval(node.value) if node.value is not None else None
+        else:
+            raise ValueError(f"the parameters cell of {path} must hold plain assignments, found: {ast.unparse(node)!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a worker needs to execute one run (picklable)."""
+
+    chapter: str          # absolute path of the chapter source
+    name: str             # chapter name, e.g. "synthetic"
+    run_id: str
+    params: dict          # the parameters injected by papermill (profile included)
+    out_dir: str          # the sweep folder
+    threads: int | None = None  # OMP/MKL threads for the kernel (None: inherit)
+
+
+def _record_path(out_dir: str | Path, rid: str) -> Path:
+    return Path(out_dir) / "records" / f"{rid}.json"
+
+
+def _write_json(path: Path, doc: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, allow_nan=True, default=str))
+    tmp.replace(path)  # atomic: readers never see half a record
+
+
+@contextlib.contextmanager
+def _thread_env(threads: int | None) -> Iterator[None]:
+    """Set the BLAS/OpenMP thread counts that a kernel started inside inherits."""
+    names = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    old = {n: os.environ.get(n) for n in names}
+    if threads:
+        for n in names:
+            os.environ[n] = str(threads)
+    try:
+        yield
+    finally:
+        for n, v in old.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
+def _error_text(exc: BaseException) -> tuple[str, str]:
+    """A one-line error and a plain-text traceback (papermill's cell error when there is one)."""
+    ename, evalue = getattr(exc, "ename", None), getattr(exc, "evalue", None)
+    if ename is not None:
+        tb = getattr(exc, "traceback", None) or []
+        text = "\n".join(tb) if isinstance(tb, list) else str(tb)
+        return f"{ename}: {evalue}", _ANSI.sub("", text)[-4000:]
+    return f"{type(exc).__name__}: {exc}", "".join(traceback.format_exception(exc))[-4000:]
+
+
+def execute_run(spec: RunSpec) -> dict[str, Any]:
+    """Execute one run through papermill and write its record; never raises for a failing
+    notebook (the record then has ``status="failed"`` and the error)."""
+    from . import running
+
+    out = Path(spec.out_dir)
+    started = datetime.now(timezone.utc)
+    t0 = time.perf_counter()
+    record: dict[str, Any] = {
+        "run_id": spec.run_id, "chapter": spec.name, "params": dict(spec.params),
+        "host": platform.node(), "started_at": started.isoformat(timespec="seconds"),
+        "notebook": str(out / "runs" / f"{spec.run_id}.ipynb"),
+        "results_file": str(out / "runs" / f"{spec.run_id}.json"),
+    }
+    try:
+        with _thread_env(spec.threads):
+            running.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
+        doc = json.loads(Path(record["results_file"]).read_text())
+        record.update(status="ok", error=None, traceback=None)
+        record["resolved_params"] = doc.get("params", {})
+        for key in ("metrics", "versions", "git_commit", "device", "wall_time_s"):
+            record[key] = doc.get(key)
+    except Exception as exc:  # noqa: BLE001 -- any failure of a run is data, not a crash
+        err, tb = _error_text(exc)
+        record.update(status="failed", error=err, traceback=tb, resolved_params=None, metrics=None,
+                      versions=running.versions(), git_commit=running.git_commit(),
+                      device=str(running.pick_device()), wall_time_s=None)
+    record["run_time_s"] = time.perf_counter() - t0
+    record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    _write_json(_record_path(out, spec.run_id), record)
+    return record
+
+
+def _failed_record(spec: RunSpec, exc: BaseException) -> dict[str, Any]:
+    """Record for a run whose worker or job died before it could write its own record."""
+    err, tb = _error_text(exc)
+    record = {"run_id": spec.run_id, "chapter": spec.name, "params": dict(spec.params), "status": "failed",
+              "error": err, "traceback": tb, "resolved_params": None, "metrics": None,
+              "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    _write_json(_record_path(spec.out_dir, spec.run_id), record)
+    return record
+
+
+def load_record(out_dir: str | Path, rid: str) -> dict[str, Any] | None:
+    """The record of run ``rid`` in a sweep folder, or None."""
+    path = _record_path(out_dir, rid)
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def is_finished(out_dir: str | Path, rid: str) -> bool:
+    """True when run ``rid`` succeeded and its results file is still there."""
+    rec = load_record(out_dir, rid)
+    return bool(rec and rec.get("status") == "ok" and Path(rec.get("results_file", "")).exists())
+
+
+# ----------------------------------------------------------------------------- table
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _flatten(f"{prefix}.{k}", v, out)
+    elif isinstance(obj, (list, tuple)):
+        out[prefix] = json.dumps(obj, default=str, allow_nan=True)
+    else:
+        out[prefix] = obj
+
+
+def record_row(record: Mapping[str, Any]) -> dict[str, Any]:
+    """One flat table row: ``param.<name>`` (the chapter's resolved parameters when it ran,
+    else the requested ones; lists as JSON), ``metric.<path>`` (nested dicts flattened with dots,
+    lists as JSON), ``claim.<ID>`` (the verdict of each claim the chapter reported),
+    ``version.<package>`` and the run's status, error, commit, device and wall times."""
+    row: dict[str, Any] = {k: record.get(k) for k in
+                           ("run_id", "chapter", "status", "error", "git_commit", "device", "wall_time_s",
+                            "run_time_s", "host", "started_at", "finished_at", "notebook", "results_file")}
+    params = {**(record.get("params") or {}), **(record.get("resolved_params") or {})}
+    for k, v in params.items():
+        row[f"param.{k}"] = json.dumps(v) if isinstance(v, (list, tuple, dict)) else v
+    metrics = record.get("metrics")
+    if isinstance(metrics, Mapping):
+        for k, v in metrics.items():
+            _flatten(f"metric.{k}", v, row)
+        for c in metrics.get("claims") or []:
+            if isinstance(c, Mapping) and "id" in c:
+                row[f"claim.{c['id']}"] = c.get("verdict")
+    elif metrics is not None:
+        _flatten("metric", metrics, row)
+    for k, v in (record.get("versions") or {}).items():
+        row[f"version.{k}"] = v
+    return row
+
+
+def results_table(records: Sequence[Mapping[str, Any]]) -> pd.DataFrame:
+    """The tidy table of a sweep: one row per run (see :func:`record_row`)."""
+    return pd.DataFrame([record_row(r) for r in records])
+
+
+def metric_frame(table: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Long form of a list-of-records metric (e.g. ``"summary"``): one row per record per run,
+    with the run's ``run_id`` and ``param.*`` columns joined on."""
+    col = f"metric.{metric}"
+    if col not in table:
+        raise KeyError(f"no metric {metric!r}; metrics: {sorted(c[7:] for c in table if c.startswith('metric.'))}")
+    pcols = ["run_id"] + [c for c in table if c.startswith("param.")]
+    parts = []
+    for _, row in table.iterrows():
+        if not isinstance(row[col], str):
+            continue
+        recs = json.loads(row[col])
+        if recs:
+            part = pd.DataFrame(recs)
+            for c in pcols:
+                part[c] = row[c]
+            parts.append(part)
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=pcols)
+
+
+def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
+    """Object columns that mix strings and other values become strings (parquet needs one type)."""
+    df = df.copy()
+    for c in df.columns:
+        if df[c].dtype == object:
+            kinds = {type(v) for v in df[c] if v is not None and not (isinstance(v, float) and math.isnan(v))}
+            if len(kinds) > 1 or (kinds and not kinds <= {str}):
+                df[c] = [None if v is None or (isinstance(v, float) and math.isnan(v)) else
+                         (v if isinstance(v, str) else json.dumps(v, default=str)) for v in df[c]]
+    return df
+
+
+def write_table(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dict[str, Path]:
+    """Write ``results.json`` (the full records), ``results.csv`` and, when pyarrow is
+    installed, ``results.parquet`` (the flat table). Returns the paths written."""
+    out = Path(out_dir)
+    paths = {"json": out / "results.json", "csv": out / "results.csv"}
+    _write_json(paths["json"], list(records))
+    table = results_table(records)
+    table.to_csv(paths["csv"], index=False)
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return paths
+    paths["parquet"] = out / "results.parquet"
+    _arrow_safe(table).to_parquet(paths["parquet"], index=False)
+    return paths
+
+
+# ----------------------------------------------------------------------------- executors
+
+
+def _submitit_executor(kind: str, out_dir: Path, name: str, workers: int, params: Mapping[str, Any]):
+    import submitit
+
+    cluster = "slurm" if kind == "slurm" else "local"
+    ex = submitit.AutoExecutor(folder=str(out_dir / "submitit"), cluster=cluster)
+    opts: dict[str, Any] = {"name": f"qkov-{name}", "timeout_min": 120, "slurm_array_parallelism": workers}
+    opts.update({k: v for k, v in params.items() if v is not None})
+    ex.update_parameters(**opts)
+    return ex
+
+
+@dataclass
+class SweepResult:
+    """What a sweep did: the table (one row per run of the grid) and counts."""
+
+    table: pd.DataFrame
+    executed: int
+    skipped: int
+    failed: int
+    paths: dict[str, Path] = field(default_factory=dict)
+    wall_time_s: float = 0.0
+
+
+def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Sequence[Any]]],
+         params: Mapping[str, Any] | None = None, profile: str | None = None) -> tuple[Path, list[dict[str, Any]]]:
+    """The chapter source and the parameter dict of every run (fixed ``params`` updated with one
+    grid point, and the profile made explicit so that a run's ID pins it). Unknown parameter
+    names raise ValueError before anything runs."""
+    from . import running
+
+    src = running.chapter_path(chapter).resolve()
+    known = chapter_parameters(src)
+    points = expand_grid(grid) if grid else [{}]
+    fixed = dict(params or {})
+    if profile is not None and "profile" not in known:
+        raise ValueError(f"{src.name} has no 'profile' parameter; do not pass a profile")
+    for name in list(fixed) + sorted({k for p in points for k in p}):
+        if name in RESERVED:
+            raise ValueError(f"{name!r} is set by the sweep itself; do not pass it")
+        if name not in known:
+            raise ValueError(f"unknown parameter {name!r} of {src.name}; it takes {', '.join(sorted(known))}")
+    runs = []
+    for point in points:
+        p = {**fixed, **point}
+        if "profile" in known and p.get("profile") is None:
+            p["profile"] = running.profile_name(profile)
+        runs.append(p)
+    return src, runs
+
+
+def sweep(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Sequence[Any]]],
+          out_dir: str | os.PathLike, params: Mapping[str, Any] | None = None, profile: str | None = None,
+          executor: str = "local", workers: int = 1, threads: int | None = None, force: bool = False,
+          retry_failed: bool = True, executor_params: Mapping[str, Any] | None = None,
+          progress: bool = True, poll_s: float | None = None) -> SweepResult:
+    """Run ``chapter`` once per point of ``grid`` (merged over the fixed ``params``) and write
+    the results table to ``out_dir``. Runs that already succeeded there are skipped (unless
+    ``force``); failed ones are retried unless ``retry_failed=False``. ``executor`` is one of
+    ``local`` (``workers`` processes), ``slurm`` or ``submitit-local``; ``executor_params`` go to
+    submitit's ``update_parameters`` (``timeout_min``, ``gpus_per_node``, ``slurm_partition``, ...)."""
+    from tqdm.auto import tqdm
+
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}")
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    t0 = time.perf_counter()
+    src, run_params = plan(chapter, grid, params, profile)
+    name = chapter_name(src)
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    if threads is None and executor == "local" and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+    specs = [RunSpec(str(src), name, run_id(name, p), p, str(out), threads) for p in run_params]
+    _write_json(out / "sweep.json", {"chapter": name, "source": str(src), "params": dict(params or {}),
+                                     "grid": grid, "runs": [s.run_id for s in specs]})
+
+    def todo(s: RunSpec) -> bool:
+        if force:
+            return True
+        rec = load_record(out, s.run_id)
+        if rec is None:
+            return True
+        if rec.get("status") == "ok":
+            return not Path(rec.get("results_file", "")).exists()
+        return retry_failed
+
+    pending = [s for s in specs if todo(s)]
+    skipped = len(specs) - len(pending)
+    bar = tqdm(total=len(specs), initial=skipped, desc=f"sweep {name}", unit="run", disable=not progress)
+    n_failed = 0
+
+    def finish(rec: dict[str, Any]) -> None:
+        nonlocal n_failed
+        n_failed += rec.get("status") != "ok"
+        bar.update(1)
+        bar.set_postfix(failed=n_failed, refresh=False)
+
+    if pending and executor == "local" and workers == 1:
+        for s in pending:
+            finish(execute_run(s))
+    elif pending:
+        handles: list[tuple[RunSpec, Any]] = []
+        pool = None
+        if executor == "local":
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+            handles = [(s, pool.submit(execute_run, s)) for s in pending]
+            poll = poll_s or 0.2
+        else:
+            ex = _submitit_executor(executor, out, name, workers, executor_params or {})
+            jobs = []
+            with ex.batch():
+                for s in pending:
+                    jobs.append(ex.submit(execute_run, s))
+            handles = list(zip(pending, jobs))
+            poll = poll_s or (1.0 if executor == "submitit-local" else 15.0)
+        try:
+            while handles:
+                still = []
+                for s, h in handles:
+                    if not h.done():
+                        still.append((s, h))
+                        continue
+                    try:
+                        rec = h.result()
+                    except Exception as exc:  # noqa: BLE001 -- worker/job died: record it, go on
+                        rec = _failed_record(s, exc)
+                    finish(rec)
+                handles = still
+                if handles:
+                    time.sleep(poll)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+    bar.close()
+
+    records = [load_record(out, s.run_id) or _failed_record(s, RuntimeError("no record was written")) for s in specs]
+    paths = write_table(records, out)
+    table = results_table(records)
+    failed = int((table["status"] != "ok").sum()) if len(table) else 0
+    return SweepResult(table, executed=len(pending), skipped=skipped, failed=failed, paths=paths,
+                       wall_time_s=time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def load_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A sweep file (YAML or JSON)::
+
+        chapter: synthetic
+        profile: test
+        params: {parameterizations: [FAFO, CACO]}   # fixed for every run
+        grid: {eta_ov: [0.25, 0.5], steps: [30, 60]}  # one run per combination
+        executor: local
+        workers: 2
+    """
+    import yaml
+
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"sweep file {p} does not exist")
+    doc = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(doc, dict):
+        raise ValueError(f"sweep file {p} must hold a mapping, got {type(doc).__name__}")
+    allowed = {"chapter", "profile", "params", "grid", "executor", "workers", "threads", "out", "executor_params"}
+    unknown = set(doc) - allowed
+    if unknown:
+        raise ValueError(f"unknown keys in {p}: {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}")
+    return doc
+
+
+def add_arguments(ap) -> None:
+    """The ``sweep`` subcommand's arguments (see :func:`from_args`)."""
+    ap.add_argument("chapter", nargs="?", help="chapter name (e.g. synthetic) or path; or set `chapter` in --config")
+    ap.add_argument("-g", "--grid", nargs=2, action="append", default=[], metavar=("NAME", "VALUES"),
+                    help="a grid axis: VALUES is a JSON/YAML list, one run per value and combination "
+                         "(e.g. -g eta_ov '[0.25, 0.5]' -g ratios '[[1], [10]]')")
+    ap.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                    help="a parameter fixed for every run (VALUE parsed as JSON when possible)")
+    ap.add_argument("-c", "--config", help="YAML sweep file (chapter, profile, params, grid, executor, workers, out); "
+                                           "command-line options override it")
+    ap.add_argument("--profile", choices=("test", "cpu", "full"), help="profile (default: $QKOV_PROFILE, else cpu)")
+    ap.add_argument("--out", help="sweep folder (default: runs/sweep-<chapter>)")
+    ap.add_argument("--executor", choices=EXECUTORS, help="local (default), slurm or submitit-local")
+    ap.add_argument("-j", "--workers", type=int, help="parallel runs (local processes, or Slurm array parallelism)")
+    ap.add_argument("--threads", type=int, help="OMP/MKL threads per run (default: cores / workers for local)")
+    ap.add_argument("--force", action="store_true", help="rerun finished runs too")
+    ap.add_argument("--no-retry-failed", action="store_true", help="keep failed runs as they are on a rerun")
+    ap.add_argument("--timeout-min", type=int, help="submitit: time limit of each job in minutes (default 120)")
+    ap.add_argument("--partition", help="slurm: partition")
+    ap.add_argument("--gpus-per-node", type=int, help="submitit: GPUs per job")
+    ap.add_argument("--cpus-per-task", type=int, help="submitit: CPUs per job")
+    ap.add_argument("--mem-gb", type=int, help="submitit: memory per job in GB")
+
+
+def _parse(text: str) -> Any:
+    import yaml
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+
+
+def from_args(args) -> int:
+    """Run a sweep from parsed command-line arguments; exit status 1 when a run failed."""
+    cfg = load_config(args.config) if args.config else {}
+    chapter = args.chapter or cfg.get("chapter")
+    if not chapter:
+        raise SystemExit("qkov sweep: give a chapter (positional or `chapter:` in --config)")
+    grid = dict(cfg.get("grid") or {})
+    for k, v in args.grid:
+        grid[k] = _parse(v)
+    params = dict(cfg.get("params") or {})
+    params.update({k: _parse(v) for k, v in args.param})
+    executor = args.executor or cfg.get("executor", "local")
+    ex_params = dict(cfg.get("executor_params") or {})
+    ex_params.update({k: v for k, v in {"timeout_min": args.timeout_min, "slurm_partition": args.partition,
+                                         "gpus_per_node": args.gpus_per_node, "cpus_per_task": args.cpus_per_task,
+                                         "mem_gb": args.mem_gb}.items() if v is not None})
+    src = Path(str(chapter))
+    out = args.out or cfg.get("out") or f"runs/sweep-{chapter_name(src) if src.suffix else src.name}"
+    res = sweep(chapter, grid, out, params=params, profile=args.profile or cfg.get("profile"), executor=executor,
+                workers=args.workers or cfg.get("workers", 1), threads=args.threads or cfg.get("threads"),
+                force=args.force, retry_failed=not args.no_retry_failed, executor_params=ex_params)
+    print(f"{len(res.table)} runs: {res.executed} executed, {res.skipped} skipped (finished before), "
+          f"{res.failed} failed; {res.wall_time_s:.1f} s")
+    for kind, path in res.paths.items():
+        print(f"{kind:8s} {path}")
+    if res.failed:
+        for _, row in res.table[res.table["status"] != "ok"].iterrows():
+            print(f"FAILED {row['run_id']}: {row['error']}", file=sys.stderr)
+    return 1 if res.failed else 0
+
+
+__all__ = ["expand_grid", "run_id", "chapter_parameters", "RunSpec", "execute_run", "record_row", "results_table",
+           "metric_frame", "write_table", "plan", "sweep", "SweepResult", "load_config"]

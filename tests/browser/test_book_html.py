@@ -1,0 +1,231 @@
+"""Browser test of the built book (``_build/html``) in headless Chromium.
+
+Serves the HTML on 127.0.0.1 and checks, for every page of ``_toc.yml``: it loads and is linked
+from the navigation, every ``<img>`` decoded (natural width > 0), figures are images (no bare
+``<Figure size ...>`` text), math markup is there where the source has math (MathJax itself comes
+from a CDN and is not loaded offline), and no output cell shows a traceback. Also checks the
+search page (Sphinx's local ``searchindex.js``). Saves a full-page screenshot of every page to
+``_build/screenshots/``.
+
+Skips when the book is not built or Chromium/chromedriver/selenium are missing; set
+``QKOV_BROWSER_REQUIRED=1`` (CI) to make those a failure instead. Paths: ``QKOV_BOOK_ROOT``
+(default: the repository), ``QKOV_HTML_DIR`` (default: ``<root>/_build/html``),
+``QKOV_SCREENSHOT_DIR`` (default: ``<html>/../screenshots``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import urllib.request
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(os.environ.get("QKOV_BOOK_ROOT", Path(__file__).resolve().parents[2]))
+HTML = Path(os.environ.get("QKOV_HTML_DIR", ROOT / "_build" / "html"))
+SHOTS = Path(os.environ.get("QKOV_SCREENSHOT_DIR", HTML.parent / "screenshots"))
+REQUIRED = os.environ.get("QKOV_BROWSER_REQUIRED", "") not in ("", "0")
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-dev-shm-usage", "--window-size=1280,1000"]
+MATH_SOURCE = re.compile(r"\$[^$\n]+\$|\$\$|\{math\}|\\begin\{")
+WIDTH = 1280
+
+
+def _toc_docs(root: Path) -> list[str]:
+    """Docnames of ``_toc.yml`` in reading order (root first)."""
+    toc = yaml.safe_load((root / "_toc.yml").read_text())
+    out: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for k in ("root", "file"):
+                if isinstance(node.get(k), str):
+                    out.append(re.sub(r"\.(md|ipynb)$", "", node[k]))
+            for k in ("parts", "chapters", "sections"):
+                for child in node.get(k) or []:
+                    walk(child)
+
+    walk(toc)
+    return out
+
+
+DOCS = _toc_docs(ROOT) if (ROOT / "_toc.yml").exists() else []
+
+
+def _unavailable(reason: str):
+    if REQUIRED:
+        pytest.fail(f"browser test required but {reason}")
+    pytest.skip(reason)
+
+
+class _Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # keep pytest output clean
+        pass
+
+
+@pytest.fixture(scope="session")
+def site() -> str:
+    """Base URL of ``_build/html`` served on 127.0.0.1 by a thread of this test."""
+    if not (HTML / "index.html").exists():
+        _unavailable(f"the book is not built ({HTML / 'index.html'} missing; run `make book`)")
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(HTML)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="session")
+def driver(site):
+    """Headless Chromium (Debian's ``chromium`` + ``chromium-driver``) with a fresh profile."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        _unavailable("selenium is not installed (pip install selenium)")
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    chromedriver = shutil.which("chromedriver")
+    if not browser or not chromedriver:
+        _unavailable("chromium or chromedriver not found (apt-get install chromium chromium-driver)")
+    profile = tempfile.mkdtemp(prefix="qkov-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = browser
+    for flag in FLAGS + [f"--user-data-dir={profile}"]:
+        opts.add_argument(flag)
+    drv = webdriver.Chrome(options=opts, service=Service(executable_path=chromedriver))
+    drv.set_page_load_timeout(60)
+    yield drv
+    drv.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _open(driver, url: str, timeout: float = 30) -> None:
+    driver.get(url)
+    end = time.time() + timeout
+    while driver.execute_script("return document.readyState") != "complete":
+        if time.time() > end:
+            raise TimeoutError(f"{url} did not finish loading in {timeout} s")
+        time.sleep(0.1)
+
+
+def _images(driver, timeout: float = 20) -> list[dict]:
+    """Every <img> once all have finished loading (or ``timeout``)."""
+    js = "return Array.from(document.images).map(i => ({src: i.currentSrc || i.src, complete: i.complete, " \
+         "w: i.naturalWidth, h: i.naturalHeight}))"
+    end = time.time() + timeout
+    imgs = driver.execute_script(js)
+    while any(not i["complete"] for i in imgs) and time.time() < end:
+        time.sleep(0.2)
+        imgs = driver.execute_script(js)
+    return imgs
+
+
+def _source(doc: str) -> Path | None:
+    for suffix in (".md", ".ipynb"):
+        if (ROOT / f"{doc}{suffix}").exists():
+            return ROOT / f"{doc}{suffix}"
+    return None
+
+
+def _screenshot(driver, doc: str) -> Path:
+    """Full-page PNG: the window is resized to the page height (capped) for the shot."""
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    height = driver.execute_script("return Math.max(document.body.scrollHeight, "
+                                   "document.documentElement.scrollHeight)")
+    driver.set_window_size(WIDTH, min(max(int(height) + 150, 800), 16000))
+    time.sleep(0.3)
+    path = SHOTS / f"{doc.replace('/', '__')}.png"
+    driver.save_screenshot(str(path))
+    driver.set_window_size(WIDTH, 1000)
+    return path
+
+
+def test_toc_lists_pages():
+    if not DOCS:
+        _unavailable(f"no _toc.yml in {ROOT}")
+    assert len(DOCS) >= 2, DOCS
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_page(site, driver, doc):
+    url = f"{site}/{doc}.html"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.status == 200, f"{url}: HTTP {resp.status}"
+    _open(driver, url)
+    title = driver.title
+    assert title and "404" not in title, f"{doc}: bad title {title!r}"
+    h1 = driver.execute_script("const h = document.querySelector('article h1, main h1'); return h ? h.innerText : ''")
+    assert h1.strip(), f"{doc}: no page heading"
+
+    # the page is reachable from the navigation sidebar
+    nav = driver.execute_script(
+        "return Array.from(document.querySelectorAll('nav.bd-docs-nav a, .bd-sidebar-primary a'))"
+        ".map(a => a.href)")
+    assert any(h.split("#")[0].endswith(f"/{doc}.html") for h in nav) or doc == DOCS[0], \
+        f"{doc} is not linked from the navigation"
+
+    # every image decoded; no figure left as its text repr
+    imgs = _images(driver)
+    broken = [i["src"] for i in imgs if not i["complete"] or i["w"] <= 0]
+    assert not broken, f"{doc}: images that did not decode: {broken}"
+    outputs = driver.execute_script(
+        "return Array.from(document.querySelectorAll('.cell_output, .output')).map(e => e.innerText)")
+    bare = [t for t in outputs if re.search(r"<Figure size \d+x\d+ with \d+ Axes>", t)]
+    assert not bare, f"{doc}: a figure was rendered as text, not as an image: {bare[:1]}"
+
+    # no traceback in any output
+    n_tb = driver.execute_script(
+        "return document.querySelectorAll('.output.traceback, .output.error, div.traceback').length")
+    tb = [t for t in outputs if "Traceback (most recent call last)" in t or re.search(r"\w+Error\s+Traceback", t)]
+    assert n_tb == 0 and not tb, f"{doc}: an output cell shows a traceback: {(tb or ['(error output)'])[0][:500]}"
+
+    # math markup where the source has math (MathJax typesets it when the CDN is reachable)
+    src = _source(doc)
+    if src is not None and MATH_SOURCE.search(src.read_text(encoding="utf-8")):
+        n_math = driver.execute_script("return document.querySelectorAll('.math, mjx-container').length")
+        assert n_math > 0, f"{doc}: the source has math but the page has no math markup"
+        math_text = driver.execute_script(
+            "return Array.from(document.querySelectorAll('.math')).map(e => e.textContent).join(' ')")
+        assert "\\(" in math_text or "\\[" in math_text or "mjx" in driver.page_source, \
+            f"{doc}: math elements without TeX delimiters"
+        assert driver.execute_script("return !!document.querySelector('script[src*=\"mathjax\" i]')"), \
+            f"{doc}: no MathJax loader on a page with math"
+
+    shot = _screenshot(driver, doc)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
+
+
+def test_index_redirects_to_root_page(site, driver):
+    _open(driver, f"{site}/index.html")
+    end = time.time() + 10
+    while not driver.current_url.split("#")[0].endswith(f"/{DOCS[0]}.html") and time.time() < end:
+        time.sleep(0.2)
+    assert driver.current_url.split("#")[0].endswith(f"/{DOCS[0]}.html"), driver.current_url
+
+
+@pytest.mark.parametrize("query", ["attention", "softmax"])
+def test_search_page(site, driver, query):
+    _open(driver, f"{site}/search.html?q={query}")
+    summary = ""
+    end = time.time() + 30
+    while time.time() < end:
+        summary = driver.execute_script("const s = document.querySelector('.search-summary'); "
+                                        "return s ? s.innerText : ''")
+        if summary:
+            break
+        time.sleep(0.2)
+    assert summary, f"the search for {query!r} never finished (searchindex.js not loaded?)"
+    hits = driver.execute_script("return Array.from(document.querySelectorAll('ul.search li a')).map(a => a.href)")
+    assert hits, f"no search results for {query!r}: {summary}"
+    pages = {f"/{d}.html" for d in DOCS}
+    assert any(h.split("?")[0].split("#")[0].endswith(tuple(pages)) for h in hits), hits

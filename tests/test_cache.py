@@ -1,0 +1,158 @@
+"""Cache invalidation: a change to the library (or the profile) invalidates cached chapter
+outputs; the scorecard page is always re-read; building from executed notebooks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from qkov_lib import cache
+
+
+def _lib(tmp_path: Path) -> Path:
+    lib = tmp_path / "lib"
+    (lib / "sub").mkdir(parents=True)
+    (lib / "a.py").write_text("X = 1\n")
+    (lib / "sub" / "b.py").write_text("Y = 2\n")
+    return lib
+
+
+def test_library_hash_sees_code_not_bytecode(tmp_path: Path):
+    lib = _lib(tmp_path)
+    h0 = cache.library_hash(lib)
+    assert h0 == cache.library_hash(lib)
+    (lib / "__pycache__").mkdir()
+    (lib / "__pycache__" / "a.cpython-311.py").write_text("junk")
+    (lib / "notes.txt").write_text("not code")
+    assert cache.library_hash(lib) == h0
+    (lib / "sub" / "b.py").write_text("Y = 3\n")
+    h1 = cache.library_hash(lib)
+    assert h1 != h0
+    (lib / "sub" / "b.py").rename(lib / "sub" / "c.py")  # same bytes, other name
+    assert cache.library_hash(lib) != h1
+    with pytest.raises(FileNotFoundError):
+        cache.library_hash(tmp_path / "nope")
+    assert len(cache.library_hash()) == 64  # the real qkov_lib
+
+
+def test_cache_key_covers_profile_and_qkov_env_only(tmp_path: Path):
+    lib = _lib(tmp_path)
+    k = cache.cache_key(lib, {})
+    assert k == cache.cache_key(lib, {"QKOV_PROFILE": "cpu"})  # cpu is the default profile
+    assert k != cache.cache_key(lib, {"QKOV_PROFILE": "test"})
+    assert k != cache.cache_key(lib, {"QKOV_DATA_DIR": "/elsewhere"})
+    assert k == cache.cache_key(lib, {"QKOV_RESULTS_DIR": "/x", "HOME": "/y"})
+    (lib / "a.py").write_text("X = 2\n")
+    assert k != cache.cache_key(lib, {})
+
+
+def _book(root: Path) -> None:
+    (root / "book").mkdir(parents=True)
+    (root / "_config.yml").write_text("title: t\nexecute:\n  execute_notebooks: force\n")
+    (root / "_toc.yml").write_text("format: jb-book\nroot: book/intro\nparts:\n  - caption: c\n    chapters:\n"
+                                   "      - file: book/01_alpha\n      - file: book/10_scorecard.md\n")
+    (root / "book" / "intro.md").write_text("# Intro\n")
+    head = "---\njupytext:\n  text_representation: {extension: .md, format_name: myst}\n" \
+           "kernelspec: {display_name: Python 3, language: python, name: python3}\n"
+    (root / "book" / "01_alpha.md").write_text(head + "---\n# Alpha\n```{code-cell} ipython3\n1\n```\n")
+    (root / "book" / "10_scorecard.md").write_text(head + "mystnb:\n  execution_mode: force\n---\n# Card\n")
+
+
+def test_toc_and_chapters(tmp_path: Path):
+    _book(tmp_path)
+    assert cache.toc_files(tmp_path) == ["book/intro", "book/01_alpha", "book/10_scorecard"]
+    assert [p.name for p in cache.chapters(tmp_path)] == ["01_alpha.md", "10_scorecard.md"]
+    assert not cache.is_notebook(tmp_path / "book" / "intro.md")
+    with pytest.raises(FileNotFoundError):
+        cache.toc_files(tmp_path / "book")
+
+
+def test_stage_executed_replaces_chapters_and_switches_execution_off(tmp_path: Path):
+    import yaml
+
+    root, executed = tmp_path / "repo", tmp_path / "executed"
+    _book(root)
+    executed.mkdir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1", outputs=[
+        nbformat.v4.new_output("execute_result", {"text/plain": "1"}, execution_count=1)])])
+    nbformat.write(nb, executed / "alpha.ipynb")
+    with pytest.raises(FileNotFoundError, match="10_scorecard"):
+        cache.stage_executed(root, executed, tmp_path / "stage")
+    nb.metadata["mystnb"] = {"execution_mode": "force"}
+    nbformat.write(nb, executed / "scorecard.ipynb")
+    stage = cache.stage_executed(root, executed, tmp_path / "stage")
+    assert not (stage / "book" / "01_alpha.md").exists()
+    staged = nbformat.read(stage / "book" / "01_alpha.ipynb", as_version=4)
+    assert staged.cells[0].outputs[0]["data"]["text/plain"] == "1"
+    card = nbformat.read(stage / "book" / "10_scorecard.ipynb", as_version=4)
+    assert "execution_mode" not in card.metadata.get("mystnb", {})  # would re-execute otherwise
+    assert (stage / "book" / "intro.md").exists()
+    assert yaml.safe_load((stage / "_config.yml").read_text())["execute"]["execute_notebooks"] == "off"
+
+
+# -- the Sphinx extension, end to end: real builds of a two-page project -------------------------
+
+PAGE = """---
+jupytext:
+  text_representation: {{extension: .md, format_name: myst}}
+kernelspec: {{display_name: Python 3, language: python, name: python3}}
+{extra}---
+# {title}
+
+```{{code-cell}} ipython3
+import os
+open({counter!r}, "a").write("x")
+print("LIB SAYS", open({lib!r}).read().strip(), "RESULTS", os.environ.get("QKOV_RESULTS_DIR", "-"))
+```
+"""
+
+
+def _project(tmp_path: Path, mode: str) -> tuple[Path, Path]:
+    src, lib = tmp_path / "src", _lib(tmp_path)
+    src.mkdir()
+    (src / "conf.py").write_text(
+        f"extensions = ['myst_nb', 'qkov_lib.cache']\nnb_execution_mode = {mode!r}\n"
+        f"qkov_library_dir = {str(lib)!r}\nexclude_patterns = ['_build']\n")
+    (src / "index.md").write_text("# Home\n\n```{toctree}\nchapter\nscorecard\n```\n")
+    (src / "chapter.md").write_text(PAGE.format(extra="", title="Chapter", counter=str(tmp_path / "n_chapter"),
+                                                lib=str(lib / "a.py")))
+    (src / "scorecard.md").write_text(PAGE.format(extra="mystnb:\n  execution_mode: force\n", title="Card",
+                                                  counter=str(tmp_path / "n_card"), lib=str(lib / "a.py")))
+    return src, lib
+
+
+def _build(tmp_path: Path, src: Path, profile: str = "cpu") -> tuple[int, int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QKOV_")}
+    env["QKOV_PROFILE"] = profile
+    subprocess.run([sys.executable, "-m", "sphinx", "-q", "-b", "html", str(src), str(src / "_build" / "html")],
+                   check=True, env=env, capture_output=True)
+    count = lambda n: len((tmp_path / n).read_text()) if (tmp_path / n).exists() else 0  # noqa: E731
+    return count("n_chapter"), count("n_card"), (src / "_build" / "html" / "chapter.html").read_text()
+
+
+def test_incremental_force_build_reexecutes_after_a_library_change(tmp_path: Path):
+    src, lib = _project(tmp_path, "force")
+    assert _build(tmp_path, src)[:2] == (1, 1)
+    assert _build(tmp_path, src)[:2] == (1, 2)  # nothing changed: chapter not re-read; scorecard always
+    (lib / "a.py").write_text("X = 2\n")
+    n_chapter, _, html = _build(tmp_path, src)
+    assert n_chapter == 2 and "LIB SAYS X = 2" in html
+
+
+def test_cache_mode_keys_outputs_and_results_on_the_library(tmp_path: Path):
+    src, lib = _project(tmp_path, "cache")
+    n_chapter, n_card, html = _build(tmp_path, src)
+    assert (n_chapter, n_card) == (1, 1) and "LIB SAYS X = 1" in html
+    key1 = cache.cache_key(lib, {"QKOV_PROFILE": "cpu"})
+    assert f"{key1}/results" in html  # the kernels write results next to their cache
+    (lib / "a.py").write_text("X = 2\n")
+    n_chapter, n_card, html = _build(tmp_path, src)
+    assert (n_chapter, n_card) == (2, 2) and "LIB SAYS X = 2" in html
+    (lib / "a.py").write_text("X = 1\n")  # back to the first state: its cache is still there
+    n_chapter, n_card, html = _build(tmp_path, src)
+    assert (n_chapter, n_card) == (2, 3) and "LIB SAYS X = 1" in html  # cached chapter, fresh scorecard

@@ -1,0 +1,128 @@
+"""The reproducibility scorecard: claims from results files, verdicts, the MyST table."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from qkov_lib import running, scorecard
+
+PAPER = Path(__file__).resolve().parents[2] / "shared" / "PAPER.md"
+
+
+@pytest.fixture
+def book(tmp_path: Path) -> Path:
+    d = tmp_path / "book"
+    d.mkdir()
+    for name in ("01_synthetic.md", "03_theory.md", "intro.md"):
+        (d / name).write_text("# page\n")
+    return d
+
+
+def _results(folder: Path) -> None:
+    running.save_results("synthetic", {"profile": "test"}, {"claims": [
+        running.claim("S1", "heatmaps differ", "they differ | a lot", "reproduced", "01_synthetic"),
+        running.claim("S3", "ratio sharpens", "4/4 sharper", "partly", "01_synthetic")]},
+        path=folder / "synthetic.json", wall_time_s=1.5, device="cpu")
+    running.save_results("theory", {"profile": "cpu"}, {"claims": [
+        running.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
+        running.claim("T9", "not a claim", "?", "not tested", "theory")]},
+        path=folder / "theory.json", wall_time_s=2.0, device="cpu")
+    running.save_results("removed", {}, {"claims": [running.claim("T1", "p", "o", "reproduced", "05_removed")]},
+                         path=folder / "removed.json")
+    running.save_results("plain", {}, [{"no": "claims"}], path=folder / "plain.json")
+    (folder / "broken.json").write_text("{not json")
+
+
+def test_claim_ids_match_paper():
+    if not PAPER.exists():
+        pytest.skip(f"{PAPER} not available")
+    ids = re.findall(r"^- \*\*([TSR]\d)\.", PAPER.read_text(), flags=re.M)
+    assert ids == list(scorecard.CLAIMS)
+
+
+def test_load_results_keeps_only_files_with_claims(tmp_path: Path, book: Path):
+    _results(tmp_path)
+    found = scorecard.load_results(tmp_path)
+    assert [p.name for p, _ in found] == ["removed.json", "synthetic.json", "theory.json"]
+    assert scorecard.load_results(tmp_path / "missing") == []
+
+
+def test_find_doc_maps_names_to_numbered_pages(book: Path):
+    assert scorecard.find_doc("01_synthetic", book) == "01_synthetic"
+    assert scorecard.find_doc("synthetic", book) == "01_synthetic"
+    assert scorecard.find_doc("theory", book) == "03_theory"
+    assert scorecard.find_doc("sva", book) is None and scorecard.find_doc("", book) is None
+    # a page on disk that is not in the table of contents is not part of the book
+    assert scorecard.find_doc("theory", book, pages=["book/intro", "book/01_synthetic"]) is None
+    assert scorecard.find_doc("synthetic", book, pages=["book/intro", "book/01_synthetic"]) == "01_synthetic"
+
+
+def test_combine_verdicts():
+    assert scorecard.combine([]) == "not run"
+    assert scorecard.combine(["reproduced", "reproduced"]) == "reproduced"
+    assert scorecard.combine(["reproduced", "not reproduced"]) == "partly"
+    assert scorecard.combine(["not tested"]) == "not tested"
+    assert scorecard.combine(["not tested", "not reproduced"]) == "not reproduced"
+
+
+def test_scorecard_from_results(tmp_path: Path, book: Path):
+    _results(tmp_path)
+    rows = scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book)
+    assert "05_removed" not in set(rows["chapter"])  # its page is gone: stale file dropped
+    assert set(rows["doc"]) == {"01_synthetic", "03_theory"}
+    only = scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book, pages=["book/01_synthetic"])
+    assert set(only["doc"]) == {"01_synthetic"} and len(only) == 2
+    card = scorecard.build(rows).set_index("id")
+    assert list(card.index) == list(scorecard.CLAIMS) + ["T9"]
+    assert card.loc["S1", "verdict"] == "reproduced"
+    assert card.loc["S3", "verdict"] == "partly"  # one chapter reproduced, one partly
+    assert len(card.loc["S3", "measurements"]) == 2
+    assert card.loc["T1", "verdict"] == "not run" and card.loc["R2", "verdict"] == "not run"
+    assert not card.loc["T9", "known"]
+    n = scorecard.counts(card.reset_index())
+    assert sum(n.values()) == len(scorecard.CLAIMS)  # T9 is not counted
+    assert n == {"reproduced": 1, "partly": 1, "not reproduced": 0, "not tested": 0, "not run": 10}
+    prov = scorecard.provenance(scorecard.load_results(tmp_path))
+    assert list(prov["chapter"]) == ["removed", "synthetic", "theory"] and list(prov["claims"]) == [1, 2, 2]
+
+
+def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
+    from markdown_it.token import Token
+    from myst_parser.config.main import MdParserConfig
+    from myst_parser.parsers.mdit import create_md_parser
+    from myst_parser.mdit_to_docutils.base import DocutilsRenderer
+
+    _results(tmp_path)
+    card = scorecard.build(scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book))
+    text = scorecard.to_myst(card)
+    assert "{doc}`01_synthetic`" in text and "{doc}`03_theory`" in text
+    assert "{bdg-success}`reproduced`" in text and "{bdg-warning}`partly`" in text
+    assert "they differ \\| a lot" in text
+    tokens: list[Token] = create_md_parser(MdParserConfig(), DocutilsRenderer).parse(text)
+    rows = [t for t in tokens if t.type == "tr_open"]
+    # header + one row per measurement (S3 twice) + one per claim without measurement
+    assert len(rows) == 1 + len(scorecard.CLAIMS) + 1 + 1
+    widths, n = [], 0
+    for t in tokens:
+        if t.type == "tr_open":
+            n = 0
+        elif t.type in ("td_open", "th_open"):
+            n += 1
+        elif t.type == "tr_close":
+            widths.append(n)
+    assert set(widths) == {5}
+    plain = scorecard.to_myst(card, link=False)
+    assert "{doc}" not in plain and "{bdg" not in plain and "**not run**" in plain
+
+
+def test_scorecard_cli(tmp_path: Path, capsys):
+    _results(tmp_path)
+    assert running.main(["scorecard", "--results", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    counts = json.loads(out.strip().splitlines()[-1])
+    assert set(counts) == set(scorecard.VERDICTS)
+    assert "| **T1** |" in out
