@@ -1,0 +1,594 @@
+"""Chapter "Faster QK learning in a multi-layer transformer": a small ``nn.TransformerEncoder``
+(several layers and heads, read out at the query position) trained with AdamW on SVA and
+HateXplain at several ``eta_QK/eta_OV``, with the knob applied by :mod:`qkov_lib.knob`.
+
+What is measured, per test instance ``i``, layer ``l`` and head ``h``: the attention row of the
+query position (the last column) ``alpha^{l,h}_i`` (T,) and its mass on the relevant tokens
+``a^{l,h}_i = sum_{t in R_i} alpha^{l,h}_{i,t}`` (SVA: the subject noun; HateXplain: the union
+of the annotators' rationales), averaged over the test instances that have relevant tokens.
+Heads carry no identity across runs, so the per-head summaries sort the heads of each layer
+by their mass ("rank 1" = the sharpest head of that layer in that run) before averaging seeds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..data.batch import Batch
+from ..knob import knob_optimizer
+from ..metrics import relevant_mass
+from ..running import claim, pick_device, seed_everything
+from ..training import NonFiniteError, log_steps
+
+DATASETS = ("sva", "hatexplain")
+DISPLAY = {"sva": "SVA", "hatexplain": "HateXplain"}
+TAU = 0.5  # AC threshold for the per-head table
+DELTA = 0.02  # a change of head attention smaller than this counts as "no change"
+
+# Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
+PROFILES: dict[str, dict] = {
+    "test": dict(datasets=list(DATASETS), ratios=[1.0, 10.0, 100.0], seeds=[0], n_layers=2, n_heads=2,
+                 d_model=16, dim_ff=32, steps=40, batch_size=32, eta_ov=1e-3, eta_other=None, weight_decay=0.01,
+                 n_train=300, n_test=200, max_len_sva=16, max_len_hatexplain=48, n_logs=4, n_monitor=128),
+    "cpu": dict(datasets=list(DATASETS), ratios=[1.0, 10.0, 100.0], seeds=[0, 1], n_layers=2, n_heads=4,
+                d_model=64, dim_ff=128, steps=800, batch_size=64, eta_ov=1e-4, eta_other=None, weight_decay=0.01,
+                n_train=None, n_test=None, max_len_sva=16, max_len_hatexplain=64, n_logs=8, n_monitor=256),
+    "full": dict(datasets=list(DATASETS), ratios=[1.0, 10.0, 100.0], seeds=[0, 1, 2, 3, 4], n_layers=4, n_heads=8,
+                 d_model=128, dim_ff=256, steps=6000, batch_size=128, eta_ov=1e-4, eta_other=None, weight_decay=0.01,
+                 n_train=None, n_test=None, max_len_sva=16, max_len_hatexplain=96, n_logs=20, n_monitor=1024),
+}
+
+
+# --- the model ------------------------------------------------------------------------------
+def encoder_with_attention(encoder: nn.TransformerEncoder, x: Tensor, key_padding_mask: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Run ``encoder`` (batch_first layers, pre- or post-norm) on ``x`` (B, T, d) and also return
+    each layer's per-head attention weights, a list of ``L`` tensors (B, H, T, T) (rows: queries,
+    columns: keys; exactly zero on padded keys). ``key_padding_mask`` (B, T) is True on padding.
+
+    The layer is re-traced from its public parts (``self_attn``, ``linear1/2``, ``norm1/2``,
+    ``activation``, dropouts) so that ``self_attn`` can be called with ``need_weights=True,
+    average_attn_weights=False``; the output equals ``encoder(x, src_key_padding_mask=...)``."""
+    maps = []
+    for layer in encoder.layers:
+        if not getattr(layer.self_attn, "batch_first", False):
+            raise ValueError("encoder_with_attention needs batch_first=True layers")
+
+        def sa(h: Tensor) -> Tensor:
+            out, w = layer.self_attn(h, h, h, key_padding_mask=key_padding_mask, need_weights=True,
+                                     average_attn_weights=False)
+            maps.append(w)
+            return layer.dropout1(out)
+
+        def ff(h: Tensor) -> Tensor:
+            return layer.dropout2(layer.linear2(layer.dropout(layer.activation(layer.linear1(h)))))
+
+        if layer.norm_first:
+            x = x + sa(layer.norm1(x))
+            x = x + ff(layer.norm2(x))
+        else:
+            x = layer.norm1(x + sa(x))
+            x = layer.norm2(x + ff(x))
+    if encoder.norm is not None:
+        x = encoder.norm(x)
+    return x, maps
+
+
+class EncoderClassifier(nn.Module):
+    """Token + position embeddings (positions counted back from the query, as in
+    :class:`qkov_lib.models.TokenModel`), a pre-norm ``nn.TransformerEncoder`` (``n_layers``
+    layers of ``n_heads`` heads, ``batch_first``, no dropout) with a final LayerNorm, and a
+    linear readout of the query position (the last column).
+
+    ``forward(tokens (B, T), key_mask (B, T))`` -> ``(logits (B, C), attn (B, L, H, T))``: the
+    query row of every layer's and head's attention."""
+
+    def __init__(self, vocab_size: int, n_classes: int, max_len: int, d_model: int = 64, n_heads: int = 4,
+                 n_layers: int = 2, dim_ff: int = 128, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_layers < 1:
+            raise ValueError(f"n_layers must be >= 1, got {n_layers}")
+        self.embed = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(max_len, d_model)
+        with torch.no_grad():
+            self.embed.weight.normal_(0.0, 1.0, generator=generator)
+            self.pos.weight.normal_(0.0, 1.0, generator=generator)
+        # the encoder and readout use torch's default initialisation, drawn from ``generator``
+        # (through a forked global RNG, which is left as it was)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator)) if generator is not None else None
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            layer = nn.TransformerEncoderLayer(d_model, n_heads, dim_ff, dropout=0.0, batch_first=True, norm_first=True)
+            self.encoder = nn.TransformerEncoder(layer, n_layers, norm=nn.LayerNorm(d_model), enable_nested_tensor=False)
+            self.head = nn.Linear(d_model, n_classes)
+        self.max_len, self.n_layers, self.n_heads = max_len, n_layers, n_heads
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        T = tokens.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds the model's max_len {self.max_len}")
+        back = torch.arange(T - 1, -1, -1, device=tokens.device)  # distance from the query
+        return self.embed(tokens) + self.pos(back)[None]
+
+    def maps(self, tokens: Tensor, key_mask: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """``(logits (B, C), [attention (B, H, T, T)] * L)``: full per-head attention maps."""
+        if tokens.shape != key_mask.shape or not bool(key_mask.any(dim=1).all()):
+            raise ValueError("tokens and key_mask must have the same shape (B, T) and every row needs a key")
+        h, maps = encoder_with_attention(self.encoder, self.embed_tokens(tokens), ~key_mask)
+        return self.head(h[:, -1]), maps
+
+    def forward(self, tokens: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
+        logits, maps = self.maps(tokens, key_mask)
+        return logits, torch.stack([m[:, :, -1] for m in maps], dim=1)
+
+
+def rollout(maps: Sequence[Tensor]) -> Tensor:
+    """Attention rollout (Abnar & Zuidema 2020) of the query row: with the head-averaged maps
+    ``A_l`` (B, T, T) and the residual stream as an identity, ``r = e_q^T R_L ... R_1`` with
+    ``R_l = (A_l + I) / 2``. Returns (B, T), rows summing to 1: how much of each input
+    position flows into the query's final state through attention."""
+    B, _, T, _ = maps[0].shape
+    r = torch.zeros(B, T, dtype=maps[0].dtype, device=maps[0].device)
+    r[:, -1] = 1.0
+    for m in reversed(maps):
+        A = m.mean(dim=1)
+        r = 0.5 * torch.einsum("bt,bts->bs", r, A) + 0.5 * r
+    return r
+
+
+# --- metrics --------------------------------------------------------------------------------
+@torch.no_grad()
+def predict_maps(model: EncoderClassifier, data: Batch, chunk: int = 256) -> tuple[Tensor, Tensor, Tensor]:
+    """``(probs (N, C), query attention (N, L, H, T), rollout (N, T))`` on ``data``, in chunks."""
+    was = model.training
+    model.eval()
+    probs, att, roll = [], [], []
+    for i in range(0, len(data), chunk):
+        b = data.index(slice(i, i + chunk))
+        logits, maps = model.maps(b.tokens, b.key_mask)
+        probs.append(torch.softmax(logits.double(), -1).cpu())
+        att.append(torch.stack([m[:, :, -1] for m in maps], dim=1).cpu())
+        roll.append(rollout(maps).cpu())
+    model.train(was)
+    return torch.cat(probs), torch.cat(att), torch.cat(roll)
+
+
+def macro_f1(pred: Tensor, y: Tensor, n_classes: int) -> float:
+    """Unweighted mean over classes of the F1 score (a class with no true and no predicted
+    instance counts as F1 = 0 only if it occurs in ``y``; absent classes are left out)."""
+    f1s = []
+    for c in range(n_classes):
+        tp = int(((pred == c) & (y == c)).sum())
+        fp, fn = int(((pred == c) & (y != c)).sum()), int(((pred != c) & (y == c)).sum())
+        if tp + fn == 0:
+            continue
+        f1s.append(2 * tp / (2 * tp + fp + fn))
+    return float(np.mean(f1s)) if f1s else float("nan")
+
+
+def head_metrics(attn: Tensor, roll: Tensor, relevant: Tensor, key_mask: Tensor, tau: float = TAU) -> pd.DataFrame:
+    """Attention on the relevant tokens at the query position, over the instances with at least
+    one relevant token. ``attn`` (N, L, H, T), ``roll`` (N, T), ``relevant``/``key_mask`` (N, T).
+
+    One row per (layer, head) with ``head`` = 1..H (index), plus ``head="mean"`` (the
+    head-averaged attention row of the layer), plus one row ``layer="rollout"``. Columns:
+    ``attn_relevant`` (mean mass), ``AC`` (fraction with mass >= ``tau``), ``focus`` (fraction
+    whose most-attended key is relevant), ``uniform`` (the mass of uniform attention over the
+    keys, ``|R_i| / #keys``, the reference for "sharper than chance")."""
+    has = relevant.any(dim=1)
+    if not bool(has.any()):
+        raise ValueError("no test instance has relevant tokens")
+    attn, roll, rel = attn[has].double(), roll[has].double(), relevant[has]
+    uniform = float((rel.sum(1) / key_mask[has].sum(1)).double().mean())
+    N, L, H, T = attn.shape
+
+    def row(layer, head, a_rows: Tensor) -> dict:
+        a = relevant_mass(a_rows, rel)
+        top = a_rows.argmax(dim=-1)
+        return {"layer": layer, "head": head, "attn_relevant": float(a.mean()), "AC": float((a >= tau).double().mean()),
+                "focus": float(rel.gather(1, top[:, None])[:, 0].double().mean()), "uniform": uniform}
+
+    rows = []
+    for l in range(L):
+        for h in range(H):
+            rows.append(row(l + 1, h + 1, attn[:, l, h]))
+        rows.append(row(l + 1, "mean", attn[:, l].mean(dim=1)))
+    rows.append(row("rollout", "-", roll))
+    return pd.DataFrame(rows)
+
+
+# --- training -------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One trained model: settings, test scores, per-head metrics, training history and the
+    knob report (which tensor went to which group)."""
+
+    dataset: str
+    ratio: float
+    seed: int
+    test: dict[str, float]
+    heads: pd.DataFrame
+    history: pd.DataFrame
+    knob_report: str = ""
+    knob_summary: pd.DataFrame = field(default_factory=pd.DataFrame)
+
+
+def length_batches(lengths: Tensor, batch_size: int, gen: torch.Generator, pool: int = 32) -> list[Tensor]:
+    """One epoch of minibatch indices: a random permutation cut into pools of ``pool`` batches,
+    each pool sorted by sequence length and cut into batches, then the batches shuffled. Batches
+    of similar lengths need little padding (see :func:`trim_padding`); every index occurs once."""
+    perm = torch.randperm(len(lengths), generator=gen)
+    batches: list[Tensor] = []
+    for chunk in perm.split(batch_size * pool):
+        chunk = chunk[torch.argsort(lengths[chunk], stable=True)]
+        batches.extend(chunk.split(batch_size))
+    return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
+
+
+def trim_padding(b: Batch) -> Batch:
+    """Drop the leading columns that are padding in every row of a left-padded batch (positions
+    are counted back from the query, so the model's output does not change)."""
+    first = int(b.key_mask.any(dim=0).int().argmax())
+    if first == 0:
+        return b
+    return Batch(b.tokens[:, first:], b.key_mask[:, first:], b.relevant[:, first:], b.y, b.weight)
+
+
+def _monitor(model: EncoderClassifier, data: Batch) -> dict[str, float]:
+    probs, attn, _ = predict_maps(model, data)
+    out = {"loss": float(F.nll_loss(probs.clamp_min(1e-300).log(), data.y.cpu())),
+           "accuracy": float((probs.argmax(-1) == data.y.cpu()).double().mean())}
+    has = data.relevant.any(1).cpu()
+    if bool(has.any()):
+        a = (attn[has] * data.relevant.cpu()[has][:, None, None].to(attn.dtype)).sum(-1)  # (n, L, H)
+        for l in range(a.shape[1]):
+            out[f"L{l + 1} head-mean"] = float(a[:, l].mean())
+            out[f"L{l + 1} best head"] = float(a[:, l].mean(0).max())
+    return out
+
+
+def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: torch.device | None = None,
+              progress: bool = False) -> Run:
+    """Train one :class:`EncoderClassifier` with AdamW over the ``qk``/``ov``/``other`` groups of
+    :func:`qkov_lib.knob.knob_optimizer` (qk: ``eta_ov * ratio``; ov: ``eta_ov``; other:
+    ``eta_other`` or ``eta_ov``) for ``cfg["steps"]`` minibatch steps, then evaluate on the test
+    split. ``data`` is a :class:`qkov_lib.data.text.TextDataset`."""
+    device = device or pick_device()
+    gen = seed_everything(seed)
+    model = EncoderClassifier(data.vocab_size, data.n_classes, data.max_len, cfg["d_model"], cfg["n_heads"],
+                              cfg["n_layers"], cfg["dim_ff"], generator=gen).to(device)
+    opt, report = knob_optimizer(model, "adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
+                                 weight_decay=cfg["weight_decay"])
+    train, test = data.train.to(device), data.test.to(device)
+    monitor = test.index(slice(0, cfg["n_monitor"]))
+    logs = set(log_steps(cfg["steps"], cfg["n_logs"]))
+    bs = min(cfg["batch_size"], len(train))
+    lengths = train.key_mask.sum(dim=1).cpu()
+    order: list[Tensor] = []
+    hist = []
+    for step in tqdm(range(cfg["steps"] + 1), desc=f"{dataset} r={ratio:g} s={seed}", disable=not progress, leave=False):
+        if step in logs:
+            hist.append({"step": step, **_monitor(model, monitor)})
+        if step == cfg["steps"]:
+            break
+        if not order:
+            order = length_batches(lengths, bs, gen)
+        b = trim_padding(train.index(order.pop(0).to(device)))
+        logits, _ = model(b.tokens, b.key_mask)
+        loss = F.cross_entropy(logits, b.y)
+        if not bool(torch.isfinite(loss)):
+            raise NonFiniteError(f"non-finite loss at step {step} ({dataset}, ratio {ratio:g}, seed {seed})")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    probs, attn, roll = predict_maps(model, test)
+    y = test.y.cpu()
+    pred = probs.argmax(-1)
+    scores = {"loss": float(F.nll_loss(probs.clamp_min(1e-300).log(), y)), "accuracy": float((pred == y).double().mean()),
+              "macro_f1": macro_f1(pred, y, data.n_classes)}
+    heads = head_metrics(attn, roll, test.relevant.cpu(), test.key_mask.cpu())
+    return Run(dataset, float(ratio), seed, scores, heads, pd.DataFrame(hist), str(report), report.summary())
+
+
+def load_data(cfg: dict, data_dir=None) -> dict:
+    """The :class:`TextDataset` of each dataset in ``cfg["datasets"]`` (data split seed 0)."""
+    from ..data.text import load_text_dataset
+
+    out = {}
+    for name in cfg["datasets"]:
+        if name not in DATASETS:
+            raise ValueError(f"unknown dataset {name!r}; this chapter takes {', '.join(DATASETS)}")
+        out[name] = load_text_dataset(name, data_dir=data_dir, max_len=cfg[f"max_len_{name}"], n_train=cfg["n_train"],
+                                      n_test=cfg["n_test"], seed=0)
+    return out
+
+
+def run_grid(cfg: dict, datasets: dict, device: torch.device | None = None) -> list[Run]:
+    """Train every (dataset, ratio, seed) of ``cfg`` with a progress bar."""
+    grid = list(itertools.product(cfg["datasets"], cfg["ratios"], cfg["seeds"]))
+    return [train_one(datasets[d], d, r, s, cfg, device) for d, r, s in tqdm(grid, desc="multi-layer grid")]
+
+
+# --- tables ---------------------------------------------------------------------------------
+def scores_frame(runs: Sequence[Run]) -> pd.DataFrame:
+    """One row per run: dataset, ratio, seed, test loss/accuracy/macro-F1."""
+    return pd.DataFrame([{"dataset": r.dataset, "ratio": r.ratio, "seed": r.seed, **r.test} for r in runs])
+
+
+def heads_frame(runs: Sequence[Run]) -> pd.DataFrame:
+    """Long table of every run's :func:`head_metrics`, plus ``rank``: the head's position when
+    the heads of its layer are sorted by ``attn_relevant`` (1 = sharpest; NaN for the mean and
+    rollout rows)."""
+    parts = []
+    for r in runs:
+        f = r.heads.copy()
+        idx = f["head"].map(lambda h: isinstance(h, (int, np.integer)))
+        f["rank"] = np.nan
+        for layer, g in f[idx].groupby("layer"):
+            order = g["attn_relevant"].rank(ascending=False, method="first")
+            f.loc[order.index, "rank"] = order
+        f.insert(0, "seed", r.seed)
+        f.insert(0, "ratio", r.ratio)
+        f.insert(0, "dataset", r.dataset)
+        parts.append(f)
+    return pd.concat(parts, ignore_index=True)
+
+
+def histories_frame(runs: Sequence[Run]) -> pd.DataFrame:
+    parts = []
+    for r in runs:
+        f = r.history.copy()
+        f.insert(0, "seed", r.seed)
+        f.insert(0, "ratio", r.ratio)
+        f.insert(0, "dataset", r.dataset)
+        parts.append(f)
+    return pd.concat(parts, ignore_index=True)
+
+
+def _half_width(v: pd.Series) -> float:
+    from scipy import stats
+
+    n = len(v)
+    return float(stats.t.ppf(0.975, n - 1) * v.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+
+
+def layer_table(heads: pd.DataFrame) -> pd.DataFrame:
+    """Per dataset, ratio and layer (and the rollout): mean over seeds of the head-averaged
+    attention on relevant tokens (``head-mean``, with its 95% half-width over seeds) and of the
+    sharpest head's (``best head``), AC and focus of the head-mean row, and ``uniform``."""
+    rows = []
+    for (d, r, layer), g in heads.groupby(["dataset", "ratio", "layer"], sort=False):
+        mean_rows = g[g["head"].isin(["mean", "-"])]
+        per_seed_best = g[g["rank"] == 1].set_index("seed")["attn_relevant"]
+        rows.append({"dataset": d, "ratio": r, "layer": layer,
+                     "head-mean": mean_rows["attn_relevant"].mean(), "head-mean ±": _half_width(mean_rows["attn_relevant"]),
+                     "best head": per_seed_best.mean() if len(per_seed_best) else np.nan,
+                     "AC head-mean": mean_rows["AC"].mean(), "focus head-mean": mean_rows["focus"].mean(),
+                     "uniform": g["uniform"].mean()})
+    return pd.DataFrame(rows)
+
+
+def rank_table(heads: pd.DataFrame) -> pd.DataFrame:
+    """Wide table: attention on relevant tokens of the rank-k head of each layer (mean over
+    seeds), one row per (dataset, layer, rank), one column per ratio."""
+    h = heads[heads["rank"].notna()].copy()
+    h["rank"] = h["rank"].astype(int)
+    t = h.groupby(["dataset", "layer", "rank", "ratio"])["attn_relevant"].mean().unstack("ratio")
+    t.columns = [f"ratio {c:g}" for c in t.columns]
+    return t
+
+
+def head_table(heads: pd.DataFrame, seed: int) -> pd.DataFrame:
+    """Per-head attention on relevant tokens by head index for one seed (heads keep their
+    initialisation across ratios, since the seed fixes it): rows (dataset, layer, head),
+    columns ratios."""
+    h = heads[(heads["seed"] == seed) & heads["rank"].notna()]
+    t = h.pivot_table(index=["dataset", "layer", "head"], columns="ratio", values="attn_relevant")
+    t.columns = [f"ratio {c:g}" for c in t.columns]
+    return t
+
+
+def changes(heads: pd.DataFrame, lo: float, hi: float, delta: float = DELTA) -> pd.DataFrame:
+    """Per dataset, layer and head rank: the change of attention on relevant tokens from ratio
+    ``lo`` to ``hi``, pairing runs by seed: mean over seeds, its 95% half-width (NaN with one
+    seed), and ``sharpened`` / ``blunted``: the mean change exceeds ``+delta`` / falls below
+    ``-delta`` and every seed's change has that sign."""
+    h = heads[heads["rank"].notna()]
+    a = h[h["ratio"] == lo].set_index(["dataset", "layer", "rank", "seed"])["attn_relevant"]
+    b = h[h["ratio"] == hi].set_index(["dataset", "layer", "rank", "seed"])["attn_relevant"]
+    d = (b - a).dropna().rename("change").reset_index()
+    rows = []
+    for (ds, layer, rank), g in d.groupby(["dataset", "layer", "rank"]):
+        m = g["change"].mean()
+        rows.append({"dataset": ds, "layer": layer, "rank": int(rank), "ratio": hi, "change": m,
+                     "±": _half_width(g["change"]),
+                     "sharpened": bool(m > delta and (g["change"] > 0).all()),
+                     "blunted": bool(m < -delta and (g["change"] < 0).all())})
+    return pd.DataFrame(rows)
+
+
+def all_changes(heads: pd.DataFrame, ratios: Sequence[float], delta: float = DELTA) -> pd.DataFrame:
+    """:func:`changes` from the lowest ratio to each of the others, stacked."""
+    lo = min(ratios)
+    return pd.concat([changes(heads, lo, r, delta) for r in sorted(ratios) if r != lo], ignore_index=True)
+
+
+# --- facts and verdicts ---------------------------------------------------------------------
+def _verdict(layers: Sequence[int], max_heads: int, n_layers: int) -> str:
+    """The answer to "beyond one layer and one head?" from the layers that have a sharper head
+    and the largest number of sharper heads in one layer."""
+    if not layers:
+        return "no: no head got sharper"
+    several = max_heads >= 2
+    if len(layers) >= 2:
+        where = "in every layer" if len(layers) == n_layers else f"in layers {', '.join(map(str, layers))} of {n_layers}"
+        return f"yes, {where}, " + ("with several heads per layer" if several else "but in one head per layer")
+    return f"only in layer {layers[0]}, " + ("in several of its heads" if several else "in a single head")
+
+
+def _arrow(values: Sequence[float]) -> str:
+    return " → ".join(f"{v:.3f}" for v in values)
+
+
+def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: float = DELTA) -> dict[str, str]:
+    """The numbers and verdicts the chapter's prose quotes. Per dataset ``<ds>_...``: accuracy
+    and the head-mean / sharpest-head attention of each layer across the ratios, the uniform
+    baseline, the rollout; per higher ratio ``<ds>_r<ratio>_...``: counts of sharper/blunter
+    (layer, head-rank) slots against the lowest ratio, the layers they are in, the layer with the
+    largest head-mean gain and the computed answer to "does the sharpening carry beyond one
+    layer and one head?"; ``<ds>_answer`` sums these up and ``overall`` covers all datasets."""
+    ratios = sorted(cfg["ratios"])
+    lo, higher = ratios[0], ratios[1:]
+    L = cfg["n_layers"]
+    lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
+    acc = scores.groupby(["dataset", "ratio"])[["accuracy", "macro_f1"]].mean()
+    out = {"r_low": f"{lo:g}", "r_high": f"{ratios[-1]:g}", "ratios": " / ".join(f"{r:g}" for r in ratios),
+           "n_layers": str(L), "n_heads": str(cfg["n_heads"]), "n_seeds": str(len(cfg["seeds"])), "delta": f"{delta:g}",
+           "n_slots": str(L * cfg["n_heads"])}
+    overall = []
+    for ds in cfg["datasets"]:
+        out[f"{ds}_acc"] = _arrow([acc.loc[(ds, r), "accuracy"] for r in ratios])
+        out[f"{ds}_f1"] = _arrow([acc.loc[(ds, r), "macro_f1"] for r in ratios])
+        out[f"{ds}_uniform"] = f"{lt.loc[(ds, lo, 1), 'uniform']:.3f}"
+        out[f"{ds}_rollout"] = _arrow([lt.loc[(ds, r, "rollout"), "head-mean"] for r in ratios])
+        out[f"{ds}_layers"] = "; ".join(
+            f"layer {l}: head-mean {_arrow([lt.loc[(ds, r, l), 'head-mean'] for r in ratios])}, "
+            f"sharpest head {_arrow([lt.loc[(ds, r, l), 'best head'] for r in ratios])}" for l in range(1, L + 1))
+        answers = []
+        for r in higher:
+            c = changes(heads, lo, r, delta)
+            c = c[c["dataset"] == ds]
+            sharp = c[c["sharpened"]]
+            layers = sorted({int(x) for x in sharp["layer"]})
+            max_heads = int(sharp.groupby("layer").size().max()) if len(sharp) else 0
+            gains = {l: lt.loc[(ds, r, l), "head-mean"] - lt.loc[(ds, lo, l), "head-mean"] for l in range(1, L + 1)}
+            best = max(gains, key=gains.get)
+            verdict = _verdict(layers, max_heads, L)
+            tag = f"{ds}_r{r:g}"
+            out.update({f"{tag}_n_sharp": str(len(sharp)), f"{tag}_n_blunt": str(int(c["blunted"].sum())),
+                        f"{tag}_sharp_layers": ", ".join(map(str, layers)) or "none",
+                        f"{tag}_best_layer": str(best), f"{tag}_best_gain": f"{gains[best]:+.3f}",
+                        f"{tag}_dacc": f"{acc.loc[(ds, r), 'accuracy'] - acc.loc[(ds, lo), 'accuracy']:+.3f}",
+                        f"{tag}_verdict": verdict})
+            answers.append(f"at ratio {r:g}, {verdict} ({len(sharp)} sharper and {int(c['blunted'].sum())} blunter "
+                           f"slots of {len(c)}; largest head-mean gain in layer {best}, {gains[best]:+.3f})")
+        out[f"{ds}_answer"] = "; ".join(answers)
+        yes = [r for r in higher if out[f"{ds}_r{r:g}_verdict"].startswith("yes")]
+        overall.append(f"{DISPLAY.get(ds, ds)}: " + (f"yes at ratio {' and '.join(f'{r:g}' for r in yes)}" if yes
+                                                     else "not at any ratio")
+                       + " (" + "; ".join(f"ratio {r:g}: {out[f'{ds}_r{r:g}_verdict']}" for r in higher) + ")")
+    out["overall"] = " — ".join(overall)
+    out["eta_qk_high"] = f"{cfg['eta_ov'] * ratios[-1]:g}"
+    out["eta_ov"] = f"{cfg['eta_ov']:g}"
+    return out
+
+
+def claims(facts: dict[str, str], cfg: dict) -> list[dict[str, str]]:
+    """Scorecard rows for R1-R3, as a multi-layer extension of the paper's single-layer setting."""
+    ch = "09_multilayer"
+    ratios = sorted(cfg["ratios"])
+    lo, higher, dss = ratios[0], ratios[1:], cfg["datasets"]
+    daccs = {(d, r): float(facts[f"{d}_r{r:g}_dacc"]) for d in dss for r in higher}
+    worst = min(daccs.values())
+    r1 = "reproduced" if worst >= -0.02 else ("partly" if any(v >= -0.02 for v in daccs.values()) else "not reproduced")
+    accs = "; ".join(f"{d}: accuracy {facts[f'{d}_acc']} at ratios {facts['ratios']}" for d in dss)
+    sharp = {(d, r): int(facts[f"{d}_r{r:g}_n_sharp"]) for d in dss for r in higher}
+    blunt = {(d, r): int(facts[f"{d}_r{r:g}_n_blunt"]) for d in dss for r in higher}
+    yes = {(d, r): facts[f"{d}_r{r:g}_verdict"].startswith("yes") for d in dss for r in higher}
+    r2 = "reproduced" if all(yes.values()) else ("partly" if any(v > 0 for v in sharp.values()) else "not reproduced")
+    atts = "; ".join(f"{d} ratio {r:g}: {sharp[(d, r)]} sharper / {blunt[(d, r)]} blunter of {facts['n_slots']} "
+                     f"(layer, head) slots" for d in dss for r in higher)
+    # decoupled: attention got sharper somewhere while accuracy did not move by more than 0.02
+    dec = [sharp[k] > 0 and abs(daccs[k]) <= 0.02 for k in daccs]
+    cou = [sharp[k] > 0 and abs(daccs[k]) > 0.02 for k in daccs]
+    r3 = "not tested" if not any(dec) and not any(cou) else ("partly" if any(dec) else "not reproduced")
+    size = f"{cfg['n_layers']} layers x {cfg['n_heads']} heads, AdamW, {len(cfg['seeds'])} seed(s)"
+    return [
+        claim("R1", "accuracy stays stable as eta_QK/eta_OV grows",
+              f"multi-layer extension ({size}): {accs}; worst change against ratio {lo:g}: {worst:+.3f}", r1, ch),
+        claim("R2", "attention on relevant tokens rises with eta_QK/eta_OV",
+              f"multi-layer extension ({size}), against ratio {lo:g}: {atts}; sufficiency not measured here", r2, ch),
+        claim("R3", "sharpness and accuracy are decoupled",
+              f"multi-layer extension: accuracy changes against ratio {lo:g}: "
+              + ", ".join(f"{d} {r:g}: {v:+.3f}" for (d, r), v in daccs.items())
+              + f"; sharper slots: " + ", ".join(f"{d} {r:g}: {n}" for (d, r), n in sharp.items()), r3, ch),
+    ]
+
+
+# --- figures --------------------------------------------------------------------------------
+def head_heatmaps(heads: pd.DataFrame, datasets: Sequence[str], ratios: Sequence[float]) -> plt.Figure:
+    """One panel per (dataset, ratio): layers x head ranks, colour = attention on relevant tokens
+    at the query position (mean over seeds), annotated."""
+    import seaborn as sns
+
+    from ..plotting import FACE, setup
+
+    setup()
+    h = heads[heads["rank"].notna()].copy()
+    h["rank"] = h["rank"].astype(int)
+    fig, axes = plt.subplots(len(datasets), len(ratios), figsize=(2.6 * len(ratios) + 1.5, 1.9 * len(datasets) + 0.8),
+                             squeeze=False, facecolor=FACE)
+    for i, ds in enumerate(datasets):
+        for j, r in enumerate(ratios):
+            g = h[(h["dataset"] == ds) & (h["ratio"] == r)]
+            t = g.groupby(["layer", "rank"])["attn_relevant"].mean().unstack("rank")
+            sns.heatmap(t, ax=axes[i, j], vmin=0, vmax=1, cmap="mako_r", annot=True, fmt=".2f", cbar=False,
+                        annot_kws={"fontsize": 8})
+            axes[i, j].set_title(f"{ds}, ratio {r:g}", fontsize=10)
+            axes[i, j].set_xlabel("head rank (1 = sharpest)" if i == len(datasets) - 1 else "")
+            axes[i, j].set_ylabel("layer" if j == 0 else "")
+    fig.tight_layout()
+    return fig
+
+
+def layer_lines(table: pd.DataFrame, datasets: Sequence[str]) -> plt.Figure:
+    """Head-mean and sharpest-head attention on relevant tokens against the ratio (log axis),
+    one line per layer, one panel per dataset; dashed: uniform attention."""
+    from ..plotting import FACE, setup
+
+    setup()
+    fig, axes = plt.subplots(1, len(datasets), figsize=(4.6 * len(datasets), 3.4), squeeze=False, facecolor=FACE)
+    for ax, ds in zip(axes[0], datasets):
+        t = table[(table["dataset"] == ds) & (table["layer"] != "rollout")]
+        for k, (layer, g) in enumerate(t.groupby("layer")):
+            c = f"C{k}"
+            ax.plot(g["ratio"], g["head-mean"], "o-", color=c, label=f"layer {layer} head-mean")
+            ax.plot(g["ratio"], g["best head"], "s--", color=c, alpha=0.7, label=f"layer {layer} sharpest head")
+        ro = table[(table["dataset"] == ds) & (table["layer"] == "rollout")]
+        ax.plot(ro["ratio"], ro["head-mean"], "^:", color="k", label="rollout")
+        ax.axhline(t["uniform"].iloc[0], color="grey", ls="--", lw=1, label="uniform attention")
+        ax.set_xscale("log")
+        ax.set_ylim(0, 1)
+        ax.set_xlabel("eta_QK / eta_OV")
+        ax.set_ylabel("attention on relevant tokens")
+        ax.set_title(ds)
+    axes[0, -1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return fig
+
+
+def closing_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The per-layer table of the closing note: head-mean and sharpest-head attention on relevant
+    tokens (mean over seeds) per (dataset, layer), one column per (measure, ratio)."""
+    t = table.copy()
+    t["layer"] = t["layer"].astype(str)
+    w = t.pivot_table(index=["dataset", "layer"], columns="ratio", values=["head-mean", "best head"], sort=False)
+    w.columns = [f"{m} @ {r:g}" for m, r in w.columns]
+    return w[[c for c in w.columns if c.startswith("head-mean")] + [c for c in w.columns if c.startswith("best head")]]
+
+
+def settings_frame(cfg: dict) -> pd.DataFrame:
+    return pd.DataFrame({"setting": list(cfg), "value": [str(v) for v in cfg.values()]}).set_index("setting")

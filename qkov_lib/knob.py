@@ -1,0 +1,520 @@
+"""The paper's knob on any PyTorch model: ``qk`` / ``ov`` / ``other`` optimizer groups.
+
+:func:`knob_groups` finds the attention parameters of a model and returns optimizer parameter
+groups with ``lr = eta_ov * ratio`` for the query/key projections (``qk``), ``eta_ov`` for the
+value and output projections (``ov``) and ``eta_other`` for everything else, plus a
+:class:`KnobReport` that says which tensor (or slice of a tensor) went where.
+
+Recognised attention modules ("families"):
+
+* ``torch.nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` /
+  ``nn.TransformerDecoderLayer`` / ``nn.TransformerEncoder``): the packed ``in_proj_weight``
+  (3E, E) and ``in_proj_bias`` (3E,) hold Q, K, V stacked along dim 0; with ``kdim`` or
+  ``vdim`` != ``embed_dim`` the weights are separate (``q_proj_weight`` ...) but the bias is
+  still packed. ``bias_k`` is K, ``bias_v`` is V, ``out_proj`` is O.
+* Hugging Face style sibling modules: ``q_proj``/``k_proj``/``v_proj`` with ``o_proj`` or
+  ``out_proj`` (Llama, OPT, BART ...); ``query``/``key``/``value`` (BERT, RoBERTa, ViT) with
+  ``attention.output.dense`` as O; ``q``/``k``/``v``/``o`` (T5). A family needs both a Q and
+  a K child in the same parent, so a lone ``out_proj`` (a classification head) stays ``other``.
+  Every parameter below a matched child goes with it (so LoRA adapters of ``q_proj`` are ``qk``).
+* GPT-2's packed ``c_attn`` (Q, K, V side by side; HF ``Conv1D`` stores the weight transposed,
+  (E, 3E), an ``nn.Linear`` version (3E, E)) with its sibling ``c_proj`` as O; with a sibling
+  ``q_attn`` (GPT-2 cross-attention) ``c_attn`` holds K, V only. The MLP's ``c_proj`` has no
+  ``c_attn`` sibling and stays ``other``.
+* The library's own :class:`qkov_lib.models.QKOVAttention` (``W_QK, W_Q, W_K`` / ``W_OV, W_O, W_V``).
+
+Per-slice learning rates for packed tensors. Scaling the gradient of a slice is right for SGD
+but wrong for Adam, whose update ``m / sqrt(v)`` does not change when the gradient is scaled.
+Instead :func:`split_packed` re-registers each packed tensor as one leaf ``nn.Parameter`` per
+slice and rebuilds the packed tensor on every access with a ``torch.nn.utils.parametrize``
+parametrization (:class:`PackedSlices`, a concatenation). Each slice is then an ordinary
+parameter in its own optimizer group, which is right for every optimizer; the model computes
+exactly the same outputs. :func:`merge_packed` undoes it (e.g. before saving a state dict
+in the original layout).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import pandas as pd
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from .models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention, check_rate
+
+PART_GROUP: dict[str, str] = {"Q": "qk", "K": "qk", "V": "ov", "O": "ov"}
+
+# separate-projection families: child name -> part; a parent needs a Q and a K child
+SEPARATE_FAMILIES: tuple[tuple[str, dict[str, str]], ...] = (
+    ("q_proj/k_proj/v_proj/o_proj", {"q_proj": "Q", "k_proj": "K", "v_proj": "V", "o_proj": "O", "out_proj": "O"}),
+    ("query/key/value", {"query": "Q", "key": "K", "value": "V"}),
+    ("q/k/v/o (T5)", {"q": "Q", "k": "K", "v": "V", "o": "O"}),
+)
+BERT_OUTPUT = re.compile(r"(?:^|\.)attention\.output\.dense$")
+# names of packed projections whose slice layout this module does not know: refuse to guess
+UNSUPPORTED_PACKED = ("qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "kv_proj", "kv")
+
+
+# --- the parametrization ------------------------------------------------------------------
+class PackedSlices(nn.Module):
+    """Parametrization that rebuilds a packed tensor from its slices: ``forward(*slices)`` is
+    ``torch.cat(slices, dim)``; ``right_inverse(packed)`` splits it into contiguous copies of
+    sizes ``sizes`` along ``dim``. ``parts`` labels the slices (e.g. ``("Q", "K", "V")``)."""
+
+    def __init__(self, sizes: Sequence[int], dim: int, parts: Sequence[str]) -> None:
+        super().__init__()
+        if len(sizes) != len(parts) or len(sizes) < 2:
+            raise ValueError(f"need one part label per slice and at least two slices, got {sizes}, {parts}")
+        self.sizes, self.dim, self.parts = [int(s) for s in sizes], int(dim), tuple(parts)
+
+    def forward(self, *slices: Tensor) -> Tensor:
+        return torch.cat(slices, dim=self.dim)
+
+    def right_inverse(self, packed: Tensor) -> tuple[Tensor, ...]:
+        if packed.shape[self.dim] != sum(self.sizes):
+            raise ValueError(f"cannot split size {packed.shape[self.dim]} along dim {self.dim} into {self.sizes}")
+        return tuple(s.clone(memory_format=torch.contiguous_format) for s in packed.split(self.sizes, self.dim))
+
+    def extra_repr(self) -> str:
+        return f"parts={self.parts}, sizes={self.sizes}, dim={self.dim}"
+
+
+def _packing(module: nn.Module, name: str) -> PackedSlices | None:
+    """The :class:`PackedSlices` parametrization of ``module.<name>``, if it has one."""
+    if not parametrize.is_parametrized(module, name):
+        return None
+    plist = module.parametrizations[name]
+    if len(plist) == 1 and isinstance(plist[0], PackedSlices):
+        return plist[0]
+    raise ValueError(f"tensor {name!r} of {type(module).__name__} carries another parametrization; "
+                     "the knob cannot split it")
+
+
+# --- what goes where ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Entry:
+    """One tensor, or one slice of a packed tensor, and its group.
+
+    ``tensor`` is the name in the model's original layout (``layers.0.self_attn.in_proj_weight``);
+    ``dim``/``start``/``stop`` give the slice (``dim`` None: the whole tensor); ``shape`` is the
+    slice's shape; ``parameter`` is the name of the leaf parameter that holds it in
+    ``model.named_parameters()`` (after :func:`split_packed` for slices, else "" while unsplit).
+    """
+
+    tensor: str
+    group: str
+    part: str
+    family: str
+    shape: tuple[int, ...]
+    dim: int | None = None
+    start: int = 0
+    stop: int = 0
+    parameter: str = ""
+
+    @property
+    def index(self) -> tuple[slice, ...]:
+        """Index of the slice in the full tensor (``(slice(None),)`` for a whole tensor)."""
+        if self.dim is None:
+            return (slice(None),)
+        return (slice(None),) * self.dim + (slice(self.start, self.stop),)
+
+    @property
+    def where(self) -> str:
+        """``tensor`` with its slice written out, e.g. ``attn.in_proj_weight[0:16, :]``."""
+        if self.dim is None:
+            return self.tensor
+        idx = [":"] * len(self.shape)
+        idx[self.dim] = f"{self.start}:{self.stop}"
+        return f"{self.tensor}[{', '.join(idx)}]"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class KnobReport:
+    """Which tensor or slice went to which group, with the learning rates once known."""
+
+    entries: list[Entry]
+    lrs: dict[str, float] | None = None
+
+    def frame(self) -> pd.DataFrame:
+        """One row per tensor or slice: where, part, family, group, lr, shape, numel, parameter."""
+        rows = [{"tensor / slice": e.where, "part": e.part, "family": e.family, "group": e.group,
+                 "lr": (self.lrs or {}).get(e.group, float("nan")), "shape": "x".join(map(str, e.shape)),
+                 "numel": e.numel, "parameter": e.parameter or e.tensor} for e in self.entries]
+        return pd.DataFrame(rows)
+
+    def summary(self) -> pd.DataFrame:
+        """Per group: number of tensors/slices, number of scalars and learning rate."""
+        f = self.frame()
+        out = f.groupby("group", sort=False).agg(tensors=("numel", "size"), numel=("numel", "sum"), lr=("lr", "first"))
+        return out.reindex([g for g in GROUPS if g in out.index])
+
+    def names(self, group: str) -> list[str]:
+        """The ``where`` strings of one group."""
+        return [e.where for e in self.entries if e.group == group]
+
+    def __str__(self) -> str:
+        lines = []
+        for g in GROUPS:
+            es = [e for e in self.entries if e.group == g]
+            if not es:
+                continue
+            lr = "" if self.lrs is None else f", lr {self.lrs[g]:g}"
+            lines.append(f"{g}: {len(es)} tensors/slices, {sum(e.numel for e in es):,} scalars{lr}")
+            for e in es:
+                tag = f"{e.part} ({e.family})" if e.part != "-" else e.family
+                lines.append(f"  {e.where:<60} {tag}")
+        return "\n".join(lines)
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _join(*names: str) -> str:
+    return ".".join(n for n in names if n)
+
+
+class _Plan:
+    """Collects entries, keyed by parameter identity, and refuses conflicting ones."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.ids = _param_names(model)
+        self.by_param: dict[str, list[Entry]] = {}
+        self.handled_modules: set[int] = set()
+
+    def _add(self, key: str, entries: list[Entry]) -> None:
+        old = self.by_param.get(key)
+        if old is not None and [(e.group, e.dim, e.start, e.stop) for e in old] != [(e.group, e.dim, e.start, e.stop) for e in entries]:
+            raise ValueError(
+                f"ambiguous tensor {key}: it is reached as {old[0].where} ({old[0].part}, {old[0].family}) "
+                f"and as {entries[0].where} ({entries[0].part}, {entries[0].family}) with different groups; "
+                "untie the weights or pass rules={regex: group} to decide")
+        if old is None:
+            self.by_param[key] = entries
+
+    def whole(self, module: nn.Module, mname: str, attr: str, part: str, family: str,
+              group: str | None = None) -> None:
+        """The tensor ``module.<attr>`` goes whole to ``group`` (default: the group of ``part``)."""
+        p = getattr(module, attr, None)
+        if p is None:
+            return
+        if _packing(module, attr) is not None:
+            raise ValueError(f"{_join(mname, attr)} was split into slices but should be whole; call merge_packed first")
+        if not isinstance(p, nn.Parameter):
+            return  # a buffer or a computed tensor: nothing to train
+        if not p.requires_grad:
+            return
+        key = self.ids[id(p)]
+        self._add(key, [Entry(key, group or PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
+
+    def subtree(self, module: nn.Module, mname: str, part: str, family: str) -> None:
+        """Every trainable parameter below ``module`` goes to the group of ``part``."""
+        self.handled_modules.update(id(m) for m in module.modules())
+        for pname, p in module.named_parameters():
+            if p.requires_grad:
+                key = self.ids[id(p)]
+                self._add(key, [Entry(key, PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
+
+    def packed(self, module: nn.Module, mname: str, attr: str, parts: Sequence[str], dim: int, family: str) -> None:
+        """``module.<attr>`` holds ``parts`` of equal size stacked along ``dim``."""
+        tname = _join(mname, attr)
+        pk = _packing(module, attr)
+        if pk is not None:  # already split: the slices are leaves original0, original1, ...
+            if tuple(pk.parts) != tuple(parts) or pk.dim != dim:
+                raise ValueError(f"{tname} was split as {pk.parts} along dim {pk.dim}, expected {tuple(parts)} along {dim}")
+            full = tuple(getattr(module, attr).shape)
+            start, ents = 0, []
+            for i, (size, part) in enumerate(zip(pk.sizes, pk.parts)):
+                leaf = getattr(module.parametrizations[attr], f"original{i}")
+                if not leaf.requires_grad:
+                    start += size
+                    continue
+                shape = full[:dim] + (size,) + full[dim + 1:]
+                ents.append(Entry(tname, PART_GROUP[part], part, family, shape, dim, start, start + size,
+                                  self.ids[id(leaf)]))
+                start += size
+            if ents:
+                self._add(tname, ents)
+            return
+        p = getattr(module, attr, None)
+        if p is None or not isinstance(p, nn.Parameter) or not p.requires_grad:
+            return
+        n = p.shape[dim]
+        if n % len(parts):
+            raise ValueError(f"ambiguous packed tensor {tname}: size {n} along dim {dim} does not split into "
+                             f"{len(parts)} equal parts {tuple(parts)}")
+        size = n // len(parts)
+        tname = self.ids[id(p)]  # the canonical name, should the tensor be shared
+        ents = []
+        for i, part in enumerate(parts):
+            shape = tuple(p.shape[:dim]) + (size,) + tuple(p.shape[dim + 1:])
+            ents.append(Entry(tname, PART_GROUP[part], part, family, shape, dim, i * size, (i + 1) * size))
+        self._add(tname, ents)
+
+
+def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
+    w = getattr(module, "weight", None)
+    return None if w is None else tuple(w.shape)
+
+
+def _conv1d_dim(module: nn.Module, mname: str, n_parts: int) -> int:
+    """The dim of ``module.weight`` along which ``n_parts`` projections are packed: 0 for
+    ``nn.Linear`` (out, in), 1 for a HF ``Conv1D`` (in, out; recognised by its class name or
+    its ``nf`` attribute), else the one dim that is ``n_parts`` times the other."""
+    if isinstance(module, nn.Linear):
+        return 0
+    shape = _weight_shape(module)
+    if shape is None or len(shape) != 2:
+        raise ValueError(f"ambiguous packed projection {mname}: expected a 2-D weight, got {shape}")
+    if type(module).__name__ == "Conv1D" or hasattr(module, "nf"):
+        return 1
+    fits = [d for d in (0, 1) if shape[d] == n_parts * shape[1 - d]]
+    if len(fits) != 1:
+        raise ValueError(f"ambiguous packed projection {mname} ({type(module).__name__}, weight {shape}): "
+                         f"cannot tell which dim holds the {n_parts} packed parts; use nn.Linear or HF Conv1D")
+    return fits[0]
+
+
+def _check_only(module: nn.Module, mname: str, allowed: Sequence[str]) -> None:
+    """Raise if ``module`` has parameters other than ``allowed`` (or their split slices)."""
+    extra = [n for n, _ in module.named_parameters() if n.split(".")[0] not in (*allowed, "parametrizations")]
+    if extra:
+        raise ValueError(f"ambiguous packed projection {mname}: unexpected parameters {extra}")
+
+
+def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobReport:
+    """Assign every trainable tensor (or slice of a packed tensor) of ``model`` to ``qk``, ``ov``
+    or ``other``, without changing the model. ``rules`` maps regular expressions on parameter
+    names to groups; a tensor matched by a rule goes whole to that group and overrides the
+    built-in families. Raises ValueError when no attention parameter is recognised, when a tensor
+    is reached with different groups (tied weights), or when a packed tensor cannot be split."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    rules = dict(rules or {})
+    for rx, g in rules.items():
+        if g not in GROUPS:
+            raise ValueError(f"rule {rx!r} names group {g!r}; expected one of {GROUPS}")
+    compiled = [(re.compile(rx), g) for rx, g in rules.items()]
+    plan = _Plan(model)
+    mods = dict(model.named_modules())
+
+    for mname, m in mods.items():
+        if isinstance(m, nn.MultiheadAttention):
+            fam = "nn.MultiheadAttention"
+            if m._qkv_same_embed_dim:
+                plan.packed(m, mname, "in_proj_weight", "QKV", 0, fam)
+            else:
+                for attr, part in (("q_proj_weight", "Q"), ("k_proj_weight", "K"), ("v_proj_weight", "V")):
+                    plan.whole(m, mname, attr, part, fam)
+            plan.packed(m, mname, "in_proj_bias", "QKV", 0, fam)
+            plan.whole(m, mname, "bias_k", "K", fam)
+            plan.whole(m, mname, "bias_v", "V", fam)
+            plan.subtree(m.out_proj, _join(mname, "out_proj"), "O", fam)
+            plan.handled_modules.add(id(m))
+        elif isinstance(m, QKOVAttention):
+            for attr in QK_PARAMS + OV_PARAMS:
+                plan.whole(m, mname, attr, attr, "QKOVAttention", "qk" if attr in QK_PARAMS else "ov")
+
+    for mname, m in mods.items():
+        if id(m) in plan.handled_modules:
+            continue
+        children = dict(m.named_children())
+        for fam, table in SEPARATE_FAMILIES:
+            present = {c: part for c, part in table.items() if c in children}
+            if "Q" in present.values() and "K" in present.values():
+                for c, part in present.items():
+                    if id(children[c]) not in plan.handled_modules:
+                        plan.subtree(children[c], _join(mname, c), part, fam)
+        if "c_attn" in children and id(children["c_attn"]) not in plan.handled_modules:
+            fam = "GPT-2 c_attn/c_proj"
+            c_attn = children["c_attn"]
+            parts = "KV" if "q_attn" in children else "QKV"
+            dim = _conv1d_dim(c_attn, _join(mname, "c_attn"), len(parts))
+            _check_only(c_attn, _join(mname, "c_attn"), ("weight", "bias"))
+            plan.packed(c_attn, _join(mname, "c_attn"), "weight", parts, dim, fam)
+            plan.packed(c_attn, _join(mname, "c_attn"), "bias", parts, 0, fam)
+            plan.handled_modules.add(id(c_attn))
+            if "q_attn" in children:
+                plan.subtree(children["q_attn"], _join(mname, "q_attn"), "Q", fam)
+            if "c_proj" in children:
+                plan.subtree(children["c_proj"], _join(mname, "c_proj"), "O", fam)
+        if BERT_OUTPUT.search(mname) and id(m) not in plan.handled_modules:
+            plan.subtree(m, mname, "O", "query/key/value")
+
+    # user rules override whole tensors
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    ruled: dict[str, str] = {}
+    for n in names:
+        for rx, g in compiled:
+            if rx.search(n):
+                ruled[n] = g
+                break
+
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    for key, ents in plan.by_param.items():
+        if any(e.parameter in ruled or (not e.parameter and e.tensor in ruled) for e in ents):
+            continue
+        entries.extend(ents)
+        seen.update(e.parameter or e.tensor for e in ents)
+    recognised = [e for e in entries if e.group in ("qk", "ov")]
+
+    # packed projections of unknown layout must not silently land in "other"
+    for mname, m in mods.items():
+        leaf = mname.rsplit(".", 1)[-1].lower()
+        if leaf in UNSUPPORTED_PACKED and id(m) not in plan.handled_modules:
+            own = [_join(mname, n) for n, p in m.named_parameters() if p.requires_grad]
+            if own and not all(n in ruled or n in seen for n in own):
+                raise ValueError(
+                    f"ambiguous attention tensor(s) {own}: '{leaf}' looks like a packed projection whose "
+                    "slice layout is model-specific (e.g. interleaved per head); pass "
+                    "rules={regex: group} to place it explicitly")
+
+    for n in names:
+        if n in ruled:
+            p = model.get_parameter(n)
+            entries.append(Entry(n, ruled[n], "-", f"rule {next(rx.pattern for rx, g in compiled if rx.search(n))}",
+                                 tuple(p.shape), parameter=n))
+        elif n not in seen:
+            p = model.get_parameter(n)
+            entries.append(Entry(n, "other", "-", "other", tuple(p.shape), parameter=n))
+
+    if not recognised and not any(g in ("qk", "ov") for g in ruled.values()):
+        raise ValueError(
+            f"no attention parameters recognised in {type(model).__name__}: looked for "
+            "nn.MultiheadAttention, QKOVAttention, q_proj/k_proj/v_proj/o_proj, query/key/value + "
+            "attention.output.dense, q/k/v/o, GPT-2 c_attn/c_proj; pass rules={regex: group} for other layouts")
+    if not any(e.group == "qk" for e in entries):
+        raise ValueError(f"no query/key parameters recognised in {type(model).__name__}: the ratio "
+                         "eta_QK/eta_OV would act on nothing")
+    return KnobReport(entries)
+
+
+# --- splitting packed tensors ------------------------------------------------------------
+def _private_class(module: nn.Module) -> None:
+    """Give a parametrized module its own copy of its ``Parametrized...`` class.
+
+    ``copy.deepcopy`` of a parametrized module shares the class object that carries the
+    parametrization properties, so adding or removing a parametrization on one copy would
+    change the other (``nn.TransformerEncoder`` deep-copies its layer). A private class avoids it."""
+    if not parametrize.is_parametrized(module):
+        return
+    cls = type(module)
+    body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    module.__class__ = type(cls.__name__, cls.__bases__, body)
+
+
+def _owner(model: nn.Module, tensor: str) -> tuple[nn.Module, str]:
+    mname, _, attr = tensor.rpartition(".")
+    return (model.get_submodule(mname) if mname else model), attr
+
+
+def split_packed(model: nn.Module, report: KnobReport | None = None) -> list[str]:
+    """Re-register every packed tensor whose slices fall in different groups as one leaf
+    parameter per slice (a :class:`PackedSlices` parametrization), in place. Outputs are
+    unchanged. Returns the names of the tensors that were split (idempotent: already split
+    tensors are skipped). Build the optimizer *after* this call."""
+    report = report or classify(model)
+    done = []
+    by_tensor: dict[str, list[Entry]] = {}
+    for e in report.entries:
+        if e.dim is not None and not e.parameter:
+            by_tensor.setdefault(e.tensor, []).append(e)
+    for tname, ents in by_tensor.items():
+        module, attr = _owner(model, tname)
+        _private_class(module)
+        sizes = [e.stop - e.start for e in ents]
+        parametrize.register_parametrization(module, attr, PackedSlices(sizes, ents[0].dim, [e.part for e in ents]))
+        done.append(tname)
+    return done
+
+
+def merge_packed(model: nn.Module) -> list[str]:
+    """Undo :func:`split_packed`: every :class:`PackedSlices` tensor becomes one plain
+    parameter again, holding the current values (original state-dict layout). Returns the
+    names that were merged."""
+    done = []
+    for mname, m in list(model.named_modules()):
+        if not parametrize.is_parametrized(m):
+            continue
+        for attr in list(m.parametrizations.keys()):
+            if _packing(m, attr) is not None:
+                _private_class(m)
+                parametrize.remove_parametrizations(m, attr, leave_parametrized=True)
+                done.append(_join(mname, attr))
+    return done
+
+
+# --- optimizer groups ---------------------------------------------------------------------
+def group_rates(eta_ov: float, ratio: float = 1.0, eta_other: float | None = None) -> dict[str, float]:
+    """``{"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other or eta_ov}``, validated."""
+    eta_ov = check_rate("eta_ov", eta_ov)
+    ratio = check_rate("ratio (eta_QK/eta_OV)", ratio)
+    eta_other = eta_ov if eta_other is None else check_rate("eta_other", eta_other)
+    return {"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other}
+
+
+def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: float | None = None,
+                weight_decay: float = 0.0, rules: Mapping[str, str] | None = None,
+                split: bool = True) -> tuple[list[dict], KnobReport]:
+    """Optimizer parameter groups named ``qk``/``ov``/``other`` for any model, and the report.
+
+    Packed tensors (``in_proj_weight``, ``c_attn``) are split in place first (see
+    :func:`split_packed`), so build the optimizer from the returned groups after this call.
+    With ``split=False`` a model that needs splitting raises ValueError. Empty groups are dropped.
+    """
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    lrs = group_rates(eta_ov, ratio, eta_other)
+    report = classify(model, rules)
+    pending = sorted({e.tensor for e in report.entries if e.dim is not None and not e.parameter})
+    if pending:
+        if not split:
+            raise ValueError(f"packed tensors {pending} hold slices of different groups; per-slice learning "
+                             "rates need split=True (re-registers each slice as its own parameter)")
+        split_packed(model, report)
+        report = classify(model, rules)
+    params = dict(model.named_parameters())
+    groups = []
+    for g in GROUPS:
+        ps = [params[e.parameter] for e in report.entries if e.group == g]
+        if ps:
+            groups.append({"name": g, "params": ps, "lr": lrs[g], "weight_decay": float(weight_decay)})
+    covered = sum(len(gr["params"]) for gr in groups)
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    if covered != trainable or len({id(p) for gr in groups for p in gr["params"]}) != covered:
+        raise RuntimeError(f"internal error: {covered} grouped parameters for {trainable} trainable ones")
+    return groups, replace(report, lrs=lrs)
+
+
+def knob_optimizer(model: nn.Module, optimizer: str = "adamw", eta_ov: float = 1e-3, ratio: float = 1.0,
+                   eta_other: float | None = None, weight_decay: float = 0.0, momentum: float = 0.0,
+                   rules: Mapping[str, str] | None = None, **kwargs) -> tuple[torch.optim.Optimizer, KnobReport]:
+    """``torch.optim.AdamW`` (``optimizer="adamw"``) or ``SGD`` (``"sgd"``) over
+    :func:`knob_groups`; extra keyword arguments go to the optimizer. Returns (optimizer, report)."""
+    groups, report = knob_groups(model, eta_ov, ratio, eta_other, weight_decay, rules)
+    if optimizer == "adamw":
+        return torch.optim.AdamW(groups, **kwargs), report
+    if optimizer == "sgd":
+        return torch.optim.SGD(groups, momentum=momentum, **kwargs), report
+    raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adamw' or 'sgd'")
+
+
+def tensor_value(model: nn.Module, tensor: str) -> Tensor:
+    """The current value of a tensor by its name in the original layout (a split packed
+    tensor is rebuilt from its slices)."""
+    module, attr = _owner(model, tensor)
+    value = getattr(module, attr)
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{tensor} is not a tensor of the model")
+    return value
