@@ -70,9 +70,14 @@ def train_one(task: syn.SyntheticTask, parameterization: str, ratio: float, seed
     dtype = getattr(torch, cfg.get("dtype", "float32"))
     gen = seed_everything(seed)
     E = syn.make_embeddings(task, gen, dtype)
-    try:
-        train_data = syn.population(task)
-    except ValueError:
+    # minibatches of a weighted population are not samples of it: minibatch runs get an i.i.d. sample
+    train_data = None
+    if cfg.get("batch_size") is None:
+        try:
+            train_data = syn.population(task)
+        except ValueError:
+            pass
+    if train_data is None:
         train_data = syn.sample(task, cfg.get("n_train", 20000), gen)
     test_data = syn.sample(task, cfg["n_test"], torch.Generator().manual_seed(10_000 + seed))
     model = SyntheticModel(E, task.n_classes, parameterization=parameterization,
