@@ -40,9 +40,8 @@ models' device; only CPU was exercised when this was written (no GPU was availab
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -52,29 +51,12 @@ from tqdm.auto import tqdm
 from .data.batch import Batch
 from .metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
 from .models import SyntheticModel, group_of, param_groups
+from .running import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
 from .training import History, NonFiniteError, TrainConfig, log_steps
 
 NONFINITE_MODES = ("raise", "freeze")
 DEFAULT_THREADS = 1
 ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW defaults (make_optimizer uses them)
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """Run the block with ``n`` torch intra-op threads (None: leave torch's setting), then
-    restore. The engine defaults to one thread: its tensors are small (about 10^5 entries), so
-    a second thread gains little even on an idle machine, while on a shared machine the
-    thread pool's spin-waiting made a sweep about eight times slower in CPU time."""
-    old = torch.get_num_threads()
-    if n is not None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"threads must be a positive integer or None, got {n!r}")
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        if n is not None and torch.get_num_threads() != old:
-            torch.set_num_threads(old)
 
 
 # --- data ----------------------------------------------------------------------------------

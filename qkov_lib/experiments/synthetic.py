@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from ..data import synthetic as syn
 from ..metrics import DEFAULT_TAUS, circuit_scalars, confidence, dtap_histogram, relevant_mass, summarize
 from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..running import pick_device, seed_everything
+from ..running import pick_device, seed_everything, torch_threads
 from ..training import History, TrainConfig, predict, train
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
@@ -98,7 +98,8 @@ def run_grid(cfg: dict, device: torch.device | None = None) -> list[Run]:
     """Train every (parameterization, ratio, seed) of ``cfg`` with a progress bar."""
     task = task_of(cfg)
     grid = list(itertools.product(cfg["parameterizations"], cfg["ratios"], cfg["seeds"]))
-    return [train_one(task, p, r, s, cfg, device) for p, r, s in tqdm(grid, desc="synthetic grid")]
+    with torch_threads(1):  # tiny tensors: a second thread only adds spin-waiting
+        return [train_one(task, p, r, s, cfg, device) for p, r, s in tqdm(grid, desc="synthetic grid")]
 
 
 def runs_frame(runs: Iterable[Run]) -> pd.DataFrame:
