@@ -1,0 +1,144 @@
+"""HateXplain (Mathew et al. 2021): three-class post classification with human rationales.
+
+* Classes (Hugging Face ints): 0 hatespeech, 1 normal, 2 offensive. The label of a post is the
+  majority of its three annotators; posts without a majority are dropped and counted.
+* Train: the official train split (``hatexplain_train_no_rationales.csv.gz``: texts and
+  annotator labels, no rationales -- training does not need them). ``train_split="val"``
+  trains on the official validation split instead.
+* Test: the official test split (``hatexplain_test.jsonl.gz``). Relevant tokens are the union
+  of the annotators' token rationales, on posts whose majority label is not normal. A
+  non-normal post without any rationale token is kept for classification and counted as
+  ``test_empty_rationale``; it has no relevant tokens, so the attention metrics skip it.
+* Words: the given post tokens (already word-tokenised in the source), as they are.
+  Posts longer than the cap keep their first ``max_len - 1`` words; truncations and cut
+  rationale tokens are counted. The query token ``<query>`` follows the post.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from . import sources
+from .text import Example, TextDataset, count, finish, subsample, truncate
+
+CLASS_NAMES = ["hatespeech", "normal", "offensive"]
+NORMAL = 1
+TRAIN_CSV = "hatexplain/hatexplain_train_no_rationales.csv.gz"
+SPLIT_FILES = {"val": "hatexplain/hatexplain_validation.jsonl.gz", "test": "hatexplain/hatexplain_test.jsonl.gz"}
+DIVISIONS = "hatexplain/post_id_divisions.json"
+
+
+def majority(labels: Iterable[int]) -> int | None:
+    """The label given by more than half of the annotators, or None."""
+    labels = [int(x) for x in labels]
+    if not labels:
+        return None
+    lab, n = Counter(labels).most_common(1)[0]
+    return lab if 2 * n > len(labels) else None
+
+
+def post_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[str, int], split: str,
+                  with_rationales: bool = True) -> list[Example]:
+    """Examples from posts in the Hugging Face layout (``id``, ``annotators.label``,
+    ``rationales``, ``post_tokens``). Counts under ``<split>_...``: read, no majority, empty
+    post, rationale length mismatch, empty rationale (non-normal post), truncated posts and
+    cut rationale tokens."""
+    out = []
+    for r in rows:
+        count(report, f"{split}_read")
+        y = majority(r["annotators"]["label"])
+        if y is None:
+            count(report, f"{split}_skipped_no_majority")
+            continue
+        words = [str(w) for w in r["post_tokens"]]
+        if not words:
+            count(report, f"{split}_skipped_empty_post")
+            continue
+        rel: list[int] = []
+        if with_rationales and y != NORMAL:
+            masks = r.get("rationales") or []
+            if any(len(m) != len(words) for m in masks):
+                count(report, f"{split}_skipped_rationale_length_mismatch")
+                continue
+            rel = sorted({i for m in masks for i, v in enumerate(m) if int(v)})
+            if not rel:
+                count(report, f"{split}_empty_rationale")
+        t = truncate(words, rel, max_len - 1, side="right")
+        if t.n_cut:
+            count(report, f"{split}_truncated_post_over_cap")
+        if t.n_relevant_cut:
+            count(report, f"{split}_posts_rationale_cut")
+            count(report, f"{split}_rationale_tokens_cut", t.n_relevant_cut)
+        out.append(Example(t.tokens, t.relevant, y, info={"id": r.get("id"), "has_rationale": bool(t.relevant)}))
+    return out
+
+
+def csv_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[str, int], split: str = "train") -> list[Example]:
+    """Examples from the label-only train CSV (``text``, ``majority_label``, ``labels`` as
+    "a, b, c"); the majority is recomputed from ``labels`` and disagreements with
+    ``majority_label`` are counted (the recomputed one is used)."""
+    out = []
+    for r in rows:
+        count(report, f"{split}_read")
+        try:
+            labels = [int(x) for x in str(r["labels"]).split(",")]
+        except ValueError:
+            count(report, f"{split}_skipped_bad_labels")
+            continue
+        y = majority(labels)
+        if y is None:
+            count(report, f"{split}_skipped_no_majority")
+            continue
+        if str(r.get("majority_label", y)).strip() != str(y):
+            count(report, f"{split}_majority_label_disagrees")
+        words = str(r["text"]).split()
+        if not words:
+            count(report, f"{split}_skipped_empty_post")
+            continue
+        t = truncate(words, [], max_len - 1, side="right")
+        if t.n_cut:
+            count(report, f"{split}_truncated_post_over_cap")
+        out.append(Example(t.tokens, [], y, info={"id": None, "has_rationale": False}))
+    return out
+
+
+def load(data_dir: str | os.PathLike | None = None, max_len: int = 96, min_freq: int = 2,
+         n_train: int | None = None, n_test: int | None = None, seed: int = 0, train_split: str = "train",
+         verify: bool = True, query_is_key: bool = False, source: str | None = None, **kw: Any) -> TextDataset:
+    """HateXplain as a :class:`TextDataset` (see the module docstring); ``source="hub"`` reads
+    the public Hugging Face copy instead of the local files (needs internet)."""
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    if train_split not in ("train", "val"):
+        raise ValueError(f"train_split must be 'train' or 'val', got {train_split!r}")
+    report: dict[str, int] = {}
+    if sources.use_hub(source):
+        hub = sources.load_hub("hatexplain")
+        train_ex = post_examples(hub["train" if train_split == "train" else "validation"].to_list(), max_len, report, "train", False)
+        test_ex = post_examples(hub["test"].to_list(), max_len, report, "test")
+    else:
+        test_ex = post_examples(_jsonl(SPLIT_FILES["test"], data_dir, verify), max_len, report, "test")
+        if train_split == "val":
+            train_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, report, "train", False)
+        else:
+            rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
+            train_ex = csv_examples(rows, max_len, report)
+    report["test_with_rationale"] = sum(bool(e.relevant) for e in test_ex)
+    train_ex, test_ex = subsample(train_ex, n_train, seed), subsample(test_ex, n_test, seed + 1)
+    notes = [f"HateXplain: train on the official {train_split} split (labels only), test on the official test split; "
+             "relevant = union of annotator rationales on non-normal posts."]
+    return finish("hatexplain", train_ex, test_ex, CLASS_NAMES, report, min_freq, query_is_key=query_is_key, notes=notes)
+
+
+def _jsonl(rel: str, data_dir, verify: bool):
+    return sources.load_rows("json", sources.data_file(rel, data_dir, verify))
+
+
+def official_split_sizes(data_dir: str | os.PathLike | None = None, verify: bool = True) -> dict[str, int]:
+    """Number of post ids per split in the official ``post_id_divisions.json``."""
+    doc = json.loads(sources.data_file(DIVISIONS, data_dir, verify).read_text())
+    return {k: len(v) for k, v in doc.items()}

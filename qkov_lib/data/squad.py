@@ -1,0 +1,186 @@
+"""SQuAD v1.1 cast as a copy task for a one-layer attention model (our reconstruction).
+
+**Input.** ``question words, <sep>, context words, q`` -- lower-cased word tokens; the query
+token ``q`` at the prediction position is ``<q:TYPE>``, the question's wh-type (what, which,
+who, whom, whose, when, where, why, how, how_many, how_much, other: the first wh-word of the
+question). With ``query="plain"`` it is ``<query>`` for every question.
+
+**Target.** The position of the answer's first token, as its distance back from the query
+(class ``d`` = ``d`` positions before the prediction position; ``n_classes = max_len``). This is
+a copy task over positions: the model's position embeddings are indexed by the same distance,
+so the OV circuit reads the attended token's position embedding and maps it to the class of
+that position (a pointer). Candidates are all positions within the length cap; the model has
+to learn that only context positions hold answers.
+
+**Relevant tokens.** The positions of the answer span in the context.
+
+**Splits.** Train: the rebuilt train file, restricted to the exact-span subset
+(``answer_occurrences_in_context == 1``; the rest is counted as ``train_skipped_ambiguous_span``);
+with the official train file (``fetch``) the annotated offsets are used directly. Test: the
+official dev file, first answer of each question.
+
+**Bad input.** An ``answer_start`` that does not point at the answer text is corrected by
+string search when the text occurs in the context (counted), otherwise the question is skipped
+(``*_skipped_answer_not_found``). Questions are cut to ``max_question`` words (counted).
+Contexts longer than the remaining cap lose their end: a question whose answer starts beyond
+the cap is skipped (``*_skipped_answer_beyond_cap``), one whose span is only partly cut is kept
+and counted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from functools import lru_cache
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import sources
+from .text import Example, TextDataset, count, finish, tokenize, tokenize_spans, truncate
+
+TRAIN_FILES = ("squad/train-v1.1-from-explorer.json.gz", "squad/train-v1.1.json.gz")
+DEV_FILE = "squad/dev-v1.1.json.gz"
+SEP = "<sep>"
+WH_TYPES = ("how_many", "how_much", "what", "which", "who", "whom", "whose", "when", "where", "why", "how", "other")
+QUERY_TOKENS = tuple(f"<q:{t}>" for t in WH_TYPES)
+
+
+def question_type(words: list[str]) -> str:
+    """The first wh-word of a tokenised question (``how many``/``how much`` as one type), or ``other``."""
+    for i, w in enumerate(words):
+        if w == "how":
+            nxt = words[i + 1] if i + 1 < len(words) else ""
+            return {"many": "how_many", "much": "how_much"}.get(nxt, "how")
+        if w in WH_TYPES:
+            return w
+    return "other"
+
+
+def flatten(articles: Iterable[Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
+    """One dict per question from SQuAD's nested ``data`` list: ``id, title, context, question,
+    text, answer_start, occurrences`` (None when the file has no ``answer_occurrences_in_context``)."""
+    for a in articles:
+        for p in a["paragraphs"]:
+            for qa in p["qas"]:
+                ans = qa["answers"][0] if qa["answers"] else None
+                yield {"id": qa["id"], "title": a.get("title"), "context": p["context"], "question": qa["question"],
+                       "text": None if ans is None else ans["text"],
+                       "answer_start": None if ans is None else int(ans["answer_start"]),
+                       "occurrences": qa.get("answer_occurrences_in_context")}
+
+
+def question_example(q: Mapping[str, Any], max_len: int, max_question: int, query: str,
+                     report: dict[str, int], split: str, exact_spans: bool) -> Example | None:
+    """The :class:`Example` of one flattened question, or None (a counted skip)."""
+    count(report, f"{split}_read")
+    text, start, ctx = q["text"], q["answer_start"], q["context"]
+    if not text:
+        count(report, f"{split}_skipped_no_answer")
+        return None
+    if exact_spans and q.get("occurrences") is not None and int(q["occurrences"]) != 1:
+        count(report, f"{split}_skipped_ambiguous_span")
+        return None
+    if start is None or ctx[start:start + len(text)] != text:
+        found = ctx.find(text)
+        if found < 0:
+            count(report, f"{split}_skipped_answer_not_found")
+            return None
+        count(report, f"{split}_answer_start_corrected")
+        start = found
+    end = start + len(text)
+    cwords, starts, ends = _context_spans(ctx)
+    span = list(range(bisect.bisect_right(ends, start), bisect.bisect_left(starts, end)))  # tokens overlapping the answer
+    if not span:
+        count(report, f"{split}_skipped_answer_not_a_word")
+        return None
+    qwords = tokenize(q["question"])
+    if len(qwords) > max_question:
+        count(report, f"{split}_question_truncated")
+        qwords = qwords[:max_question]
+    room = max_len - 1 - len(qwords) - 1
+    if room < 1:
+        raise ValueError(f"max_len {max_len} leaves no room for the context after a {len(qwords)}-word question")
+    t = truncate(cwords, span, room, side="right")
+    if span[0] not in range(len(t.tokens)):
+        count(report, f"{split}_skipped_answer_beyond_cap")
+        return None
+    if t.n_relevant_cut:
+        count(report, f"{split}_answer_span_partly_cut")
+    if t.n_cut:
+        count(report, f"{split}_context_truncated")
+    words = qwords + [SEP] + t.tokens
+    off = len(qwords) + 1
+    relevant = [off + i for i in t.relevant]
+    y = len(words) - relevant[0]  # distance of the first answer token back from the query
+    qtype = question_type(qwords)
+    qtok = f"<q:{qtype}>" if query == "wh" else "<query>"
+    return Example(words, relevant, y, qtok, info={"id": q["id"], "qtype": qtype, "answer_len": len(relevant)})
+
+
+@lru_cache(maxsize=4096)
+def _context_spans(context: str) -> tuple[list[str], list[int], list[int]]:
+    """(words, start offsets, end offsets) of a context; cached, as about five questions share one."""
+    spans = tokenize_spans(context)
+    return [t for t, _, _ in spans], [s for _, s, _ in spans], [e for _, _, e in spans]
+
+
+def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq: int = 2,
+         n_train: int | None = None, n_test: int | None = None, seed: int = 0, exact_spans: bool = True,
+         max_question: int = 24, query: str = "wh", verify: bool = True, query_is_key: bool = False,
+         source: str | None = None, **kw: Any) -> TextDataset:
+    """SQuAD v1.1 as a :class:`TextDataset` (see the module docstring)."""
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+    if query not in ("wh", "plain"):
+        raise ValueError(f"query must be 'wh' or 'plain', got {query!r}")
+    report: dict[str, int] = {}
+    if sources.use_hub(source):
+        hub = sources.load_hub("squad")
+        train_q = ({"id": r["id"], "context": r["context"], "question": r["question"], "text": r["answers"]["text"][0],
+                    "answer_start": r["answers"]["answer_start"][0], "occurrences": None} for r in hub["train"].to_list())
+        test_q = ({"id": r["id"], "context": r["context"], "question": r["question"], "text": r["answers"]["text"][0],
+                   "answer_start": r["answers"]["answer_start"][0], "occurrences": None} for r in hub["validation"].to_list())
+    else:
+        train_path = _train_path(data_dir, verify)
+        train_q = flatten(sources.load_rows("json", train_path, field="data"))
+        test_q = flatten(sources.load_rows("json", sources.data_file(DEV_FILE, data_dir, verify), field="data"))
+    args = dict(max_len=max_len, max_question=max_question, query=query, report=report)
+    train = _examples(list(train_q), n_train, seed, dict(split="train", exact_spans=exact_spans, **args), report)
+    test = _examples(list(test_q), n_test, seed + 1, dict(split="test", exact_spans=False, **args), report)
+    class_names = [f"-{d}" for d in range(max_len)]
+    notes = ["SQuAD v1.1 as a copy task over positions (our reconstruction): input question <sep> context, "
+             "query token = question wh-type, target = distance of the answer's first token from the query."]
+    return finish("squad", train, test, class_names, report, min_freq, specials=(SEP, *QUERY_TOKENS),
+                  query_is_key=query_is_key, notes=notes)
+
+
+def _examples(questions: list[dict[str, Any]], n: int | None, seed: int, kw: dict[str, Any],
+              report: dict[str, int]) -> list[Example]:
+    """Examples of ``questions``. With ``n`` set, the questions are visited in a random order
+    (``seed``) until ``n`` examples are kept -- a uniform sample of the valid questions that
+    does not process the rest; the report's ``*_read`` then counts the questions visited and
+    ``*_in_file`` all of them."""
+    report[f"{kw['split']}_in_file"] = len(questions)
+    if n is None:
+        return [e for q in questions if (e := question_example(q, **kw))]
+    if n < 1:
+        raise ValueError(f"subsample size must be >= 1, got {n}")
+    out = []
+    for i in np.random.default_rng(seed).permutation(len(questions)):
+        e = question_example(questions[int(i)], **kw)
+        if e is not None:
+            out.append(e)
+            if len(out) == n:
+                break
+    return out
+
+
+def _train_path(data_dir, verify: bool):
+    root = sources.resolve_data_dir(data_dir)
+    for rel in TRAIN_FILES:
+        if (root / rel).is_file():
+            return sources.data_file(rel, data_dir, verify)
+    raise FileNotFoundError(f"no SQuAD train file in {root} (looked for {', '.join(TRAIN_FILES)}; the data directory "
+                            f"comes from data_dir or ${sources.DATA_ENV}); download with `{sources.FETCH_HINT}`")

@@ -1,0 +1,153 @@
+"""Subject-verb agreement (SVA): predict the number of the next verb from the prefix before it.
+
+Two sources (see the data README):
+
+* ``"sva"`` -- Marvin & Linzen (2018) template sentences, ``sva/marvin_linzen2018_agreement.jsonl.gz``.
+  Input: the words of ``sentence_good`` before ``verb_index``; label: ``target_number``
+  (singular / plural); relevant token: the subject noun at ``subject_index`` (exact, from the
+  templates). Minimal pairs that share a prefix are the same input, so the items are the
+  *distinct prefixes*; they are split at random (``test_frac``, ``seed``) so that no test
+  prefix occurs in training.
+* ``"sva_linzen"`` -- Linzen et al. (2016) natural Wikipedia prefixes. Train pool:
+  ``numpred.val`` (15,772 prefixes); test: the attractor sets ``numpred.test.{1..5}``
+  (64,750 prefixes, ``n_attractors`` in ``test_info``). Labels VBZ -> singular, VBP -> plural.
+  There is **no subject index** in this release; we do not derive one, so ``relevant`` is empty
+  and only accuracy (by number of attractors) is meaningful.
+
+Prefixes longer than the cap (``max_len - 1`` words) lose their first words (the words next to
+the verb stay). If that would cut the subject (``"sva"``) the prefix is skipped and counted;
+otherwise the truncation is counted. The query token ``<query>`` stands at the verb's position.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from . import sources
+from .text import Example, TextDataset, count, finish, subsample, truncate
+
+CLASS_NAMES = ["singular", "plural"]
+ML_FILE = "sva/marvin_linzen2018_agreement.jsonl.gz"
+LINZEN_TRAIN_FILE = "sva/linzen2016_numpred.val.tsv.gz"
+LINZEN_TEST_FILE = "sva/linzen2016_numpred.test_attractors.tsv.gz"
+NUMBER = {"sing": 0, "plur": 1}
+LINZEN_LABEL = {"VBZ": 0, "VBP": 1}
+
+
+def marvin_linzen_examples(rows, max_len: int, report: dict[str, int]) -> list[Example]:
+    """Distinct-prefix examples from Marvin & Linzen rows (dicts with ``sentence_good``,
+    ``verb_index``, ``subject_index``, ``subject``, ``target_number``, ``condition``).
+    Counts in ``report`` (prefix ``all_``): read, duplicate prefixes, conflicting labels,
+    bad subject index, bad label, truncated and skipped-because-the-subject-was-cut prefixes."""
+    by_prefix: dict[tuple[str, ...], Example] = {}
+    labels: dict[tuple[str, ...], set[int]] = {}
+    for r in rows:
+        count(report, "all_read")
+        words = str(r["sentence_good"]).split()
+        v, s = int(r["verb_index"]), int(r["subject_index"])
+        if r["target_number"] not in NUMBER:
+            count(report, "all_skipped_bad_label")
+            continue
+        if not (0 <= s < v <= len(words)) or words[s] != r["subject"]:
+            count(report, "all_skipped_bad_subject_index")
+            continue
+        prefix = tuple(words[:v])
+        y = NUMBER[r["target_number"]]
+        labels.setdefault(prefix, set()).add(y)
+        if prefix in by_prefix:
+            count(report, "all_duplicate_prefix")
+            continue
+        by_prefix[prefix] = Example(list(prefix), [s], y, info={"condition": r["condition"], "subject": r["subject"]})
+    out = []
+    for prefix, ex in by_prefix.items():
+        if len(labels[prefix]) > 1:
+            count(report, "all_skipped_conflicting_label")
+            continue
+        t = truncate(ex.tokens, ex.relevant, max_len - 1, side="left")
+        if t.n_relevant_cut:
+            count(report, "all_skipped_prefix_over_cap_subject_cut")
+            continue
+        if t.n_cut:
+            count(report, "all_truncated_prefix_over_cap")
+        out.append(Example(t.tokens, t.relevant, ex.y, info=ex.info))
+    report["all_distinct_prefixes"] = len(by_prefix)
+    return out
+
+
+def split_examples(examples: list[Example], test_frac: float, seed: int) -> tuple[list[Example], list[Example]]:
+    """Random split of distinct examples into (train, test) with ``round(test_frac * N)`` test
+    items, reproducible with ``seed``; both keep the input order."""
+    import numpy as np
+
+    if not 0.0 < test_frac < 1.0:
+        raise ValueError(f"test_frac must lie in (0, 1), got {test_frac}")
+    n_test = max(1, int(round(test_frac * len(examples))))
+    perm = np.random.default_rng(seed).permutation(len(examples))
+    is_test = np.zeros(len(examples), dtype=bool)
+    is_test[perm[:n_test]] = True
+    return [e for e, t in zip(examples, is_test) if not t], [e for e, t in zip(examples, is_test) if t]
+
+
+def load(data_dir: str | os.PathLike | None = None, max_len: int = 16, min_freq: int = 2,
+         n_train: int | None = None, n_test: int | None = None, seed: int = 0, test_frac: float = 0.2,
+         verify: bool = True, query_is_key: bool = False, **kw: Any) -> TextDataset:
+    """Marvin & Linzen SVA as a :class:`TextDataset` (see the module docstring)."""
+    _no_extra(kw)
+    path = sources.data_file(ML_FILE, data_dir, verify)
+    rows = sources.load_rows("json", path)
+    report: dict[str, int] = {}
+    exs = marvin_linzen_examples(rows, max_len, report)
+    train, test = split_examples(exs, test_frac, seed)
+    report["train_split"], report["test_split"] = len(train), len(test)
+    train, test = subsample(train, n_train, seed), subsample(test, n_test, seed + 1)
+    notes = [f"Marvin & Linzen (2018) templates: {len(exs)} distinct prefixes, random {1 - test_frac:.0%}/{test_frac:.0%} "
+             "split by prefix; relevant token = the subject noun (exact index)."]
+    return finish("sva", train, test, CLASS_NAMES, report, min_freq, query_is_key=query_is_key, notes=notes)
+
+
+def linzen_examples(rows, max_len: int, report: dict[str, int], split: str) -> list[Example]:
+    """Examples from Linzen rows (``label``, ``prefix``, optional ``n_attractors``); counts
+    read, bad label, empty prefix and truncated prefixes under ``<split>_...``."""
+    out = []
+    for r in rows:
+        count(report, f"{split}_read")
+        label = str(r["label"]).strip()
+        if label not in LINZEN_LABEL:
+            count(report, f"{split}_skipped_bad_label")
+            continue
+        words = str(r["prefix"]).split()
+        if not words:
+            count(report, f"{split}_skipped_empty_prefix")
+            continue
+        t = truncate(words, [], max_len - 1, side="left")
+        if t.n_cut:
+            count(report, f"{split}_truncated_prefix_over_cap")
+        info = {"n_attractors": int(r["n_attractors"])} if "n_attractors" in r else {"n_attractors": -1}
+        out.append(Example(t.tokens, [], LINZEN_LABEL[label], info=info))
+    return out
+
+
+def load_linzen(data_dir: str | os.PathLike | None = None, max_len: int = 48, min_freq: int = 2,
+                n_train: int | None = None, n_test: int | None = None, seed: int = 0,
+                verify: bool = True, query_is_key: bool = False, **kw: Any) -> TextDataset:
+    """Linzen et al. (2016): train on ``numpred.val``, test on the attractor sets (see the
+    module docstring). ``relevant`` is all False: this release has no subject index."""
+    _no_extra(kw)
+    tsv = dict(delimiter="\t", quoting=3, keep_default_na=False)
+    train_rows = sources.load_rows("csv", sources.data_file(LINZEN_TRAIN_FILE, data_dir, verify),
+                                   column_names=["label", "prefix"], **tsv)
+    test_rows = sources.load_rows("csv", sources.data_file(LINZEN_TEST_FILE, data_dir, verify), **tsv)
+    report: dict[str, int] = {}
+    train = subsample(linzen_examples(train_rows, max_len, report, "train"), n_train, seed)
+    test = subsample(linzen_examples(test_rows, max_len, report, "test"), n_test, seed + 1)
+    report["test_no_subject_index"] = len(test)
+    notes = ["Linzen et al. (2016) numpred.val as the train pool and the attractor test sets numpred.test.1-5; "
+             "no subject index in this release, none derived: relevant is empty."]
+    return finish("sva_linzen", train, test, CLASS_NAMES, report, min_freq, query_is_key=query_is_key, notes=notes)
+
+
+def _no_extra(kw: dict[str, Any]) -> None:
+    kw.pop("source", None)
+    if kw:
+        raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
