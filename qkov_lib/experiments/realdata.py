@@ -40,7 +40,7 @@ from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
 from ..metrics import confidence, dtap_histogram, relevant_mass, summarize
 from ..models import TokenModel
-from ..running import claim, pick_device, seed_everything
+from ..running import claim, pick_device, seed_everything, torch_threads
 from ..training import History, TrainConfig, predict, train
 from .synthetic import format_summary, seed_summary, settings_frame  # noqa: F401  (re-exported for the chapters)
 
@@ -288,7 +288,8 @@ def train_one(ds: TextDataset, ratio: float, seed: int, cfg: Mapping[str, Any],
 def run_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | None = None) -> list[RealRun]:
     """Every (ratio, seed) of ``cfg`` on ``ds``, with a progress bar."""
     grid = list(itertools.product(cfg["ratios"], cfg["seeds"]))
-    return [train_one(ds, r, s, cfg, device) for r, s in tqdm(grid, desc=f"{ds.name} grid")]
+    with torch_threads(1):  # tiny models: a second CPU thread only adds spin-waiting
+        return [train_one(ds, r, s, cfg, device) for r, s in tqdm(grid, desc=f"{ds.name} grid")]
 
 
 def runs_frame(runs: Iterable[RealRun]) -> pd.DataFrame:
@@ -396,6 +397,11 @@ def linzen_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | 
     ``"train"``, the accuracy on the training prefixes)."""
     device = device or pick_device()
     k = np.asarray(ds.test_info["n_attractors"])
+    with torch_threads(1):
+        return pd.DataFrame(_linzen_runs(ds, cfg, device, k))
+
+
+def _linzen_runs(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device, k: np.ndarray) -> list[dict]:
     rows = []
     for ratio, seed in tqdm(list(itertools.product(cfg["ratios"], cfg["seeds"])), desc="linzen grid"):
         model = make_model(ds, cfg, seed).to(device)
@@ -410,7 +416,7 @@ def linzen_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | 
             sel = k == j
             rows.append({"ratio": float(ratio), "seed": seed, "n_attractors": str(j), "accuracy": float(ok[sel].mean()),
                          "n": int(sel.sum())})
-    return pd.DataFrame(rows)
+    return rows
 
 
 # --- claims R1-R3 -------------------------------------------------------------------------
