@@ -79,6 +79,15 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
     return {"profile": name, **base}
 
 
+def tag_frame(frame, **tags: Any):
+    """``frame`` (a pandas DataFrame, copied) with one leading column per tag, in the given order,
+    e.g. ``tag_frame(f, parameterization="FAFO", ratio=10.0, seed=0)``."""
+    out = frame.copy()
+    for i, (name, value) in enumerate(tags.items()):
+        out.insert(i, name, value)
+    return out
+
+
 def pick_device(device: str | None = None) -> torch.device:
     """``device`` if given, else CUDA when available, else CPU."""
     if device:

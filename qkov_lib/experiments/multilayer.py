@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..data.batch import Batch
 from ..knob import knob_optimizer
 from ..metrics import relevant_mass
-from ..running import claim, pick_device, seed_everything
+from ..running import claim, pick_device, seed_everything, tag_frame
 from ..training import NonFiniteError, log_steps
 
 DATASETS = ("sva", "hatexplain")
@@ -340,22 +340,14 @@ def heads_frame(runs: Sequence[Run]) -> pd.DataFrame:
         for layer, g in f[idx].groupby("layer"):
             order = g["attn_relevant"].rank(ascending=False, method="first")
             f.loc[order.index, "rank"] = order
-        f.insert(0, "seed", r.seed)
-        f.insert(0, "ratio", r.ratio)
-        f.insert(0, "dataset", r.dataset)
-        parts.append(f)
+        parts.append(tag_frame(f, dataset=r.dataset, ratio=r.ratio, seed=r.seed))
     return pd.concat(parts, ignore_index=True)
 
 
 def histories_frame(runs: Sequence[Run]) -> pd.DataFrame:
-    parts = []
-    for r in runs:
-        f = r.history.copy()
-        f.insert(0, "seed", r.seed)
-        f.insert(0, "ratio", r.ratio)
-        f.insert(0, "dataset", r.dataset)
-        parts.append(f)
-    return pd.concat(parts, ignore_index=True)
+    """Every logged training record, tagged with dataset, ratio and seed."""
+    return pd.concat([tag_frame(r.history, dataset=r.dataset, ratio=r.ratio, seed=r.seed) for r in runs],
+                     ignore_index=True)
 
 
 def _half_width(v: pd.Series) -> float:

@@ -40,7 +40,7 @@ from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
 from ..metrics import confidence, dtap_histogram, relevant_mass, summarize
 from ..models import TokenModel
-from ..running import claim, pick_device, seed_everything, torch_threads
+from ..running import claim, pick_device, seed_everything, tag_frame, torch_threads
 from ..training import History, TrainConfig, predict, train
 from .synthetic import format_summary, seed_summary, settings_frame  # noqa: F401  (re-exported for the chapters)
 
@@ -299,13 +299,7 @@ def runs_frame(runs: Iterable[RealRun]) -> pd.DataFrame:
 
 def histories_frame(runs: Iterable[RealRun]) -> pd.DataFrame:
     """Every logged training record, tagged with ratio and seed."""
-    parts = []
-    for r in runs:
-        f = r.history.frame()
-        f.insert(0, "seed", r.seed)
-        f.insert(0, "ratio", r.ratio)
-        parts.append(f)
-    return pd.concat(parts, ignore_index=True)
+    return pd.concat([tag_frame(r.history.frame(), ratio=r.ratio, seed=r.seed) for r in runs], ignore_index=True)
 
 
 def mean_dtap(runs: Iterable[RealRun]) -> dict[tuple[str, float], np.ndarray]:

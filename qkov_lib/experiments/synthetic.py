@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 from ..data import synthetic as syn
 from ..metrics import DEFAULT_TAUS, circuit_scalars, confidence, dtap_histogram, relevant_mass, summarize
 from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..running import pick_device, seed_everything, torch_threads
+from ..running import pick_device, seed_everything, tag_frame, torch_threads
 from ..training import History, TrainConfig, predict, train
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
@@ -110,14 +110,8 @@ def runs_frame(runs: Iterable[Run]) -> pd.DataFrame:
 
 def histories_frame(runs: Iterable[Run]) -> pd.DataFrame:
     """Long table of every logged training record, tagged with its run's settings."""
-    parts = []
-    for r in runs:
-        f = r.history.frame()
-        f.insert(0, "seed", r.seed)
-        f.insert(0, "ratio", r.ratio)
-        f.insert(0, "parameterization", r.parameterization)
-        parts.append(f)
-    return pd.concat(parts, ignore_index=True)
+    return pd.concat([tag_frame(r.history.frame(), parameterization=r.parameterization, ratio=r.ratio, seed=r.seed)
+                      for r in runs], ignore_index=True)
 
 
 def seed_summary(frame: pd.DataFrame, by: Sequence[str], metrics: Sequence[str], level: float = 0.95) -> pd.DataFrame:
