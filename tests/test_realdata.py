@@ -174,3 +174,19 @@ def test_profiles_are_well_formed():
             assert len(cfg["seeds"]) >= (1 if prof == "test" else 3)
             if prof != "test":
                 assert sorted(cfg["ratios"]) == [1.0, 10.0, 100.0]
+
+
+def test_provenance_frame_reads_results_and_marks_missing(tmp_path):
+    import json
+
+    from qkov_lib.experiments import realdata as exp
+
+    doc = {"params": {"profile": "cpu", "ratios": [1.0, 100.0], "seeds": [0, 1, 2], "steps": 2000},
+           "metrics": {"data_report": {"train_used": 500, "test_used": 200}}, "wall_time_s": 12.345,
+           "git_commit": "0123456789abcdef"}
+    (tmp_path / "sva.json").write_text(json.dumps(doc))
+    f = exp.provenance_frame(tmp_path)
+    assert f.loc["07_sva", "status"] == "ran" and f.loc["07_sva", "seeds"] == 3
+    assert f.loc["07_sva", "train instances"] == 500 and f.loc["07_sva", "wall time (s)"] == 12.3
+    assert f.loc["07_sva", "git commit"] == "0123456789ab"
+    assert f.loc["05_squad", "status"] == "not run" and f.loc["06_hatexplain", "status"] == "not run"

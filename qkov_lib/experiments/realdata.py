@@ -664,3 +664,21 @@ def plot_attractors(frame: pd.DataFrame):
 def glue_name(key: str) -> str:
     """A glue-safe name for a facts key (``AC@0.5_lo`` -> ``AC05_lo``)."""
     return key.replace("@", "").replace(".", "")
+
+
+def provenance_frame(results_dir: str | Path | None = None) -> pd.DataFrame:
+    """Where the summary's numbers come from: per dataset chapter, whether it ran, its profile,
+    ratios, number of seeds, steps, train/test instances used, wall time (s) and git commit."""
+    rows = []
+    for name in ("squad", "hatexplain", "sva"):
+        doc = read_results(name, results_dir)
+        if doc is None:
+            rows.append({"chapter": CHAPTERS[name], "status": "not run"})
+            continue
+        p, report = doc.get("params", {}), doc["metrics"].get("data_report", {})
+        rows.append({"chapter": CHAPTERS[name], "status": "ran", "profile": p.get("profile"),
+                     "ratios": p.get("ratios"), "seeds": len(p.get("seeds", [])), "steps": p.get("steps"),
+                     "train instances": report.get("train_used"), "test instances": report.get("test_used"),
+                     "wall time (s)": round(doc["wall_time_s"], 1) if doc.get("wall_time_s") else None,
+                     "git commit": str(doc.get("git_commit", ""))[:12]})
+    return pd.DataFrame(rows).set_index("chapter")
