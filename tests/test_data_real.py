@@ -403,3 +403,15 @@ def test_sva_counts_match_the_readme():
     assert torch.bincount(lz.train.y).tolist() == [10_763, 5_009]               # VBZ, VBP
     k = torch.tensor(lz.test_info["n_attractors"])
     assert torch.bincount(k)[1:].tolist() == [52_599, 9_380, 2_051, 561, 159]
+
+
+def test_capped_words_counts_empty_and_cut():
+    from qkov_lib.data.text import capped_words
+
+    report: dict[str, int] = {}
+    assert capped_words("  ", 5, "left", report, "train", "prefix") is None
+    assert capped_words("a b c d e f", 5, "left", report, "train", "prefix") == ["c", "d", "e", "f"]
+    assert capped_words("a b c d e f", 5, "right", report, "test", "post") == ["a", "b", "c", "d"]
+    assert capped_words("a b", 5, "right", report, "test", "post") == ["a", "b"]
+    assert report == {"train_skipped_empty_prefix": 1, "train_truncated_prefix_over_cap": 1,
+                      "test_truncated_post_over_cap": 1}

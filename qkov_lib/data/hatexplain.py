@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import sources
-from .text import Example, TextDataset, count, finish, subsample, truncate
+from .text import Example, TextDataset, capped_words, count, finish, subsample, truncate
 
 CLASS_NAMES = ["hatespeech", "normal", "offensive"]
 NORMAL = 1
@@ -95,14 +95,10 @@ def csv_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[s
             continue
         if str(r.get("majority_label", y)).strip() != str(y):
             count(report, f"{split}_majority_label_disagrees")
-        words = str(r["text"]).split()
-        if not words:
-            count(report, f"{split}_skipped_empty_post")
+        tokens = capped_words(r["text"], max_len, "right", report, split, "post")
+        if tokens is None:
             continue
-        t = truncate(words, [], max_len - 1, side="right")
-        if t.n_cut:
-            count(report, f"{split}_truncated_post_over_cap")
-        out.append(Example(t.tokens, [], y, info={"id": None, "has_rationale": False}))
+        out.append(Example(tokens, [], y, info={"id": None, "has_rationale": False}))
     return out
 
 

@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from . import sources
-from .text import Example, TextDataset, count, finish, subsample, truncate
+from .text import Example, TextDataset, capped_words, count, finish, subsample, truncate
 
 CLASS_NAMES = ["singular", "plural"]
 ML_FILE = "sva/marvin_linzen2018_agreement.jsonl.gz"
@@ -116,15 +116,11 @@ def linzen_examples(rows, max_len: int, report: dict[str, int], split: str) -> l
         if label not in LINZEN_LABEL:
             count(report, f"{split}_skipped_bad_label")
             continue
-        words = str(r["prefix"]).split()
-        if not words:
-            count(report, f"{split}_skipped_empty_prefix")
+        tokens = capped_words(r["prefix"], max_len, "left", report, split, "prefix")
+        if tokens is None:
             continue
-        t = truncate(words, [], max_len - 1, side="left")
-        if t.n_cut:
-            count(report, f"{split}_truncated_prefix_over_cap")
         info = {"n_attractors": int(r["n_attractors"])} if "n_attractors" in r else {"n_attractors": -1}
-        out.append(Example(t.tokens, [], LINZEN_LABEL[label], info=info))
+        out.append(Example(tokens, [], LINZEN_LABEL[label], info=info))
     return out
 
 

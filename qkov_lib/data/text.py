@@ -238,6 +238,20 @@ def count(report: dict[str, int], key: str, n: int = 1) -> None:
     report[key] = report.get(key, 0) + n
 
 
+def capped_words(text: Any, max_len: int, side: str, report: dict[str, int], split: str, what: str) -> list[str] | None:
+    """The whitespace tokens of ``text`` cut to ``max_len - 1`` (room for the query) from ``side``;
+    counts ``<split>_skipped_empty_<what>`` (and returns None) for an empty text and
+    ``<split>_truncated_<what>_over_cap`` for a cut one, so nothing is dropped silently."""
+    words = str(text).split()
+    if not words:
+        count(report, f"{split}_skipped_empty_{what}")
+        return None
+    t = truncate(words, [], max_len - 1, side=side)
+    if t.n_cut:
+        count(report, f"{split}_truncated_{what}_over_cap")
+    return t.tokens
+
+
 DEFAULT_MAX_LEN = {"squad": 192, "hatexplain": 96, "sva": 16, "sva_linzen": 48}
 
 
