@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 
-from qkov_lib import running
+from qkov_lib import profiles, runtime
 from qkov_lib.experiments import sweep
 
 
@@ -34,13 +34,13 @@ def chapter_wall_time(profile: str, out_dir: str) -> float:
     env = {**os.environ, "QKOV_PROFILE": profile}
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "qkov_lib", "run", "sweep", "--out", out_dir], check=True, env=env,
-                   cwd=running.REPO_ROOT)
+                   cwd=runtime.REPO_ROOT)
     return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--profile", default="cpu", choices=running.PROFILES, help="sweep profile whose grid is timed")
+    ap.add_argument("--profile", default="cpu", choices=profiles.PROFILES, help="sweep profile whose grid is timed")
     ap.add_argument("--steps", type=int, default=200, help="training steps per model in the throughput test")
     ap.add_argument("--loop-models", type=int, default=None,
                     help="time the loop on this many evenly spread grid cells (default: all, i.e. the same work)")
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     threads = args.threads or None
-    cfg = running.resolve(sweep.PROFILES, args.profile)
+    cfg = profiles.resolve(sweep.PROFILES, args.profile)
     result: dict = {"profile": args.profile, "cpu_count": os.cpu_count(),
                     "load_average_before": list(os.getloadavg())}
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = len(cfg["parameterizations"]) * len(cfg["ratios"]) * len(cfg["seeds"])
     tp = sweep.throughput(cfg, args.steps, args.loop_models, threads=threads)
     print(f"throughput: {grid} models x {args.steps} steps, torch threads {tp['threads']}")
-    result.update(throughput=tp, load_average_after=list(os.getloadavg()), versions=running.versions())
+    result.update(throughput=tp, load_average_after=list(os.getloadavg()), versions=runtime.versions())
     print(f"  loop    (training.train, {tp['n_loop']} models): {tp['loop_model_steps_per_s']:8.0f} model-steps/s "
           f"({tp['loop_s']:.1f} s)")
     print(f"  batched (engine, {tp['n_batched']} models):        {tp['batched_model_steps_per_s']:8.0f} model-steps/s "

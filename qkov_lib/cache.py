@@ -65,7 +65,7 @@ def _version(pkg: str) -> str:
 
 def key_parts(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What the cache key is made of: the library hash, the ``QKOV_*`` variables (profile
-    defaulting to ``cpu`` as in :func:`qkov_lib.running.profile_name`) and library versions."""
+    defaulting to ``cpu`` as in :func:`qkov_lib.profiles.profile_name`) and library versions."""
     env = os.environ if environ is None else environ
     qkov_env = {k: v for k, v in sorted(env.items()) if k.startswith("QKOV_") and k not in KEY_ENV_EXCLUDE}
     qkov_env.setdefault("QKOV_PROFILE", "cpu")
@@ -223,7 +223,7 @@ def _write_config(cfg: Mapping[str, Any], path: Path) -> Path:
 def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: str | os.PathLike) -> Path:
     """A copy of the book at ``stage`` in which every chapter notebook is replaced by its
     papermill-executed version from ``executed`` (``<name>.ipynb``, as written by
-    :func:`qkov_lib.running.run_chapter`) and execution is switched off. Raises
+    :func:`qkov_lib.cli.run_chapter`) and execution is switched off. Raises
     FileNotFoundError naming the chapters that have no executed notebook."""
     import nbformat
 

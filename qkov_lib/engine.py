@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from .data.batch import Batch
 from .metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
 from .models import SyntheticModel, group_of, param_groups
-from .running import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
+from .runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
 from .training import History, NonFiniteError, TrainConfig, log_steps
 
 NONFINITE_MODES = ("raise", "freeze")

@@ -1,7 +1,7 @@
 """The reproducibility scorecard: every claim of the paper, what we measured, and a verdict.
 
-Chapters report claims in their results files (``running.save_results`` with
-``metrics["claims"]`` = rows of ``running.claim``). This module collects those rows from a results
+Chapters report claims in their results files (``results.save_results`` with
+``metrics["claims"]`` = rows of ``claims.claim``). This module collects those rows from a results
 folder and lays them out per claim ID of ``PAPER.md``, with "not run" for claims no chapter reported.
 """
 

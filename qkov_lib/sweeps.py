@@ -1,7 +1,7 @@
 """Parameter sweeps over a chapter: a grid of papermill runs, a tidy results table, resume.
 
 A sweep expands a grid (``{"eta_ov": [0.25, 0.5], "steps": [30, 60]}`` = 4 runs) into runs of
-one chapter, each executed by :func:`qkov_lib.running.run_chapter`. Every run gets a stable ID
+one chapter, each executed by :func:`qkov_lib.cli.run_chapter`. Every run gets a stable ID
 (a hash of the chapter and its parameters), so rerunning a sweep skips the runs that already
 finished. A run that fails is recorded with its error and the sweep goes on.
 
@@ -179,7 +179,7 @@ def _error_text(exc: BaseException) -> tuple[str, str]:
 def execute_run(spec: RunSpec) -> dict[str, Any]:
     """Execute one run through papermill and write its record; never raises for a failing
     notebook (the record then has ``status="failed"`` and the error)."""
-    from . import running
+    from . import cli, runtime
 
     out = Path(spec.out_dir)
     started = datetime.now(timezone.utc)
@@ -192,7 +192,7 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
     }
     try:
         with _thread_env(spec.threads):
-            running.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
+            cli.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
         doc = json.loads(Path(record["results_file"]).read_text())
         record.update(status="ok", error=None, traceback=None)
         record["resolved_params"] = doc.get("params", {})
@@ -201,8 +201,8 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 -- any failure of a run is data, not a crash
         err, tb = _error_text(exc)
         record.update(status="failed", error=err, traceback=tb, resolved_params=None, metrics=None,
-                      versions=running.versions(), git_commit=running.git_commit(),
-                      device=str(running.pick_device()), wall_time_s=None)
+                      versions=runtime.versions(), git_commit=runtime.git_commit(),
+                      device=str(runtime.pick_device()), wall_time_s=None)
     record["run_time_s"] = time.perf_counter() - t0
     record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     _write_json(_record_path(out, spec.run_id), record)
@@ -359,9 +359,9 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
     """The chapter source and the parameter dict of every run (fixed ``params`` updated with one
     grid point, and the profile made explicit so that a run's ID pins it). Unknown parameter
     names raise ValueError before anything runs."""
-    from . import running
+    from . import cli, profiles
 
-    src = running.chapter_path(chapter).resolve()
+    src = cli.chapter_path(chapter).resolve()
     known = chapter_parameters(src)
     points = expand_grid(grid) if grid else [{}]
     fixed = dict(params or {})
@@ -376,7 +376,7 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
     for point in points:
         p = {**fixed, **point}
         if "profile" in known and p.get("profile") is None:
-            p["profile"] = running.profile_name(profile)
+            p["profile"] = profiles.profile_name(profile)
         runs.append(p)
     return src, runs
 

@@ -17,7 +17,7 @@ from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.experiments import theory as th
 from qkov_lib.models import PARAMETERIZATIONS
-from qkov_lib.running import resolve
+from qkov_lib.profiles import resolve
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 4))
 TASK_B = syn.SyntheticTask(n_classes=4, n_common_vocab=3, n_common=(3,))

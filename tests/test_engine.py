@@ -245,7 +245,7 @@ def test_sweep_cells_equal_the_synthetic_chapter_runs():
     """A sweep cell (batched engine, shared builder) equals exp.train_one (the loop)."""
     from qkov_lib.experiments import sweep
     from qkov_lib.experiments import synthetic as exp
-    from qkov_lib.running import resolve
+    from qkov_lib.profiles import resolve
 
     # train_one logs with TrainConfig's default n_logs (40)
     cfg = resolve(sweep.PROFILES, "test", parameterizations=["FAFO", "CAFO"], ratios=[1.0, 10.0], seeds=[3],

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qkov_lib import running
+from qkov_lib import profiles, results
 from qkov_lib.data.text import Example, finish
 from qkov_lib.experiments import realdata as exp
 
@@ -73,7 +73,7 @@ def _tiny_dataset(n=120, seed=0) -> "exp.TextDataset":
 
 
 def _cfg(**kw):
-    cfg = running.resolve(exp.PROFILES["hatexplain"], "test")
+    cfg = profiles.resolve(exp.PROFILES["hatexplain"], "test")
     cfg.update(dict(d_model=8, steps=60, batch_size=32, eta_ov=3e-3, n_eraser=40, taus=[0.5, 0.9]), **kw)
     return cfg
 
@@ -149,7 +149,7 @@ def test_claim_verdicts_follow_the_rules():
 def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     cfg = {"ratios": [1.0, 100.0], "seeds": [0, 1, 2], "profile": "cpu"}
     rows = exp.claims(exp.chapter_facts(_summary(BASE), cfg), "sva")
-    running.save_results("sva", cfg, {"claims": rows}, path=tmp_path / "sva.json")
+    results.save_results("sva", cfg, {"claims": rows}, path=tmp_path / "sva.json")
     table = exp.r_table(tmp_path)
     assert len(table) == 9
     sva = table[table["dataset"] == "sva"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qkov_lib import running, scorecard
+from qkov_lib import claims, cli, results, scorecard
 
 PAPER = Path(__file__).resolve().parents[2] / "shared" / "PAPER.md"
 
@@ -23,17 +23,17 @@ def book(tmp_path: Path) -> Path:
 
 
 def _results(folder: Path) -> None:
-    running.save_results("synthetic", {"profile": "test"}, {"claims": [
-        running.claim("S1", "heatmaps differ", "they differ | a lot", "reproduced", "01_synthetic"),
-        running.claim("S3", "ratio sharpens", "4/4 sharper", "partly", "01_synthetic")]},
+    results.save_results("synthetic", {"profile": "test"}, {"claims": [
+        claims.claim("S1", "heatmaps differ", "they differ | a lot", "reproduced", "01_synthetic"),
+        claims.claim("S3", "ratio sharpens", "4/4 sharper", "partly", "01_synthetic")]},
         path=folder / "synthetic.json", wall_time_s=1.5, device="cpu")
-    running.save_results("theory", {"profile": "cpu"}, {"claims": [
-        running.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
-        running.claim("T9", "not a claim", "?", "not tested", "theory")]},
+    results.save_results("theory", {"profile": "cpu"}, {"claims": [
+        claims.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
+        claims.claim("T9", "not a claim", "?", "not tested", "theory")]},
         path=folder / "theory.json", wall_time_s=2.0, device="cpu")
-    running.save_results("removed", {}, {"claims": [running.claim("T1", "p", "o", "reproduced", "05_removed")]},
+    results.save_results("removed", {}, {"claims": [claims.claim("T1", "p", "o", "reproduced", "05_removed")]},
                          path=folder / "removed.json")
-    running.save_results("plain", {}, [{"no": "claims"}], path=folder / "plain.json")
+    results.save_results("plain", {}, [{"no": "claims"}], path=folder / "plain.json")
     (folder / "broken.json").write_text("{not json")
 
 
@@ -121,7 +121,7 @@ def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
 
 def test_scorecard_cli(tmp_path: Path, capsys):
     _results(tmp_path)
-    assert running.main(["scorecard", "--results", str(tmp_path)]) == 0
+    assert cli.main(["scorecard", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     counts = json.loads(out.strip().splitlines()[-1])
     assert set(counts) == set(scorecard.VERDICTS)

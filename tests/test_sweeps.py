@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from qkov_lib import sweeps
-from qkov_lib.running import main
+from qkov_lib.cli import main
 
 FAKE = '''---
 jupytext:

@@ -4,7 +4,7 @@ import torch
 from qkov_lib.data import synthetic as syn
 from qkov_lib.experiments import synthetic as exp
 from qkov_lib.models import SyntheticModel
-from qkov_lib.running import resolve
+from qkov_lib.profiles import resolve
 from qkov_lib.training import NonFiniteError, TrainConfig, log_steps, train
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 3))

@@ -28,7 +28,9 @@ from tqdm.auto import tqdm
 from ..data.batch import Batch
 from ..knob import knob_optimizer
 from ..metrics import relevant_mass
-from ..running import claim, pick_device, seed_everything, tag_frame
+from ..claims import claim
+from ..results import tag_frame
+from ..runtime import pick_device, seed_everything
 from ..training import NonFiniteError, log_steps
 
 DATASETS = ("sva", "hatexplain")

@@ -40,7 +40,9 @@ from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
 from ..metrics import confidence, dtap_histogram, relevant_mass, summarize
 from ..models import TokenModel
-from ..running import claim, pick_device, seed_everything, tag_frame, torch_threads
+from ..claims import claim
+from ..results import tag_frame
+from ..runtime import pick_device, seed_everything, torch_threads
 from ..training import History, TrainConfig, predict, train
 from .synthetic import format_summary, seed_summary, settings_frame  # noqa: F401  (re-exported for the chapters)
 
@@ -518,8 +520,8 @@ PAPER_R = {
 
 def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The results document a dataset chapter wrote (``<results_dir>/<name>.json``, default
-    :func:`running.default_results_path`), or None when the file does not exist."""
-    from ..running import default_results_path
+    :func:`qkov_lib.results.default_results_path`), or None when the file does not exist."""
+    from ..results import default_results_path
 
     path = Path(results_dir) / f"{name}.json" if results_dir else default_results_path(name)
     if not path.is_file():

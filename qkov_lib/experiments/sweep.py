@@ -25,7 +25,8 @@ from ..data import synthetic as syn
 from ..data.batch import Batch
 from ..metrics import circuit_scalars
 from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..running import claim, seed_everything
+from ..claims import claim
+from ..runtime import seed_everything
 from ..training import TrainConfig
 from . import synthetic as base
 

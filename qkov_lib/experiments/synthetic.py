@@ -15,7 +15,8 @@ from tqdm.auto import tqdm
 from ..data import synthetic as syn
 from ..metrics import DEFAULT_TAUS, circuit_scalars, confidence, dtap_histogram, relevant_mass, summarize
 from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..running import pick_device, seed_everything, tag_frame, torch_threads
+from ..results import tag_frame
+from ..runtime import pick_device, seed_everything, torch_threads
 from ..training import History, TrainConfig, predict, train
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
@@ -194,7 +195,7 @@ def chapter_facts(summary: pd.DataFrame, cfg: dict) -> dict[str, str]:
 
 def claims(facts: dict[str, str]) -> list[dict[str, str]]:
     """Scorecard rows for S1-S3 from :func:`chapter_facts`."""
-    from ..running import claim
+    from ..claims import claim
 
     n, up = int(facts["n_param"]), int(facts["n_sharper"])
     s3 = "reproduced" if up == n and float(facts["max_dloss"]) < 0.05 else ("partly" if up else "not reproduced")

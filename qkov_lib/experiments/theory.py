@@ -17,7 +17,8 @@ from .. import dynamics as dy
 from ..data import synthetic as syn
 from ..metrics import circuit_scalars
 from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..running import claim, seed_everything
+from ..claims import claim
+from ..runtime import seed_everything
 from ..training import TrainConfig, train
 
 # Chapter 02 (reduction): machine checks. ``eta_max`` is the larger of the two learning rates

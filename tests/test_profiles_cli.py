@@ -2,23 +2,23 @@ import json
 
 import pytest
 
-from qkov_lib import running
+from qkov_lib import claims, cli, profiles
 from qkov_lib.experiments import synthetic as exp
 
 
 def test_resolve_profiles_and_overrides(monkeypatch):
-    monkeypatch.delenv(running.PROFILE_ENV, raising=False)
-    assert running.resolve(exp.PROFILES, None)["profile"] == "cpu"
-    monkeypatch.setenv(running.PROFILE_ENV, "test")
-    cfg = running.resolve(exp.PROFILES, None, ratios=[1, 100], steps=None)
+    monkeypatch.delenv(profiles.PROFILE_ENV, raising=False)
+    assert profiles.resolve(exp.PROFILES, None)["profile"] == "cpu"
+    monkeypatch.setenv(profiles.PROFILE_ENV, "test")
+    cfg = profiles.resolve(exp.PROFILES, None, ratios=[1, 100], steps=None)
     assert cfg["profile"] == "test" and cfg["ratios"] == [1, 100]
     assert cfg["steps"] == exp.PROFILES["test"]["steps"]     # None keeps the profile value
-    assert running.resolve(exp.PROFILES, "full")["profile"] == "full"  # explicit beats the env
+    assert profiles.resolve(exp.PROFILES, "full")["profile"] == "full"  # explicit beats the env
 
 
 def test_unknown_profile_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown profile 'gpu'; expected one of test, cpu, full"):
-        running.resolve(exp.PROFILES, "gpu")
+        profiles.resolve(exp.PROFILES, "gpu")
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -30,30 +30,30 @@ def test_unknown_profile_is_a_clear_error():
 ])
 def test_wrong_parameter_type_is_a_clear_error(kw, msg):
     with pytest.raises(TypeError, match=msg):
-        running.resolve(exp.PROFILES, "test", **kw)
+        profiles.resolve(exp.PROFILES, "test", **kw)
 
 
 def test_unknown_parameter_is_rejected():
     with pytest.raises(ValueError, match="unknown parameter 'ratio'"):
-        running.resolve(exp.PROFILES, "test", ratio=10)
+        profiles.resolve(exp.PROFILES, "test", ratio=10)
 
 
 def test_claim_verdicts():
-    assert running.claim("S3", "p", "o", "partly")["verdict"] == "partly"
+    assert claims.claim("S3", "p", "o", "partly")["verdict"] == "partly"
     with pytest.raises(ValueError, match="verdict"):
-        running.claim("S3", "p", "o", "yes")
+        claims.claim("S3", "p", "o", "yes")
 
 
 def test_chapter_path():
-    assert running.chapter_path("synthetic").name == "01_synthetic.md"
+    assert cli.chapter_path("synthetic").name == "01_synthetic.md"
     with pytest.raises(FileNotFoundError, match="no single chapter 'nope'"):
-        running.chapter_path("nope")
+        cli.chapter_path("nope")
 
 
 def test_papermill_rerun_writes_results_that_follow_the_parameters(tmp_path, monkeypatch):
-    monkeypatch.setenv(running.PROFILE_ENV, "test")
-    nb1, res1 = running.run_chapter("synthetic", tmp_path, {"steps": 10}, name="default")
-    nb2, res2 = running.run_chapter("synthetic", tmp_path, {"steps": 10, "ratios": [100.0], "parameterizations": ["FAFO"]},
+    monkeypatch.setenv(profiles.PROFILE_ENV, "test")
+    nb1, res1 = cli.run_chapter("synthetic", tmp_path, {"steps": 10}, name="default")
+    nb2, res2 = cli.run_chapter("synthetic", tmp_path, {"steps": 10, "ratios": [100.0], "parameterizations": ["FAFO"]},
                                     name="fafo_r100")
     assert nb1.exists() and nb2.exists()
     d1, d2 = json.loads(res1.read_text()), json.loads(res2.read_text())
@@ -71,6 +71,6 @@ def test_papermill_rerun_writes_results_that_follow_the_parameters(tmp_path, mon
 def test_papermill_wrong_type_fails_with_message(tmp_path, monkeypatch):
     import papermill as pm
 
-    monkeypatch.setenv(running.PROFILE_ENV, "test")
+    monkeypatch.setenv(profiles.PROFILE_ENV, "test")
     with pytest.raises(pm.PapermillExecutionError, match="parameter 'ratios' must be"):
-        running.run_chapter("synthetic", tmp_path, {"ratios": "ten"})
+        cli.run_chapter("synthetic", tmp_path, {"ratios": "ten"})

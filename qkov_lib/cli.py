@@ -1,0 +1,138 @@
+"""The ``qkov`` command line: run a chapter through papermill, sweeps, the book, the cache, the scorecard."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .results import default_results_path
+from .runtime import REPO_ROOT
+
+
+def chapter_path(chapter: str | os.PathLike) -> Path:
+    """The MyST source of a chapter, given a path or a name: ``synthetic`` finds
+    ``book/01_synthetic.md`` (chapter files carry a number prefix that sets their order)."""
+    p = Path(chapter)
+    if p.suffix == ".md" and p.exists():
+        return p
+    book = REPO_ROOT / "book"
+    found = [q for q in sorted(book.glob("*.md")) if q.stem == p.stem or q.stem.split("_", 1)[-1] == p.stem]
+    if len(found) != 1:
+        names = sorted(q.stem.split("_", 1)[-1] for q in book.glob("[0-9]*_*.md"))
+        raise FileNotFoundError(f"no single chapter {str(chapter)!r}; chapters: {', '.join(names)}")
+    return found[0]
+
+
+def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
+                name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
+    """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
+    ``parameters`` tag), inject ``parameters`` plus ``results_path``, and write
+    ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths."""
+    import jupytext
+    import papermill as pm
+
+    src = chapter_path(chapter)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = name or src.stem.split("_", 1)[-1]
+    nb_in = out_dir / f"{name}.input.ipynb"
+    nb = jupytext.read(src)
+    if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
+        raise ValueError(f"{src} has no cell tagged 'parameters'")
+    nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
+    jupytext.write(nb, nb_in)
+    nb_out, results = out_dir / f"{name}.ipynb", out_dir / f"{name}.json"
+    params = {**(parameters or {}), "results_path": str(results.resolve())}
+    try:
+        pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
+                            progress_bar=progress, kernel_name="python3")
+    finally:
+        nb_in.unlink(missing_ok=True)
+    return nb_out, results
+
+
+def _parse_value(text: str) -> Any:
+    """A command-line value: JSON/YAML-like literal when it parses, else the string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """qkov: run chapters, sweep their parameters, build the book.
+
+    qkov run CHAPTER [-p NAME VALUE ...] [--out DIR]      one chapter through papermill
+    qkov sweep CHAPTER -g NAME VALUES ... [--out DIR]     a grid of runs, a results table, resume
+    qkov chapters                                        the executable chapters, in book order
+    qkov book [--mode force|cache|executed]              build the HTML book
+    qkov cache key|clear                                 the library-keyed output cache
+    qkov scorecard [--results DIR]                       the claims scorecard as a table
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="qkov", description=main.__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="execute one chapter through papermill")
+    run.add_argument("chapter", help="chapter name (e.g. synthetic) or path to its .md")
+    run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                     help="parameter override; VALUE is parsed as JSON when possible (e.g. -p ratios '[1, 100]')")
+    run.add_argument("--out", default="runs", help="output folder (default: runs/)")
+    run.add_argument("--name", default=None, help="base name of the outputs (default: the chapter name)")
+    from . import sweeps
+
+    sw = sub.add_parser("sweep", help="run a chapter over a parameter grid (papermill; local pool or Slurm)")
+    sweeps.add_arguments(sw)
+    sub.add_parser("chapters", help="list the executable chapters in book order")
+    book = sub.add_parser("book", help="build the HTML book (library-aware caching, or from executed notebooks)")
+    book.add_argument("--mode", choices=("force", "cache", "executed"), default="force",
+                      help="force: execute all chapters; cache: reuse outputs keyed on qkov_lib + profile; "
+                           "executed: use the notebooks in --executed, execute nothing")
+    book.add_argument("--executed", help="folder of executed notebooks (qkov run ... --out DIR) for --mode executed")
+    book.add_argument("--no-strict", action="store_true", help="do not turn warnings into errors")
+    cache = sub.add_parser("cache", help="show or clear the library-keyed cache")
+    cache.add_argument("action", choices=("key", "clear"))
+    sc = sub.add_parser("scorecard", help="print the reproducibility scorecard from results files")
+    sc.add_argument("--results", default=None, help="results folder (default: $QKOV_RESULTS_DIR or _build/results)")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "run":
+        params = {k: _parse_value(v) for k, v in args.param}
+        nb, res = run_chapter(args.chapter, args.out, params, name=args.name, progress=True)
+        print(f"notebook: {nb}\nresults:  {res}")
+        return 0
+    if args.cmd == "sweep":
+        return sweeps.from_args(args)
+    from . import cache as qcache
+
+    if args.cmd == "chapters":
+        print("\n".join(sweeps.chapter_name(p) for p in qcache.chapters(REPO_ROOT)))
+        return 0
+    if args.cmd == "book":
+        return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
+    if args.cmd == "cache":
+        if args.action == "key":
+            print(qcache.cache_key())
+            print(json.dumps(qcache.key_parts(), indent=1))
+        else:
+            for d in qcache.clear(REPO_ROOT):
+                print(f"removed {d}")
+        return 0
+    from . import scorecard
+
+    folder = Path(args.results) if args.results else default_results_path("scorecard").parent
+    results = scorecard.load_results(folder)
+    card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
+                                                pages=qcache.toc_files(REPO_ROOT)))
+    print(scorecard.to_myst(card, link=False))
+    print(json.dumps(scorecard.counts(card)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

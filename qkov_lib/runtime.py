@@ -1,0 +1,86 @@
+"""Where and how a run executes: device, torch threads, seeds, library versions, git commit, wall time."""
+
+from __future__ import annotations
+
+import contextlib
+import platform
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """``device`` if given, else CUDA when available, else CPU."""
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with ``n`` torch intra-op threads (None: leave torch's setting), then
+    restore. Small synthetic models run best on one thread: their tensors are tiny, so a second
+    thread gains little even on an idle machine, while on a shared machine the thread pool's
+    spin-waiting made a sweep about eight times slower in CPU time."""
+    old = torch.get_num_threads()
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"threads must be a positive integer or None, got {n!r}")
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if n is not None and torch.get_num_threads() != old:
+            torch.set_num_threads(old)
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python, NumPy and torch; return a CPU generator seeded with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def versions() -> dict[str, str]:
+    """Versions of Python and the libraries that shape the numbers."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("torch", "numpy", "qkov", "jupyter-book", "papermill", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def git_commit() -> str:
+    """The repository's HEAD commit, with ``+dirty`` when the tree has changes; ``unknown``
+    outside a checkout."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "qkov_lib", "book"], cwd=REPO_ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+class Timer:
+    """Wall-clock seconds since construction (``Timer().elapsed``)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
