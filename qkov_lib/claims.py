@@ -1,13 +1,387 @@
-"""The paper's claims, in the project's own words, and the rules that turn numbers into verdicts."""
+"""The paper's claims, in the project's own words, and the rules that turn numbers into verdicts.
+
+Each rule is a pure function of numbers (never of display strings) that returns a
+:class:`Verdict`: one of :data:`VERDICTS`, the rule as stated on the scorecard (thresholds
+included) and the reason (the numbers that decided it). Every threshold is a named constant
+registered once in :data:`THRESHOLDS`; chapters glue them from there. A rule that has no data for
+its comparison (one ratio, one parameterization, a missing metric) returns ``not tested``.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
 VERDICTS = ("reproduced", "partly", "not reproduced", "not tested")
+PARAMETERIZATIONS = ("FAFO", "CAFO", "FACO", "CACO")
+
+# --- the paper's claims, restated (the project's own copy) ---------------------------------
+CLAIMS: dict[str, str] = {
+    "T1": "Symmetric reduction: under population gradient flow from a symmetric init, each circuit reduces "
+          "to a scalar (an OV margin and a QK score advantage) with closed-form ODEs.",
+    "T2": "Implicit rescaling: factorization acts as a state-dependent learning-rate rescaling; for a balanced "
+          "factorized scalar the effective rate is about 2·eta·|param|.",
+    "T3": "Growth rates: the OV scalar grows like O(log t) and the QK side like O(log² t) (the summaries' wording; "
+          "possibly exp(QK scalar) ~ log² t), with constants that depend on eta_QK/eta_OV.",
+    "T4": "In suitable coordinates the effective OV and QK parameters move along a line; the learning rates set "
+          "the relative speed along it.",
+    "T5": "Sharpening: when QK learns faster than OV, attention on common tokens shrinks faster and more mass "
+          "goes to the relevant tokens.",
+    "T6": "Parameterization matters: at equal nominal learning rates factorized and collapsed models follow "
+          "different trajectories; a factorized QK circuit gives sharper attention than a collapsed one.",
+    "S1": "DTAP heatmaps (attention on the distinct token vs. confidence in the correct class) differ between "
+          "FAFO, CAFO, FACO and CACO.",
+    "S2": "Which parameterizations concentrate attention on distinct tokens: (CACO, FACO), with faster QK moving "
+          "FAFO toward FACO, or (CAFO, CACO), with FAFO moving toward CACO -- the two summaries disagree.",
+    "S3": "A larger eta_QK/eta_OV moves DTAP mass toward high attention and high confidence at about the "
+          "same loss and accuracy.",
+    "R1": "On SQuAD, HateXplain and SVA, accuracy / F1 stays stable or improves slightly as eta_QK/eta_OV "
+          "grows in {1, 10, 100}.",
+    "R2": "Attention-based interpretability rises substantially (AC, ACMC, sufficiency); AC on SQuAD goes "
+          "from about 12% to about 43%.",
+    "R3": "Sharpness and accuracy are decoupled: sharper attention comes from the relative speed of the two "
+          "circuits, not from better prediction.",
+}
+
+# Our extensions: tested with the same rules, reported as their own rows so that they never
+# change the verdict on the paper's claim they extend.
+EXTENSIONS: dict[str, tuple[str, str]] = {
+    "R1-multilayer": ("R1", "R1 in a multi-layer, multi-head Transformer encoder with the knob on every head."),
+    "R2-multilayer": ("R2", "R2 in a multi-layer encoder: some head's attention on the relevant tokens rises."),
+    "R3-multilayer": ("R3", "R3 in a multi-layer encoder: heads sharpen without an accuracy change."),
+    "R3-synthetic": ("R3", "Synthetic analogue of R3: at matched training loss, attention still depends on the ratio."),
+    "S3-robustness": ("S3", "S3 under other optimizers, batch sizes, embeddings and task sizes (robustness variants)."),
+}
 
 
-def claim(claim_id: str, paper: str, ours: str, verdict: str, chapter: str | None = None) -> dict[str, str]:
-    """One row of the reproducibility scorecard: a claim ID (T1..T6, S1..S3, R1..R3 or an
-    extension), what the paper says, what we measured (numbers included) and a verdict."""
-    if verdict not in VERDICTS:
-        raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
-    return {"id": claim_id, "paper": paper, "ours": ours, "verdict": verdict, "chapter": chapter or ""}
+def statement(claim_id: str) -> str:
+    """The statement of a paper claim or an extension; KeyError for an unknown ID."""
+    if claim_id in CLAIMS:
+        return CLAIMS[claim_id]
+    if claim_id in EXTENSIONS:
+        return EXTENSIONS[claim_id][1]
+    raise KeyError(f"unknown claim ID {claim_id!r}; known: {', '.join([*CLAIMS, *EXTENSIONS])}")
+
+
+# --- thresholds --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Threshold:
+    """A named threshold of a verdict rule: its value, unit and meaning."""
+
+    name: str
+    value: float
+    unit: str
+    meaning: str
+
+    def text(self) -> str:
+        """The value as the book prints it (e.g. ``0.05 nats``)."""
+        return f"{self.value:g}" + (f" {self.unit}" if self.unit else "")
+
+
+THRESHOLDS: dict[str, Threshold] = {}
+
+
+def _threshold(name: str, value: float, unit: str, meaning: str) -> float:
+    THRESHOLDS[name] = Threshold(name, float(value), unit, meaning)
+    return float(value)
+
+
+SAME_LOSS = _threshold("SAME_LOSS", 0.05, "nats", "largest change of test loss that counts as 'about the same loss'")
+SAME_ACC = _threshold("SAME_ACC", 0.02, "", "largest drop (as a fraction) of accuracy or macro-F1 that counts as "
+                                             "'stable'; also the largest change that counts as 'same accuracy'")
+SHARPER = _threshold("SHARPER", 0.005, "", "smallest rise of the mean attention on the relevant token that counts "
+                                           "as 'sharper'")
+DTAP_TV = _threshold("DTAP_TV", 0.1, "", "smallest total-variation distance between two DTAP heatmaps that counts "
+                                         "as 'they differ'")
+STUCK_ACC = _threshold("STUCK_ACC", 0.99, "", "a synthetic run whose test accuracy ends below this is 'stuck'")
+MIN_GAIN_AC = _threshold("MIN_GAIN_AC", 0.05, "", "smallest rise of AC@0.5 (fraction of instances) that counts as "
+                                                  "'improves substantially'")
+MIN_GAIN_ACMC = _threshold("MIN_GAIN_ACMC", 0.05, "", "smallest rise of ACMC@0.5 that counts as "
+                                                      "'improves substantially'")
+MIN_GAIN_SUFF = _threshold("MIN_GAIN_SUFF", 0.01, "", "smallest fall of the sufficiency score "
+                                                      "(p(y|x) - p(y|top-k)) that counts as an improvement")
+HEAD_DELTA = _threshold("HEAD_DELTA", 0.02, "", "smallest change of a head's attention on the relevant token that "
+                                                "counts as a change (multi-layer chapter)")
+TOL_GRAD = _threshold("TOL_GRAD", 1e-12, "", "largest entrywise gap between reduced and autograd loss/gradients (T1)")
+TOL_VELOCITY = _threshold("TOL_VELOCITY", 1e-9, "", "largest relative gap between the rescaled ODE and "
+                                                    "factor-level autograd (T2)")
+TOL_OVERLAY = _threshold("TOL_OVERLAY", 0.1, "", "largest gap between the ODE and full-model GD at the "
+                                                 "largest step (T1)")
+SLOPE_TOL = _threshold("SLOPE_TOL", 0.05, "", "largest gap between a fitted and a derived growth exponent (T3)")
+LITERAL_TOL = _threshold("LITERAL_TOL", 0.2, "", "largest gap to 2 of the fitted exponent of q in log t for "
+                                                 "'q ~ log² t' (T3, literal wording)")
+LINE_EXACT = _threshold("LINE_EXACT", 1e-6, "", "largest residual of an exact straight line (T4)")
+LINE_APPROX = _threshold("LINE_APPROX", 0.01, "", "largest relative residual of an approximate straight line (T4)")
+
+
+def threshold_text(name: str) -> str:
+    """``name``'s value as printed in the book (for glue)."""
+    return THRESHOLDS[name].text()
+
+
+# --- verdicts -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Verdict:
+    """The outcome of a rule: ``verdict`` (one of :data:`VERDICTS`), ``rule`` (the rule with its
+    thresholds, as shown on the scorecard) and ``reason`` (what decided it)."""
+
+    verdict: str
+    rule: str
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+
+
+def claim(claim_id: str, paper: str, ours: str, verdict: str | Verdict, chapter: str | None = None) -> dict[str, str]:
+    """One row of the reproducibility scorecard: a claim ID (:data:`CLAIMS` or :data:`EXTENSIONS`),
+    what the paper says, what we measured (numbers included), the verdict and, for a
+    :class:`Verdict`, its rule and reason."""
+    v = verdict if isinstance(verdict, Verdict) else Verdict(verdict, "", "")
+    return {"id": claim_id, "paper": paper, "ours": ours, "verdict": v.verdict, "rule": v.rule,
+            "reason": v.reason, "chapter": chapter or ""}
+
+
+def _finite(xs: Sequence[float]) -> list[float]:
+    return [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+
+
+def _t(name: str) -> str:
+    return threshold_text(name)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} points"
+
+
+# --- theory -------------------------------------------------------------------------------
+T1_RULE = (f"reproduced: reduced loss and gradients equal autograd within {_t('TOL_GRAD')} AND the ODE tracks "
+           f"full-model GD within {_t('TOL_OVERLAY')}; partly: only one of the two; not reproduced: neither")
+
+
+def t1_reduction(loss_err: float, grad_err: float, overlay_err: float) -> Verdict:
+    """T1 from the largest reduced-vs-autograd gaps (loss, gradient) and the largest ODE-vs-GD gap."""
+    if not _finite([loss_err, grad_err, overlay_err]) or len(_finite([loss_err, grad_err, overlay_err])) < 3:
+        return Verdict("not tested", T1_RULE, "a gap is missing or not finite")
+    exact = max(loss_err, grad_err) <= TOL_GRAD
+    tracks = overlay_err <= TOL_OVERLAY
+    v = "reproduced" if exact and tracks else "partly" if exact or tracks else "not reproduced"
+    return Verdict(v, T1_RULE, f"gradient gap {max(loss_err, grad_err):.1e}, ODE-vs-GD gap {overlay_err:.3g}")
+
+
+T2_RULE = (f"reproduced: factor-level autograd equals the ODE with rate 2·eta·sigma within {_t('TOL_VELOCITY')} "
+           "(relative); not reproduced: otherwise")
+
+
+def t2_rescaling(velocity_err: float) -> Verdict:
+    """T2 from the largest relative gap between the rescaled ODE and factor-level autograd."""
+    if not _finite([velocity_err]):
+        return Verdict("not tested", T2_RULE, "no finite velocity gap")
+    v = "reproduced" if velocity_err <= TOL_VELOCITY else "not reproduced"
+    return Verdict(v, T2_RULE, f"relative gap {velocity_err:.1e}")
+
+
+T3_RULE = (f"reproduced: the OV scalar's fitted exponent in log t is within {_t('SLOPE_TOL')} of 1 for every "
+           f"parameterization AND the QK scalar q itself grows like log² t (exponent within {_t('LITERAL_TOL')} of 2); "
+           f"partly: OV ~ log t and exp(q) ~ log² t (exponent within {_t('SLOPE_TOL')} of 2) for CACO only; "
+           "not reproduced: otherwise")
+
+
+def t3_growth(ov_exponents: Sequence[float], q_exponents: Sequence[float], exp_q_exponent_caco: float) -> Verdict:
+    """T3 from the fitted exponents in log t of the OV scalar and of q (one per parameterization)
+    and of exp(q) for CACO."""
+    ov, q = _finite(ov_exponents), _finite(q_exponents)
+    if not ov or not q or not _finite([exp_q_exponent_caco]):
+        return Verdict("not tested", T3_RULE, "no fitted exponents")
+    ov_ok = max(abs(x - 1) for x in ov) <= SLOPE_TOL
+    literal = any(abs(x - 2) <= LITERAL_TOL for x in q)
+    exp_form = abs(exp_q_exponent_caco - 2) <= SLOPE_TOL
+    v = "reproduced" if ov_ok and literal else "partly" if ov_ok and exp_form else "not reproduced"
+    return Verdict(v, T3_RULE, f"OV exponents {min(ov):.3f}-{max(ov):.3f}; q exponents up to {max(q):.2f}; "
+                               f"exp(q) exponent for CACO {exp_q_exponent_caco:.2f}")
+
+
+T4_RULE = (f"reproduced: the line is exact (residual ≤ {_t('LINE_EXACT')}) for a fixed number of common tokens AND "
+           f"within {_t('LINE_APPROX')} (relative) for the mixture; partly: exact for fixed n only; "
+           "not reproduced: not even for fixed n")
+
+
+def t4_line(residual_single: float, residual_mixture: float) -> Verdict:
+    """T4 from the largest residual off the straight line for fixed n and for the mixture over n."""
+    if not _finite([residual_single]):
+        return Verdict("not tested", T4_RULE, "no residual")
+    exact = residual_single <= LINE_EXACT
+    mix_ok = _finite([residual_mixture]) and residual_mixture <= LINE_APPROX
+    v = "reproduced" if exact and mix_ok else "partly" if exact else "not reproduced"
+    return Verdict(v, T4_RULE, f"residual {residual_single:.1e} for fixed n, {residual_mixture:.1%} for the mixture")
+
+
+T5_RULE = ("reproduced: in the ODE the common-token mass at the end falls strictly with the ratio for every "
+           f"parameterization AND in full-model runs attention on the distinct token rises by ≥ {_t('SHARPER')} "
+           "from the lowest to the highest ratio for every parameterization; partly: some but not all of these; "
+           "not reproduced: none; not tested: fewer than two ratios")
+
+
+def t5_sharpening(common_by_ratio: Mapping[str, Sequence[float]], full_rise: Mapping[str, float]) -> Verdict:
+    """T5 from, per parameterization, the ODE's common-token mass at the end at increasing ratios
+    and the full-model rise of attention on the distinct token (highest minus lowest ratio)."""
+    series = {p: _finite(v) for p, v in common_by_ratio.items()}
+    if not series or min(len(v) for v in series.values()) < 2:
+        return Verdict("not tested", T5_RULE, "fewer than two ratios")
+    falls = [all(b < a for a, b in zip(v, v[1:])) for v in series.values()]
+    rises = [float(d) >= SHARPER for d in full_rise.values() if d is not None and math.isfinite(float(d))]
+    checks = falls + rises
+    v = "reproduced" if all(checks) else "partly" if any(checks) else "not reproduced"
+    return Verdict(v, T5_RULE, f"common mass falls for {sum(falls)}/{len(falls)}; full-model attention rises for "
+                               f"{sum(rises)}/{len(rises)}")
+
+
+T6_RULE = ("reproduced: a factorized QK circuit is sharper than a collapsed one (FACO vs CACO and FAFO vs CAFO) in "
+           "every comparison made (ODE horizons and full-model runs); partly: in some; not reproduced: in none; "
+           "not tested: no comparison")
+
+
+def t6_factorized_qk(margins: Sequence[float]) -> Verdict:
+    """T6 from sharpness margins (factorized-QK attention minus collapsed-QK attention, or the
+    collapsed one's common mass minus the factorized one's), one per comparison."""
+    m = _finite(margins)
+    if not m:
+        return Verdict("not tested", T6_RULE, "no comparison")
+    k = sum(x > 0 for x in m)
+    v = "reproduced" if k == len(m) else "partly" if k else "not reproduced"
+    return Verdict(v, T6_RULE, f"factorized QK sharper in {k}/{len(m)} comparisons")
+
+
+# --- synthetic experiments -------------------------------------------------------------------
+S1_RULE = (f"reproduced: every pair of parameterizations has DTAP heatmaps at total-variation distance ≥ {_t('DTAP_TV')}; "
+           "partly: some pairs; not reproduced: no pair; not tested: fewer than two parameterizations")
+
+
+def s1_heatmaps_differ(tv: Mapping[tuple[str, str], float]) -> Verdict:
+    """S1 from the DTAP total-variation distance of each pair of parameterizations."""
+    d = {k: float(x) for k, x in tv.items() if x is not None and math.isfinite(float(x))}
+    if not d:
+        return Verdict("not tested", S1_RULE, "fewer than two parameterizations")
+    k = sum(x >= DTAP_TV for x in d.values())
+    v = "reproduced" if k == len(d) else "partly" if k else "not reproduced"
+    lo, hi = min(d.values()), max(d.values())
+    return Verdict(v, S1_RULE, f"{k}/{len(d)} pairs differ; distances {lo:.3f}-{hi:.3f}")
+
+
+S2_PAIRS = {"A": frozenset({"CACO", "FACO"}), "B": frozenset({"CAFO", "CACO"})}
+S2_PARTNER = {"A": "FACO", "B": "CACO"}  # where each summary says a faster QK moves FAFO
+S2_RULE = ("reproduced: the two sharpest parameterizations at equal rates are one summary's pair AND faster QK "
+           "moves FAFO toward that summary's partner (FACO for (CACO, FACO), CACO for (CAFO, CACO)); partly: only "
+           "one of the two (or the pair matches and FAFO's move is not tested); not reproduced: neither; "
+           "not tested: fewer than four parameterizations")
+
+
+def s2_summary(attention: Mapping[str, float]) -> str:
+    """Which summary (``A`` = (CACO, FACO), ``B`` = (CAFO, CACO), or ``neither``) the two
+    parameterizations with the most attention on the distinct token match."""
+    top = frozenset(sorted(attention, key=lambda p: -attention[p])[:2])
+    return next((k for k, pair in S2_PAIRS.items() if pair == top), "neither")
+
+
+def s2_which_pair(attention: Mapping[str, float], fafo_toward: str | None = None) -> Verdict:
+    """S2 from the mean attention on the distinct token of each parameterization at equal rates
+    and the parameterization FAFO moves toward under a faster QK (None: not measured)."""
+    att = {p: float(a) for p, a in attention.items() if a is not None and math.isfinite(float(a))}
+    if set(att) != set(PARAMETERIZATIONS):
+        return Verdict("not tested", S2_RULE, f"{len(att)} of 4 parameterizations")
+    which = s2_summary(att)
+    order = " > ".join(sorted(att, key=lambda p: -att[p]))
+    if fafo_toward is None:
+        v = "partly" if which != "neither" else "not reproduced"
+        return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); FAFO's move not tested")
+    pair_ok = which != "neither"
+    move_ok = fafo_toward == S2_PARTNER.get(which, "") if pair_ok else fafo_toward in S2_PARTNER.values()
+    v = "reproduced" if pair_ok and move_ok else "partly" if pair_ok or move_ok else "not reproduced"
+    return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); FAFO moves toward {fafo_toward}")
+
+
+S3_RULE = (f"reproduced: from the lowest to the highest ratio, attention on the distinct token rises by ≥ {_t('SHARPER')} "
+           f"for every parameterization while |Δ test loss| ≤ {_t('SAME_LOSS')} and |Δ accuracy| ≤ {_t('SAME_ACC')}; "
+           "partly: it rises for some, or rises with a loss or accuracy change; not reproduced: it rises for none; "
+           "not tested: fewer than two ratios")
+
+
+def s3_ratio_sharpens(d_attention: Sequence[float], d_loss: Sequence[float], d_accuracy: Sequence[float]) -> Verdict:
+    """S3 from, per parameterization, the change (highest minus lowest ratio) of mean attention on
+    the distinct token, of test loss (nats) and of test accuracy. Empty: fewer than two ratios."""
+    da, dl, dc = _finite(d_attention), _finite(d_loss), _finite(d_accuracy)
+    if not da:
+        return Verdict("not tested", S3_RULE, "fewer than two ratios")
+    up = sum(x >= SHARPER for x in da)
+    same = (max(map(abs, dl), default=0.0) <= SAME_LOSS) and (max(map(abs, dc), default=0.0) <= SAME_ACC)
+    v = "reproduced" if up == len(da) and same else "partly" if up else "not reproduced"
+    return Verdict(v, S3_RULE, f"attention rose for {up}/{len(da)}; largest |Δ loss| "
+                               f"{max(map(abs, dl), default=float('nan')):.3f} nats, |Δ accuracy| "
+                               f"{max(map(abs, dc), default=float('nan')):.3f}")
+
+
+# --- real data -----------------------------------------------------------------------------
+R1_RULE = (f"reproduced: at every ratio above the reference, accuracy and macro-F1 fall by at most {_t('SAME_ACC')} "
+           "(fraction); not reproduced: at the highest ratio both fall by more; partly: otherwise; "
+           "not tested: one ratio")
+
+
+def r1_performance_stable(d_accuracy: Sequence[float], d_f1: Sequence[float]) -> Verdict:
+    """R1 from the change of test accuracy and macro-F1 (fractions) at each higher ratio against the
+    reference ratio, in increasing ratio order."""
+    da, df = _finite(d_accuracy), _finite(d_f1)
+    if not da:
+        return Verdict("not tested", R1_RULE, "one ratio")
+    worst = min(da + df)
+    if worst >= -SAME_ACC:
+        v = "reproduced"
+    elif da[-1] < -SAME_ACC and (not df or df[-1] < -SAME_ACC):
+        v = "not reproduced"
+    else:
+        v = "partly"
+    return Verdict(v, R1_RULE, f"largest drop {_pct(worst)}")
+
+
+R2_RULE = (f"reproduced: at the highest ratio AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 by ≥ {_t('MIN_GAIN_ACMC')} "
+           f"and sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')} (all three); partly: one or two of them; "
+           "not reproduced: none; not tested: one ratio")
+
+
+def r2_interpretability(d_ac: float | None, d_acmc: float | None, d_sufficiency: float | None) -> Verdict:
+    """R2 from the changes at the highest ratio against the reference: AC@0.5, ACMC@0.5 (fractions,
+    up is better) and sufficiency (down is better; None when not measured)."""
+    checks = []
+    for d, gain, sign in ((d_ac, MIN_GAIN_AC, 1), (d_acmc, MIN_GAIN_ACMC, 1), (d_sufficiency, MIN_GAIN_SUFF, -1)):
+        if d is not None and math.isfinite(float(d)):
+            checks.append(sign * float(d) >= gain)
+    if not checks:
+        return Verdict("not tested", R2_RULE, "one ratio")
+    k = sum(checks)
+    v = "reproduced" if k == 3 else "partly" if k else "not reproduced"
+    return Verdict(v, R2_RULE, f"{k}/{len(checks)} interpretability metrics improved by their margin")
+
+
+R3_RULE = (f"reproduced: at a higher ratio attention on the relevant tokens rises by ≥ {_t('SHARPER')} while accuracy "
+           f"changes by at most {_t('SAME_ACC')}; partly: it rises only together with a larger accuracy change; "
+           "not reproduced: it does not rise; not tested: one ratio")
+
+
+def r3_decoupled(d_attention: Sequence[float], d_accuracy: Sequence[float]) -> Verdict:
+    """R3 from the change of mean attention on the relevant tokens and of accuracy (fractions) at
+    each higher ratio against the reference ratio (paired lists)."""
+    pairs = [(float(a), float(c)) for a, c in zip(d_attention, d_accuracy)
+             if a is not None and c is not None and math.isfinite(float(a)) and math.isfinite(float(c))]
+    if not pairs:
+        return Verdict("not tested", R3_RULE, "one ratio")
+    decoupled = [a >= SHARPER and abs(c) <= SAME_ACC for a, c in pairs]
+    sharper = [a >= SHARPER for a, _ in pairs]
+    v = "reproduced" if any(decoupled) else "partly" if any(sharper) else "not reproduced"
+    a, c = max(pairs, key=lambda t: t[0])
+    return Verdict(v, R3_RULE, f"largest attention rise {a:+.3f} with accuracy change {_pct(c)}")
+
+
+RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
+         "T6": t6_factorized_qk, "S1": s1_heatmaps_differ, "S2": s2_which_pair, "S3": s3_ratio_sharpens,
+         "R1": r1_performance_stable, "R2": r2_interpretability, "R3": r3_decoupled}

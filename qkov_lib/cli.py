@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import sys
@@ -27,6 +28,41 @@ def chapter_path(chapter: str | os.PathLike) -> Path:
     return found[0]
 
 
+def chapter_parameters(path: str | os.PathLike) -> dict[str, Any]:
+    """Names and default values of the ``parameters`` cell of a chapter (MyST or ipynb).
+    Raises ValueError when there is no such cell or it is not plain assignments."""
+    import jupytext
+
+    nb = jupytext.read(Path(path))
+    cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        raise ValueError(f"{path} has no cell tagged 'parameters'")
+    out: dict[str, Any] = {}
+    for node in ast.parse(cells[0].source).body:
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                value = ast.unparse(node.value)
+            for t in node.targets:
+                out[t.id] = value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = ast.literal_eval(node.value) if node.value is not None else None
+        else:
+            raise ValueError(f"the parameters cell of {path} must hold plain assignments, found: {ast.unparse(node)!r}")
+    return out
+
+
+def check_parameters(src: Path, parameters: Mapping[str, Any]) -> None:
+    """Raise ValueError naming every key of ``parameters`` that the chapter's ``parameters`` cell
+    does not define (papermill would only warn and run the defaults), with the valid names."""
+    known = chapter_parameters(src)
+    unknown = sorted(set(parameters) - set(known))
+    if unknown:
+        raise ValueError(f"unknown parameter{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                         f"of {src.name}; valid names: {', '.join(sorted(known))}")
+
+
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
                 name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
     """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
@@ -39,6 +75,7 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = name or src.stem.split("_", 1)[-1]
+    check_parameters(src, parameters or {})
     nb_in = out_dir / f"{name}.input.ipynb"
     nb = jupytext.read(src)
     if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
@@ -103,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.cmd == "run":
         params = {k: _parse_value(v) for k, v in args.param}
+        try:
+            check_parameters(chapter_path(args.chapter), params)
+        except (ValueError, FileNotFoundError) as e:
+            print(f"qkov run: {e}", file=sys.stderr)
+            return 2
         nb, res = run_chapter(args.chapter, args.out, params, name=args.name, progress=True)
         print(f"notebook: {nb}\nresults:  {res}")
         return 0
@@ -130,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
                                                 pages=qcache.toc_files(REPO_ROOT)))
     print(scorecard.to_myst(card, link=False))
-    print(json.dumps(scorecard.counts(card)))
+    print(json.dumps({"paper": scorecard.counts(card), "extension": scorecard.counts(card, "extension")}))
     return 0
 
 

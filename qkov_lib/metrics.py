@@ -112,3 +112,25 @@ def circuit_scalars(W_QK: Tensor, W_OV: Tensor, E_distinct: Tensor, E_common: Te
     off = (L.sum(dim=1) - diag) / (K - 1)
     s_q = W_QK @ e_query
     return {"ov": float((diag - off).mean()), "qk": float((E_distinct @ s_q).mean() - (E_common @ s_q).mean())}
+
+
+def macro_f1(pred: torch.Tensor, y: torch.Tensor, n_classes: int | None = None) -> float:
+    """Macro-averaged F1 over the classes that occur in ``y`` or ``pred`` (a class with no true
+    and no predicted instance is left out, as scikit-learn does with ``labels=None``)."""
+    pred, y = pred.long().flatten(), y.long().flatten()
+    if pred.shape != y.shape or y.numel() == 0:
+        raise ValueError("pred and y must be non-empty and of equal length")
+    n = int(max(int(pred.max()), int(y.max())) + 1) if n_classes is None else n_classes
+    tp = torch.bincount(y[pred == y], minlength=n).double()
+    n_pred = torch.bincount(pred, minlength=n).double()
+    n_true = torch.bincount(y, minlength=n).double()
+    present = (n_pred + n_true) > 0
+    f1 = torch.where(n_pred + n_true > 0, 2 * tp / (n_pred + n_true).clamp_min(1), torch.zeros_like(tp))
+    return float(f1[present].mean())
+
+
+def dtap_distance(h1, h2) -> float:
+    """Total-variation distance between two DTAP histograms given as fractions (0 = equal, 1 = disjoint)."""
+    import numpy as np
+
+    return 0.5 * float(np.abs(np.asarray(h1, dtype=float) - np.asarray(h2, dtype=float)).sum())

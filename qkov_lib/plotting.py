@@ -80,25 +80,3 @@ def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style:
         sns.move_legend(axes.flat[n - 1], "upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
     return fig
-
-
-def bar_with_ci(table: pd.DataFrame, x: str, y: str, hue: str, ci: str | None = None,
-                ax: plt.Axes | None = None) -> plt.Axes:
-    """Grouped bars of ``y`` with optional error bars from the ``ci`` column (half-widths)."""
-    setup()
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6, 3.5), facecolor=FACE)
-    xs = list(dict.fromkeys(table[x]))
-    hs = list(dict.fromkeys(table[hue]))
-    w = 0.8 / len(hs)
-    pal = sns.color_palette(n_colors=len(hs))
-    for k, h in enumerate(hs):
-        sub = table[table[hue] == h].set_index(x).reindex(xs)
-        pos = np.arange(len(xs)) + (k - (len(hs) - 1) / 2) * w
-        err = sub[ci].fillna(0).to_numpy() if ci else None
-        ax.bar(pos, sub[y].to_numpy(), width=w, yerr=err, label=f"{hue}={h:g}" if isinstance(h, float) else str(h),
-               color=pal[k], capsize=3)
-    ax.set_xticks(np.arange(len(xs)), [str(v) for v in xs])
-    ax.set_ylabel(y)
-    ax.legend(frameon=False, fontsize=8)
-    return ax

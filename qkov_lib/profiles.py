@@ -62,3 +62,10 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
             )
         base[key] = list(value) if isinstance(value, tuple) else value
     return {"profile": name, **base}
+
+
+def settings_frame(cfg: Mapping[str, Any]):
+    """The resolved settings as a two-column table (setting, value) for display."""
+    import pandas as pd
+
+    return pd.DataFrame({"setting": list(cfg), "value": [str(v) for v in cfg.values()]}).set_index("setting")

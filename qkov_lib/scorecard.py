@@ -2,7 +2,8 @@
 
 Chapters report claims in their results files (``results.save_results`` with
 ``metrics["claims"]`` = rows of ``claims.claim``). This module collects those rows from a results
-folder and lays them out per claim ID of ``PAPER.md``, with "not run" for claims no chapter reported.
+folder and lays them out per claim ID of :data:`qkov_lib.claims.CLAIMS` (the paper) and
+:data:`qkov_lib.claims.EXTENSIONS` (ours), with "not run" for claims no chapter reported.
 """
 
 from __future__ import annotations
@@ -15,33 +16,11 @@ from typing import Any
 
 import pandas as pd
 
-# The claims of PAPER.md, in its order, as one-line statements of what the paper says.
-CLAIMS: dict[str, str] = {
-    "T1": "Symmetric reduction: under population gradient flow from a symmetric init, each circuit reduces "
-          "to a scalar (an OV margin and a QK score advantage) with closed-form ODEs.",
-    "T2": "Implicit rescaling: factorization acts as a state-dependent learning-rate rescaling; for a balanced "
-          "factorized scalar the effective rate is about 2·eta·|param|.",
-    "T3": "Growth rates: the OV scalar grows like O(log t) and the QK side like O(log² t), with constants that "
-          "depend on eta_QK/eta_OV.",
-    "T4": "In suitable coordinates the effective OV and QK parameters move along a line; the learning rates set "
-          "the relative speed along it.",
-    "T5": "Sharpening: when QK learns faster than OV, attention on common tokens shrinks faster and more mass "
-          "goes to the relevant tokens.",
-    "T6": "Parameterization matters: at equal nominal learning rates factorized and collapsed models follow "
-          "different trajectories; a factorized QK circuit gives sharper attention than a collapsed one.",
-    "S1": "DTAP heatmaps (attention on the distinct token vs. confidence) differ between FAFO, CAFO, FACO and CACO.",
-    "S2": "Which parameterizations concentrate attention on distinct tokens: (CACO, FACO) or (CAFO, CACO) -- "
-          "the two summaries disagree.",
-    "S3": "A larger eta_QK/eta_OV moves DTAP mass toward high attention and high confidence at about the "
-          "same loss and accuracy.",
-    "R1": "On SQuAD, HateXplain and SVA, accuracy / F1 stays stable or improves slightly as eta_QK/eta_OV "
-          "grows in {1, 10, 100}.",
-    "R2": "Attention-based interpretability rises substantially (AC, ACMC, sufficiency); AC on SQuAD goes "
-          "from about 12% to about 43%.",
-    "R3": "Sharpness and accuracy are decoupled: sharper attention comes from the relative speed of the two "
-          "circuits, not from better prediction.",
-}
-VERDICTS = ("reproduced", "partly", "not reproduced", "not tested", "not run")
+from . import claims
+
+CLAIMS = claims.CLAIMS
+EXTENSIONS = claims.EXTENSIONS
+STATES = (*claims.VERDICTS, "not run")  # "not run": no chapter of this build reported the claim
 BADGES = {"reproduced": "bdg-success", "partly": "bdg-warning", "not reproduced": "bdg-danger",
           "not tested": "bdg-muted", "not run": "bdg-muted-line"}  # sphinx-design roles
 
@@ -84,12 +63,12 @@ def find_doc(chapter: str, book_dir: str | os.PathLike, pages: Iterable[str] | N
 
 def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str | os.PathLike | None = None,
                pages: Iterable[str] | None = None) -> pd.DataFrame:
-    """One row per reported claim: id, paper, ours, verdict, doc (the chapter's page), chapter,
+    """One row per reported claim: id, paper, ours, verdict, rule, reason, doc (the chapter's page), chapter,
     profile, git_commit, file. With ``book_dir``, results whose chapter has no page there (or
     none among ``pages``, the docnames of the build's table of contents) are dropped: they are
     stale files of chapters that are not part of this book."""
     pages = None if pages is None else list(pages)
-    cols = ["id", "paper", "ours", "verdict", "doc", "chapter", "profile", "git_commit", "file"]
+    cols = ["id", "paper", "ours", "verdict", "rule", "reason", "doc", "chapter", "profile", "git_commit", "file"]
     rows = []
     for path, doc in results:
         chapter = str(doc.get("chapter") or path.stem)
@@ -104,69 +83,93 @@ def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str 
                 if page is None:
                     continue
             rows.append({"id": str(c["id"]).strip(), "paper": str(c.get("paper", "")), "ours": str(c.get("ours", "")),
-                         "verdict": str(c.get("verdict", "not tested")), "doc": page, "chapter": where,
+                         "verdict": str(c.get("verdict", "not tested")), "rule": str(c.get("rule", "")),
+                         "reason": str(c.get("reason", "")), "doc": page, "chapter": where,
                          "profile": params.get("profile"), "git_commit": doc.get("git_commit"), "file": str(path)})
     return pd.DataFrame(rows, columns=cols)
 
 
-def combine(verdicts: Sequence[str]) -> str:
-    """One verdict from several chapters' verdicts on a claim: ``not run`` when there are none,
-    the common verdict when all agree, ``not tested`` when nothing was tested, else ``partly``."""
-    tested = [v for v in verdicts if v != "not tested"]
-    if not verdicts:
-        return "not run"
+def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """One verdict and its reason from several chapters' rows on a claim: ``not run`` when there
+    are none, ``not tested`` when nothing was tested, the common verdict when the tested ones
+    agree; when they disagree, ``partly`` with each chapter's verdict and reason named."""
+    if not measurements:
+        return "not run", "no chapter in this build reported this claim"
+    tested = [m for m in measurements if m.get("verdict") != "not tested"]
     if not tested:
-        return "not tested"
-    if all(v == tested[0] for v in tested):
-        return tested[0]
-    return "partly"
+        return "not tested", "no chapter could make the comparison"
+    verdicts = {m.get("verdict") for m in tested}
+    if len(verdicts) == 1:
+        return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree"
+    return "partly", "chapters disagree: " + "; ".join(
+        f"{m.get('chapter')}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "") for m in tested)
 
 
 def build(rows: pd.DataFrame) -> pd.DataFrame:
-    """The scorecard: one row per claim ID (PAPER.md order, then any unknown IDs), with the
-    paper's statement, the list of measurements (dicts with ours/verdict/doc/chapter) and the
-    combined verdict."""
-    ids = list(CLAIMS) + sorted(set(rows["id"]) - set(CLAIMS)) if len(rows) else list(CLAIMS)
+    """The scorecard: one row per claim ID -- the paper's claims in order, then our extensions,
+    then any unknown IDs -- with its statement, ``kind`` (paper / extension / unknown), the list
+    of measurements (dicts with ours/verdict/rule/reason/doc/chapter) and the combined verdict
+    and reason."""
+    seen = set(rows["id"]) if len(rows) else set()
+    ids = list(CLAIMS) + [e for e in EXTENSIONS if e in seen] + sorted(seen - set(CLAIMS) - set(EXTENSIONS))
     out = []
     for cid in ids:
         sub = rows[rows["id"] == cid] if len(rows) else rows
-        out.append({"id": cid, "claim": CLAIMS.get(cid, "(not a claim ID of PAPER.md)"),
-                    "known": cid in CLAIMS, "measurements": sub.to_dict("records"),
-                    "verdict": combine(list(sub["verdict"]))})
+        ms = sub.to_dict("records")
+        verdict, reason = combine(ms)
+        kind = "paper" if cid in CLAIMS else "extension" if cid in EXTENSIONS else "unknown"
+        text = CLAIMS.get(cid) or (EXTENSIONS[cid][1] if cid in EXTENSIONS else "(not a claim ID of the paper)")
+        out.append({"id": cid, "claim": text, "kind": kind, "known": kind == "paper", "measurements": ms,
+                    "verdict": verdict, "reason": reason})
     return pd.DataFrame(out)
 
 
-def counts(card: pd.DataFrame) -> dict[str, int]:
-    """Number of PAPER.md claims per combined verdict (every verdict present, zeros included)."""
-    known = card[card["known"]]
-    return {v: int((known["verdict"] == v).sum()) for v in VERDICTS}
+def counts(card: pd.DataFrame, kind: str = "paper") -> dict[str, int]:
+    """Number of claims of ``kind`` (paper or extension) per combined verdict, zeros included."""
+    sub = card[card["kind"] == kind]
+    return {v: int((sub["verdict"] == v).sum()) for v in STATES}
 
 
-def _cell(text: Any) -> str:
+def myst_cell(text: Any) -> str:
+    """``text`` on one line with ``|`` escaped, safe inside a MyST table cell."""
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def to_myst(card: pd.DataFrame, link: bool = True) -> str:
-    """The scorecard as a MyST table (claim, paper, measured, verdict, chapter). With ``link``
-    (for ``{glue:md}`` with ``:format: myst`` in the book) chapters are ``{doc}`` links, titled
-    by the page, and verdicts sphinx-design badges; without, plain text."""
-    lines = ["| claim | the paper says | we measured | verdict | chapter |", "|---|---|---|---|---|"]
-    for _, r in card.iterrows():
-        ms = r["measurements"] or [{}]
+def _badge(verdict: str, link: bool) -> str:
+    return f"{{{BADGES.get(verdict, 'bdg-muted')}}}`{verdict}`" if link else f"**{verdict}**"
+
+
+def to_myst(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
+    """The scorecard (or its rows of ``kind``) as a MyST table: claim | the paper says | we
+    measured | verdict | rule (thresholds) | chapter. A claim tested by several chapters gets one
+    row per chapter and a combined row. With ``link`` (for ``{glue:md}`` with ``:format: myst``)
+    chapters are ``{doc}`` links and verdicts sphinx-design badges; without, plain text."""
+    lines = ["| claim | the paper says | we measured | verdict | rule (thresholds) | chapter |",
+             "|---|---|---|---|---|---|"]
+    rows = card if kind is None else card[card["kind"] == kind]
+    for _, r in rows.iterrows():
+        ms = list(r["measurements"])
+        first = [f"**{r['id']}**", myst_cell(r["claim"])]
+        if not ms:
+            lines.append("| " + " | ".join(first + ["no chapter in this build reported this claim",
+                                                    _badge("not run", link), "", ""]) + " |")
+            continue
         for i, m in enumerate(ms):
             doc = m.get("doc")
-            where = (f"{{doc}}`{doc}`" if link and doc else _cell(m.get("chapter", ""))) if m else ""
-            verdict = m.get("verdict", "not run") if m else "not run"
-            shown = f"{{{BADGES.get(verdict, 'bdg-muted')}}}`{verdict}`" if link else f"**{verdict}**"
-            lines.append("| " + " | ".join([
-                f"**{r['id']}**" if i == 0 else "",
-                _cell(r["claim"]) if i == 0 else "",
-                _cell(m.get("ours", "no chapter in this build reported this claim")) if m else
-                "no chapter in this build reported this claim",
-                shown,
-                where,
-            ]) + " |")
+            where = f"{{doc}}`{doc}`" if link and doc else myst_cell(m.get("chapter", ""))
+            ours = myst_cell(m.get("ours", "")) + (f" *Decided by:* {myst_cell(m['reason'])}" if m.get("reason") else "")
+            lines.append("| " + " | ".join((first if i == 0 else ["", ""]) + [
+                ours, _badge(str(m.get("verdict", "not tested")), link), myst_cell(m.get("rule", "")), where]) + " |")
+        if len(ms) > 1:
+            lines.append("| " + " | ".join(["", "", f"*combined:* {myst_cell(r['reason'])}",
+                                            _badge(r["verdict"], link), "", ""]) + " |")
     return "\n".join(lines)
+
+
+def rules_table() -> pd.DataFrame:
+    """Every threshold of the verdict rules: name, value, meaning."""
+    return pd.DataFrame([{"threshold": t.name, "value": t.text(), "meaning": t.meaning}
+                         for t in claims.THRESHOLDS.values()]).set_index("threshold")
 
 
 def provenance(results: Iterable[tuple[Path, Mapping[str, Any]]]) -> pd.DataFrame:

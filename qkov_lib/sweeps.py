@@ -20,7 +20,6 @@ processes and is what the tests use).
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import hashlib
 import itertools
@@ -39,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from .cli import chapter_parameters
 
 EXECUTORS = ("local", "slurm", "submitit-local")
 RESERVED = ("results_path",)
@@ -95,31 +96,6 @@ def chapter_name(path: Path) -> str:
     stem = path.stem
     head, _, tail = stem.partition("_")
     return tail if head.isdigit() and tail else stem
-
-
-def chapter_parameters(path: str | os.PathLike) -> dict[str, Any]:
-    """Names and default values of the ``parameters`` cell of a chapter (MyST or ipynb).
-    Raises ValueError when there is no such cell or it is not plain assignments."""
-    import jupytext
-
-    nb = jupytext.read(Path(path))
-    cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
-    if not cells:
-        raise ValueError(f"{path} has no cell tagged 'parameters'")
-    out: dict[str, Any] = {}
-    for node in ast.parse(cells[0].source).body:
-        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
-            try:
-                value = ast.literal_eval(node.value)
-            except ValueError:
-                value = ast.unparse(node.value)
-            for t in node.targets:
-                out[t.id] = value
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            out[node.target.id] = ast.literal_eval(node.value) if node.value is not None else None
-        else:
-            raise ValueError(f"the parameters cell of {path} must hold plain assignments, found: {ast.unparse(node)!r}")
-    return out
 
 
 # ----------------------------------------------------------------------------- one run
@@ -228,12 +204,6 @@ def load_record(out_dir: str | Path, rid: str) -> dict[str, Any] | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-
-
-def is_finished(out_dir: str | Path, rid: str) -> bool:
-    """True when run ``rid`` succeeded and its results file is still there."""
-    rec = load_record(out_dir, rid)
-    return bool(rec and rec.get("status") == "ok" and Path(rec.get("results_file", "")).exists())
 
 
 # ----------------------------------------------------------------------------- table
@@ -574,5 +544,5 @@ def from_args(args) -> int:
     return 1 if res.failed else 0
 
 
-__all__ = ["expand_grid", "run_id", "chapter_parameters", "RunSpec", "execute_run", "record_row", "results_table",
+__all__ = ["expand_grid", "run_id", "RunSpec", "execute_run", "record_row", "results_table",
            "metric_frame", "write_table", "plan", "sweep", "SweepResult", "load_config"]

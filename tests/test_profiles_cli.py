@@ -74,3 +74,12 @@ def test_papermill_wrong_type_fails_with_message(tmp_path, monkeypatch):
     monkeypatch.setenv(profiles.PROFILE_ENV, "test")
     with pytest.raises(pm.PapermillExecutionError, match="parameter 'ratios' must be"):
         cli.run_chapter("synthetic", tmp_path, {"ratios": "ten"})
+
+
+def test_qkov_run_rejects_unknown_parameter_names(tmp_path, capsys):
+    rc = cli.main(["run", "synthetic", "--out", str(tmp_path), "-p", "ratio", "[100]"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "'ratio'" in err and "valid names:" in err and "ratios" in err
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+    with pytest.raises(ValueError, match="unknown parameter 'ratio'"):
+        cli.run_chapter("synthetic", tmp_path, {"ratio": [100]})

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qkov_lib import profiles, results
+from qkov_lib import metrics, profiles, results
 from qkov_lib.data.text import Example, finish
 from qkov_lib.experiments import realdata as exp
 
@@ -19,18 +19,18 @@ def test_macro_f1_by_hand():
     y = torch.tensor([0, 0, 1, 1, 2])
     pred = torch.tensor([0, 1, 1, 1, 0])
     # class 0: tp 1, 2 true, 2 predicted -> 0.5; class 1: tp 2, 2 true, 3 pred -> 0.8; class 2: 0
-    assert exp.macro_f1(pred, y, 3) == pytest.approx((0.5 + 0.8 + 0.0) / 3)
+    assert metrics.macro_f1(pred, y, 3) == pytest.approx((0.5 + 0.8 + 0.0) / 3)
     # a class absent from both y and pred is left out
-    assert exp.macro_f1(torch.tensor([0, 1]), torch.tensor([0, 1]), 5) == 1.0
+    assert metrics.macro_f1(torch.tensor([0, 1]), torch.tensor([0, 1]), 5) == 1.0
     with pytest.raises(ValueError):
-        exp.macro_f1(torch.tensor([0]), torch.tensor([0, 1]))
+        metrics.macro_f1(torch.tensor([0]), torch.tensor([0, 1]))
 
 
 def test_macro_f1_matches_sklearn():
     sk = pytest.importorskip("sklearn.metrics")
     g = torch.Generator().manual_seed(0)
     y, pred = torch.randint(6, (300,), generator=g), torch.randint(6, (300,), generator=g)
-    assert exp.macro_f1(pred, y) == pytest.approx(sk.f1_score(y.numpy(), pred.numpy(), average="macro"))
+    assert metrics.macro_f1(pred, y) == pytest.approx(sk.f1_score(y.numpy(), pred.numpy(), average="macro"))
 
 
 def test_copy_model_reads_out_candidates_by_distance():

@@ -10,9 +10,6 @@ import pytest
 
 from qkov_lib import claims, cli, results, scorecard
 
-PAPER = Path(__file__).resolve().parents[2] / "shared" / "PAPER.md"
-
-
 @pytest.fixture
 def book(tmp_path: Path) -> Path:
     d = tmp_path / "book"
@@ -29,7 +26,8 @@ def _results(folder: Path) -> None:
         path=folder / "synthetic.json", wall_time_s=1.5, device="cpu")
     results.save_results("theory", {"profile": "cpu"}, {"claims": [
         claims.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
-        claims.claim("T9", "not a claim", "?", "not tested", "theory")]},
+        claims.claim("T9", "not a claim", "?", "not tested", "theory"),
+        claims.claim("R3-multilayer", "decoupled", "heads sharpen", claims.r3_decoupled([0.1], [0.0]), "theory")]},
         path=folder / "theory.json", wall_time_s=2.0, device="cpu")
     results.save_results("removed", {}, {"claims": [claims.claim("T1", "p", "o", "reproduced", "05_removed")]},
                          path=folder / "removed.json")
@@ -37,11 +35,9 @@ def _results(folder: Path) -> None:
     (folder / "broken.json").write_text("{not json")
 
 
-def test_claim_ids_match_paper():
-    if not PAPER.exists():
-        pytest.skip(f"{PAPER} not available")
-    ids = re.findall(r"^- \*\*([TSR]\d)\.", PAPER.read_text(), flags=re.M)
-    assert ids == list(scorecard.CLAIMS)
+def test_claim_ids_are_the_papers():
+    assert list(scorecard.CLAIMS) == [f"T{i}" for i in range(1, 7)] + ["S1", "S2", "S3", "R1", "R2", "R3"]
+    assert all(re.fullmatch(r"[TSR]\d-[a-z]+", e) for e in scorecard.EXTENSIONS)
 
 
 def test_load_results_keeps_only_files_with_claims(tmp_path: Path, book: Path):
@@ -61,12 +57,15 @@ def test_find_doc_maps_names_to_numbered_pages(book: Path):
     assert scorecard.find_doc("synthetic", book, pages=["book/intro", "book/01_synthetic"]) == "01_synthetic"
 
 
-def test_combine_verdicts():
-    assert scorecard.combine([]) == "not run"
-    assert scorecard.combine(["reproduced", "reproduced"]) == "reproduced"
-    assert scorecard.combine(["reproduced", "not reproduced"]) == "partly"
-    assert scorecard.combine(["not tested"]) == "not tested"
-    assert scorecard.combine(["not tested", "not reproduced"]) == "not reproduced"
+def test_combine_verdicts_names_disagreeing_chapters():
+    def m(v, ch="a", reason=""):
+        return {"verdict": v, "chapter": ch, "reason": reason}
+    assert scorecard.combine([])[0] == "not run"
+    assert scorecard.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters agree")
+    v, why = scorecard.combine([m("reproduced", "01_synthetic", "4/4 up"), m("not reproduced", "04_sweep", "0/4 up")])
+    assert v == "partly" and "01_synthetic: reproduced (4/4 up)" in why and "04_sweep: not reproduced (0/4 up)" in why
+    assert scorecard.combine([m("not tested")])[0] == "not tested"
+    assert scorecard.combine([m("not tested"), m("not reproduced")])[0] == "not reproduced"
 
 
 def test_scorecard_from_results(tmp_path: Path, book: Path):
@@ -77,17 +76,22 @@ def test_scorecard_from_results(tmp_path: Path, book: Path):
     only = scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book, pages=["book/01_synthetic"])
     assert set(only["doc"]) == {"01_synthetic"} and len(only) == 2
     card = scorecard.build(rows).set_index("id")
-    assert list(card.index) == list(scorecard.CLAIMS) + ["T9"]
+    assert list(card.index) == list(scorecard.CLAIMS) + ["R3-multilayer", "T9"]
+    assert card.loc["R3-multilayer", "kind"] == "extension" and card.loc["T9", "kind"] == "unknown"
+    assert card.loc["R3", "verdict"] == "not run"  # an extension never changes the paper's verdict
+    assert card.loc["R3-multilayer", "verdict"] == "reproduced"
     assert card.loc["S1", "verdict"] == "reproduced"
     assert card.loc["S3", "verdict"] == "partly"  # one chapter reproduced, one partly
+    assert "chapters disagree" in card.loc["S3", "reason"]
     assert len(card.loc["S3", "measurements"]) == 2
     assert card.loc["T1", "verdict"] == "not run" and card.loc["R2", "verdict"] == "not run"
     assert not card.loc["T9", "known"]
     n = scorecard.counts(card.reset_index())
     assert sum(n.values()) == len(scorecard.CLAIMS)  # T9 is not counted
     assert n == {"reproduced": 1, "partly": 1, "not reproduced": 0, "not tested": 0, "not run": 10}
+    assert scorecard.counts(card.reset_index(), "extension")["reproduced"] == 1
     prov = scorecard.provenance(scorecard.load_results(tmp_path))
-    assert list(prov["chapter"]) == ["removed", "synthetic", "theory"] and list(prov["claims"]) == [1, 2, 2]
+    assert list(prov["chapter"]) == ["removed", "synthetic", "theory"] and list(prov["claims"]) == [1, 2, 3]
 
 
 def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
@@ -104,8 +108,10 @@ def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
     assert "they differ \\| a lot" in text
     tokens: list[Token] = create_md_parser(MdParserConfig(), DocutilsRenderer).parse(text)
     rows = [t for t in tokens if t.type == "tr_open"]
-    # header + one row per measurement (S3 twice) + one per claim without measurement
-    assert len(rows) == 1 + len(scorecard.CLAIMS) + 1 + 1
+    # header + one row per measurement (S3 twice, plus its combined row) + one per claim without
+    # measurement + the extension and the unknown ID
+    assert len(rows) == 1 + len(scorecard.CLAIMS) + 2 + 2
+    assert claims.R3_RULE.split(":")[0] in text  # the rule is shown next to the verdict
     widths, n = [], 0
     for t in tokens:
         if t.type == "tr_open":
@@ -114,7 +120,7 @@ def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
             n += 1
         elif t.type == "tr_close":
             widths.append(n)
-    assert set(widths) == {5}
+    assert set(widths) == {6}
     plain = scorecard.to_myst(card, link=False)
     assert "{doc}" not in plain and "{bdg" not in plain and "**not run**" in plain
 
@@ -124,5 +130,5 @@ def test_scorecard_cli(tmp_path: Path, capsys):
     assert cli.main(["scorecard", "--results", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     counts = json.loads(out.strip().splitlines()[-1])
-    assert set(counts) == set(scorecard.VERDICTS)
+    assert set(counts["paper"]) == set(scorecard.STATES)
     assert "| **T1** |" in out

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from ..data.batch import Batch
 from ..knob import knob_optimizer
-from ..metrics import relevant_mass
+from ..metrics import macro_f1, relevant_mass
 from ..claims import claim
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything
@@ -166,19 +166,6 @@ def predict_maps(model: EncoderClassifier, data: Batch, chunk: int = 256) -> tup
         roll.append(rollout(maps).cpu())
     model.train(was)
     return torch.cat(probs), torch.cat(att), torch.cat(roll)
-
-
-def macro_f1(pred: Tensor, y: Tensor, n_classes: int) -> float:
-    """Unweighted mean over classes of the F1 score (a class with no true and no predicted
-    instance counts as F1 = 0 only if it occurs in ``y``; absent classes are left out)."""
-    f1s = []
-    for c in range(n_classes):
-        tp = int(((pred == c) & (y == c)).sum())
-        fp, fn = int(((pred == c) & (y != c)).sum()), int(((pred != c) & (y == c)).sum())
-        if tp + fn == 0:
-            continue
-        f1s.append(2 * tp / (2 * tp + fp + fn))
-    return float(np.mean(f1s)) if f1s else float("nan")
 
 
 def head_metrics(attn: Tensor, roll: Tensor, relevant: Tensor, key_mask: Tensor, tau: float = TAU) -> pd.DataFrame:
@@ -582,7 +569,3 @@ def closing_table(table: pd.DataFrame) -> pd.DataFrame:
     w = t.pivot_table(index=["dataset", "layer"], columns="ratio", values=["head-mean", "best head"], sort=False)
     w.columns = [f"{m} @ {r:g}" for m, r in w.columns]
     return w[[c for c in w.columns if c.startswith("head-mean")] + [c for c in w.columns if c.startswith("best head")]]
-
-
-def settings_frame(cfg: dict) -> pd.DataFrame:
-    return pd.DataFrame({"setting": list(cfg), "value": [str(v) for v in cfg.values()]}).set_index("setting")

@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .. import faithfulness as fa
 from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
-from ..metrics import confidence, dtap_histogram, relevant_mass, summarize
+from ..metrics import confidence, dtap_histogram, macro_f1, relevant_mass, summarize
 from ..models import TokenModel
 from ..claims import claim
 from ..results import tag_frame
@@ -115,22 +115,6 @@ def dataset_frame(ds: TextDataset) -> pd.DataFrame:
         if ds.n_classes <= 4:
             rows += [(f"{name}: {c}", int(n)) for c, n in zip(ds.class_names, counts)]
     return pd.DataFrame(rows, columns=["what", "value"]).set_index("what")
-
-
-# --- metrics --------------------------------------------------------------------------------
-def macro_f1(pred: torch.Tensor, y: torch.Tensor, n_classes: int | None = None) -> float:
-    """Macro-averaged F1 over the classes that occur in ``y`` or ``pred`` (a class with no true
-    and no predicted instance is left out, as scikit-learn does with ``labels=None``)."""
-    pred, y = pred.long().flatten(), y.long().flatten()
-    if pred.shape != y.shape or y.numel() == 0:
-        raise ValueError("pred and y must be non-empty and of equal length")
-    n = int(max(int(pred.max()), int(y.max())) + 1) if n_classes is None else n_classes
-    tp = torch.bincount(y[pred == y], minlength=n).double()
-    n_pred = torch.bincount(pred, minlength=n).double()
-    n_true = torch.bincount(y, minlength=n).double()
-    present = (n_pred + n_true) > 0
-    f1 = torch.where(n_pred + n_true > 0, 2 * tp / (n_pred + n_true).clamp_min(1), torch.zeros_like(tp))
-    return float(f1[present].mean())
 
 
 def spread(n_total: int, n: int) -> torch.Tensor:

@@ -60,11 +60,6 @@ def task_of(cfg: dict) -> syn.SyntheticTask:
                              n_common=tuple(cfg["n_common"]), embedding="onehot")
 
 
-def settings_frame(cfg: dict) -> pd.DataFrame:
-    """The resolved settings as a two-column table for display."""
-    return pd.DataFrame({"setting": list(cfg), "value": [str(v) for v in cfg.values()]}).set_index("setting")
-
-
 # --------------------------------------------------------------------------------------
 # chapter 02: machine checks of the reduction
 # --------------------------------------------------------------------------------------
