@@ -48,7 +48,8 @@ CLAIMS: dict[str, str] = {
 # change the verdict on the paper's claim they extend.
 EXTENSIONS: dict[str, tuple[str, str]] = {
     "R1-multilayer": ("R1", "R1 in a multi-layer, multi-head Transformer encoder with the knob on every head."),
-    "R2-multilayer": ("R2", "R2 in a multi-layer encoder: some head's attention on the relevant tokens rises."),
+    "R2-multilayer": ("R2", "R2 in a multi-layer encoder: the heads' attention on the relevant tokens rises in every "
+                            "layer."),
     "R3-multilayer": ("R3", "R3 in a multi-layer encoder: heads sharpen without an accuracy change."),
     "R3-synthetic": ("R3", "Synthetic analogue of R3: at matched training loss, attention still depends on the ratio."),
     "S3-robustness": ("S3", "S3 under other optimizers, batch sizes, embeddings and task sizes (robustness variants)."),
@@ -113,6 +114,8 @@ LITERAL_TOL = _threshold("LITERAL_TOL", 0.2, "", "largest gap to 2 of the fitted
                                                  "'q ~ log² t' (T3, literal wording)")
 LINE_EXACT = _threshold("LINE_EXACT", 1e-6, "", "largest residual of an exact straight line (T4)")
 LINE_APPROX = _threshold("LINE_APPROX", 0.01, "", "largest relative residual of an approximate straight line (T4)")
+CONST_TOL = _threshold("CONST_TOL", 0.1, "", "largest relative gap between the fitted and the derived scaling of a "
+                                             "growth constant A with the ratio that counts as agreeing (T3 prose)")
 
 
 def threshold_text(name: str) -> str:
@@ -302,6 +305,19 @@ def s2_which_pair(attention: Mapping[str, float], fafo_toward: str | None = None
     return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); FAFO moves toward {fafo_toward}")
 
 
+def s2_fafo_move(before: Mapping[str, float], after: Mapping[str, float]) -> str | None:
+    """Where a faster QK moves FAFO, for :func:`s2_which_pair`: ``before``/``after`` are FAFO's
+    distances (at equal rates / at the faster ratio) to each candidate (``FACO``, ``CACO``) at
+    equal rates. The candidate whose distance fell (the closer one after, if both fell);
+    ``"neither"`` when FAFO moved away from both; None when a distance is missing."""
+    keys = [k for k in before if k in after]
+    vals = {k: (float(before[k]), float(after[k])) for k in keys}
+    if not vals or not all(math.isfinite(a) and math.isfinite(b) for a, b in vals.values()):
+        return None
+    closer = [k for k, (a, b) in vals.items() if b < a]
+    return min(closer, key=lambda k: vals[k][1]) if closer else "neither"
+
+
 S3_RULE = (f"reproduced: from the lowest to the highest ratio, attention on the distinct token rises by ≥ {_t('SHARPER')} "
            f"for every parameterization while |Δ test loss| ≤ {_t('SAME_LOSS')} and |Δ accuracy| ≤ {_t('SAME_ACC')}; "
            "partly: it rises for some, or rises with a loss or accuracy change; not reproduced: it rises for none; "
@@ -320,6 +336,28 @@ def s3_ratio_sharpens(d_attention: Sequence[float], d_loss: Sequence[float], d_a
     return Verdict(v, S3_RULE, f"attention rose for {up}/{len(da)}; largest |Δ loss| "
                                f"{max(map(abs, dl), default=float('nan')):.3f} nats, |Δ accuracy| "
                                f"{max(map(abs, dc), default=float('nan')):.3f}")
+
+
+S3_ROBUST_RULE = ("S3's rule applied to each robustness variant; reproduced: every variant reproduces S3; "
+                  "not reproduced: no variant reproduces or partly reproduces it; partly: otherwise (also when a "
+                  "variant could not be tested); not tested: no variant could be tested")
+
+
+def s3_robustness(per_variant: Mapping[str, Verdict]) -> Verdict:
+    """The S3-robustness extension from the :func:`s3_ratio_sharpens` verdict of each variant."""
+    tested = {k: v.verdict for k, v in per_variant.items() if v.verdict != "not tested"}
+    if not tested:
+        return Verdict("not tested", S3_ROBUST_RULE, "no variant with two ratios")
+    n = {x: sum(v == x for v in tested.values()) for x in VERDICTS}
+    untested = len(per_variant) - len(tested)
+    if n["reproduced"] == len(tested) and not untested:
+        v = "reproduced"
+    elif n["not reproduced"] == len(tested):
+        v = "not reproduced"
+    else:
+        v = "partly"
+    reason = ", ".join(f"{x} {n[x]}" for x in VERDICTS[:3] if n[x]) + (f", not tested {untested}" if untested else "")
+    return Verdict(v, S3_ROBUST_RULE, f"of {len(per_variant)} variants: {reason}")
 
 
 # --- real data -----------------------------------------------------------------------------
@@ -345,17 +383,22 @@ def r1_performance_stable(d_accuracy: Sequence[float], d_f1: Sequence[float]) ->
 
 
 R2_RULE = (f"reproduced: at the highest ratio AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 by ≥ {_t('MIN_GAIN_ACMC')} "
-           f"and sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')} (all three); partly: one or two of them; "
-           "not reproduced: none; not tested: one ratio")
+           f"and sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')}, each also beyond the 95% seed interval of the change "
+           "(all three); partly: one or two of them; not reproduced: none; not tested: one ratio")
 
 
-def r2_interpretability(d_ac: float | None, d_acmc: float | None, d_sufficiency: float | None) -> Verdict:
+def r2_interpretability(d_ac: float | None, d_acmc: float | None, d_sufficiency: float | None,
+                        noise: Sequence[float] | None = None) -> Verdict:
     """R2 from the changes at the highest ratio against the reference: AC@0.5, ACMC@0.5 (fractions,
-    up is better) and sufficiency (down is better; None when not measured)."""
+    up is better) and sufficiency (down is better; None when not measured). ``noise``: the 95%
+    half-width of each change over seeds (NaN or None: one seed, no interval)."""
+    noise = list(noise) if noise is not None else [math.nan] * 3
     checks = []
-    for d, gain, sign in ((d_ac, MIN_GAIN_AC, 1), (d_acmc, MIN_GAIN_ACMC, 1), (d_sufficiency, MIN_GAIN_SUFF, -1)):
+    for d, gain, sign, e in zip((d_ac, d_acmc, d_sufficiency), (MIN_GAIN_AC, MIN_GAIN_ACMC, MIN_GAIN_SUFF),
+                                (1, 1, -1), noise):
         if d is not None and math.isfinite(float(d)):
-            checks.append(sign * float(d) >= gain)
+            e = float(e) if e is not None and math.isfinite(float(e)) else 0.0
+            checks.append(sign * float(d) >= max(gain, e))
     if not checks:
         return Verdict("not tested", R2_RULE, "one ratio")
     k = sum(checks)
@@ -382,6 +425,24 @@ def r3_decoupled(d_attention: Sequence[float], d_accuracy: Sequence[float]) -> V
     return Verdict(v, R3_RULE, f"largest attention rise {a:+.3f} with accuracy change {_pct(c)}")
 
 
+HEADS_RULE = (f"reproduced: at the highest ratio the head-mean attention on the relevant tokens rises by ≥ "
+              f"{_t('HEAD_DELTA')} in every layer; partly: in some layers; not reproduced: in none; "
+              "not tested: one ratio")
+
+
+def heads_sharpen(layer_gains: Sequence[float]) -> Verdict:
+    """Extension of R2 to a multi-layer encoder, from the change of each layer's head-mean
+    attention on the relevant tokens between the lowest and the highest ratio."""
+    g = _finite(layer_gains)
+    if not g:
+        return Verdict("not tested", HEADS_RULE, "one ratio")
+    k = sum(x >= HEAD_DELTA for x in g)
+    v = "reproduced" if k == len(g) else "partly" if k else "not reproduced"
+    return Verdict(v, HEADS_RULE, f"head-mean attention rose in {k}/{len(g)} layers (largest {max(g):+.3f})")
+
+
+RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,
+             "S1": S1_RULE, "S2": S2_RULE, "S3": S3_RULE, "R1": R1_RULE, "R2": R2_RULE, "R3": R3_RULE}
 RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
          "T6": t6_factorized_qk, "S1": s1_heatmaps_differ, "S2": s2_which_pair, "S3": s3_ratio_sharpens,
          "R1": r1_performance_stable, "R2": r2_interpretability, "R3": r3_decoupled}

@@ -1,4 +1,4 @@
-"""Gradient-flow dynamics of the symmetric reduction (claims T1-T5 of PAPER.md).
+"""Gradient-flow dynamics of the symmetric reduction (claims T1-T5 of :data:`qkov_lib.claims.CLAIMS`).
 
 On the one-hot distinct/common-token task (query not a key, ``n`` common tokens drawn
 uniformly from the set ``n_common``) a *symmetric* state of the model is described by two

@@ -1,6 +1,6 @@
 """ERASER faithfulness (comprehensiveness, sufficiency, AOPC) and plausibility (token-F1, IOU-F1,
 AUPRC) of attention rows, after DeYoung et al. 2020, "ERASER: A Benchmark to Evaluate Rationalized
-NLP Models", with the reconstruction choices of PAPER.md ("Metrics").
+NLP Models", with the reconstruction choices stated in the book's introduction ("The metrics").
 
 Shapes throughout: ``attn`` (N, T) float, the attention row at the query position (or any
 per-key importance score); ``key_mask`` (N, T) bool, True where a key may be attended;

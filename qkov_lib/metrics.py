@@ -1,4 +1,4 @@
-"""Attention metrics of PAPER.md ("Metrics: what is known and what we specify").
+"""Attention metrics as the book defines them (introduction, "The metrics, as this book defines them").
 
 Shapes: ``attn`` and ``relevant`` (N, T); ``probs`` (N, C); ``y`` (N,). Values are plain
 tensors or floats in [0, 1] (fractions, not percent).

@@ -1,6 +1,6 @@
 """Single-layer self-attention read out at a query position, in the four QK/OV parameterizations.
 
-Notation (PAPER.md): the score of key token ``x_i`` for the query ``x_q`` is ``x_i^T W_QK x_q``,
+Notation (the book's introduction): the score of key token ``x_i`` for the query ``x_q`` is ``x_i^T W_QK x_q``,
 the attention row is ``softmax`` over the keys, and the logits are ``W_OV sum_i alpha_i x_i``.
 
 * collapsed QK: one matrix ``W_QK`` (d, d);

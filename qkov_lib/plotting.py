@@ -69,7 +69,7 @@ def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style:
     data = hist[hist["step"] > 0] if logx else hist
     for k, m in enumerate(metrics):
         ax = axes.flat[k]
-        sns.lineplot(data=data, x="step", y=m, hue=hue, style=style, ax=ax, errorbar=("ci", 95),
+        sns.lineplot(data=data, x="step", y=m, hue=hue, style=style, ax=ax, errorbar=("ci", 95), seed=0,
                      legend=(k == n - 1))
         if logx:
             ax.set_xscale("log")

@@ -26,3 +26,16 @@ def test_training_curves_one_axis_per_metric():
     titles = [ax.get_title() for ax in fig.axes]
     assert titles[:2] == ["loss", "attn_relevant"]
     assert fig.axes[0].get_xscale() == "log"
+
+
+def test_training_curve_bands_are_the_same_in_every_build():
+    rng = np.random.default_rng(0)
+    hist = pd.DataFrame({"step": np.tile([1, 10, 100], 8), "loss": rng.random(24), "seed": np.repeat(range(8), 3),
+                         "ratio": 1})
+
+    def bands():
+        fig = plotting.training_curves(hist, ["loss"], hue="ratio")
+        return [p.get_paths()[0].vertices.copy() for p in fig.axes[0].collections]
+
+    a, b = bands(), bands()
+    assert a and all(np.array_equal(x, y) for x, y in zip(a, b))  # bootstrap intervals are seeded

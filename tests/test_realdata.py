@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qkov_lib import metrics, profiles, results
+from qkov_lib import claims, metrics, profiles, results
 from qkov_lib.data.text import Example, finish
 from qkov_lib.experiments import realdata as exp
 
@@ -127,39 +127,53 @@ def test_claim_verdicts_follow_the_rules():
     cfg = {"ratios": [1.0, 10.0, 100.0], "seeds": [0, 1, 2]}
     f = exp.chapter_facts(_summary(BASE), cfg)
     assert (f["verdict_R1"], f["verdict_R2"], f["verdict_R3"]) == ("reproduced",) * 3
+    assert f["rule_R2"] == claims.R2_RULE and f["reason_R1"]
     assert f["AC@0.5_lo"] == "12.0% ± 2.0%" and f["AC@0.5_hi"] == "43.0% ± 2.0%"
-    rows = exp.claims(f, "squad")
+    rows = exp.claims_rows(f, exp.chapter_verdicts(_summary(BASE), cfg), "squad")
     assert [r["id"] for r in rows] == ["R1", "R2", "R3"] and rows[0]["chapter"] == "05_squad"
-    assert "12.0% ± 2.0% -> 43.0% ± 2.0%" in rows[1]["ours"]
+    assert "12.0% ± 2.0% -> 43.0% ± 2.0%" in rows[1]["ours"] and rows[1]["rule"] == claims.R2_RULE
     # accuracy drops 5 points: R1 fails for accuracy only -> partly; R3 (large accuracy change) partly
     f = exp.chapter_facts(_summary({**BASE, "accuracy": (0.80, 0.75, 0.01)}), cfg)
     assert (f["verdict_R1"], f["verdict_R3"]) == ("partly", "partly")
     # AC rises by less than the seed interval and sufficiency gets worse: R2 partly (ACMC still up)
     f = exp.chapter_facts(_summary({**BASE, "AC@0.5": (0.12, 0.13, 0.05), "sufficiency": (0.1, 0.3, 0.01)}), cfg)
-    assert f["verdict_R2"] == "partly" and f["improved"] == "ACMC@0.5"
+    assert f["verdict_R2"] == "partly" and f["reason_R2"].startswith("1/3")
     # a significant but small AC gain (2 points < the 5-point minimum) is not "substantial"
     f = exp.chapter_facts(_summary({**BASE, "AC@0.5": (0.12, 0.14, 0.001), "ACMC@0.5": (0.10, 0.11, 0.001)}), cfg)
-    assert f["improved"] == "sufficiency" and (f["verdict_R2"], f["verdict_R3"]) == ("partly", "partly")
-    # nothing improves
-    f = exp.chapter_facts(_summary({**BASE, "AC@0.5": (0.4, 0.1, 0.01), "ACMC@0.5": (0.4, 0.1, 0.01),
-                                    "sufficiency": (0.1, 0.3, 0.01), "attn_relevant": (0.5, 0.2, 0.01)}), cfg)
-    assert (f["verdict_R2"], f["verdict_R3"]) == ("not reproduced", "not reproduced")
+    assert f["verdict_R2"] == "partly" and f["reason_R2"].startswith("1/3")
+
+
+def test_realdata_verdicts_flip_with_the_effect_and_need_two_ratios():
+    cfg = {"ratios": [1.0, 100.0], "seeds": [0, 1, 2]}
+    flipped = {m: (hi, lo, ci) if m in ("attn_relevant", "AC@0.5", "ACMC@0.5", "sufficiency") else (lo, hi, ci)
+               for m, (lo, hi, ci) in BASE.items()}
+    v, w = exp.chapter_verdicts(_summary(BASE), cfg), exp.chapter_verdicts(_summary(flipped), cfg)
+    assert (v["R2"].verdict, v["R3"].verdict) == ("reproduced", "reproduced")
+    assert (w["R2"].verdict, w["R3"].verdict) == ("not reproduced", "not reproduced")
+    drop = {**BASE, "accuracy": (0.80, 0.70, 0.01), "macro_f1": (0.75, 0.60, 0.01)}
+    assert exp.chapter_verdicts(_summary(drop), cfg)["R1"].verdict == "not reproduced"
+    one = _summary(BASE)
+    one = one[one["ratio"] == 1.0]
+    v1 = exp.chapter_verdicts(one, {"ratios": [1.0], "seeds": [0]})
+    assert {k: x.verdict for k, x in v1.items()} == {"R1": "not tested", "R2": "not tested", "R3": "not tested"}
+    assert "not tested" in exp.chapter_facts(one, {"ratios": [1.0], "seeds": [0]})["ratio_sentence"]
 
 
 def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     cfg = {"ratios": [1.0, 100.0], "seeds": [0, 1, 2], "profile": "cpu"}
-    rows = exp.claims(exp.chapter_facts(_summary(BASE), cfg), "sva")
+    rows = exp.claims_rows(exp.chapter_facts(_summary(BASE), cfg), exp.chapter_verdicts(_summary(BASE), cfg), "sva")
     results.save_results("sva", cfg, {"claims": rows}, path=tmp_path / "sva.json")
     table = exp.r_table(tmp_path)
     assert len(table) == 9
     sva = table[table["dataset"] == "sva"]
-    assert list(sva["reproduces?"]) == ["reproduced"] * 3
+    assert list(sva["verdict"]) == ["reproduced"] * 3
     assert all("[cpu profile, 3 seed(s)]" in o for o in sva["ours"])
     missing = table[table["dataset"] == "squad"]
-    assert list(missing["reproduces?"]) == ["not run"] * 3 and "not run" in missing["ours"].iloc[0]
-    assert exp.r_verdicts(table) == {"R1": "reproduced", "R2": "reproduced", "R3": "reproduced"}
+    assert list(missing["verdict"]) == ["not run"] * 3 and "not run" in missing["ours"].iloc[0]
+    assert {k: v for k, (v, _) in exp.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",
+                                                                        "R3": "reproduced"}
     md = exp.r_table_myst(table)
-    assert md.splitlines()[0] == "| claim | paper | ours (mean ± 95% seed interval) | reproduces? |"
+    assert md.splitlines()[0] == "| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |"
     (tmp_path / "hatexplain.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
         exp.r_table(tmp_path)

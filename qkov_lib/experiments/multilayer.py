@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..data.batch import Batch
 from ..knob import knob_optimizer
 from ..metrics import macro_f1, relevant_mass
-from ..claims import claim
+from .. import claims
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything
 from ..training import NonFiniteError, log_steps
@@ -36,7 +36,7 @@ from ..training import NonFiniteError, log_steps
 DATASETS = ("sva", "hatexplain")
 DISPLAY = {"sva": "SVA", "hatexplain": "HateXplain"}
 TAU = 0.5  # AC threshold for the per-head table
-DELTA = 0.02  # a change of head attention smaller than this counts as "no change"
+DELTA = claims.HEAD_DELTA  # a change of head attention smaller than this counts as "no change"
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
 PROFILES: dict[str, dict] = {
@@ -477,36 +477,43 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
     return out
 
 
-def claims(facts: dict[str, str], cfg: dict) -> list[dict[str, str]]:
-    """Scorecard rows for R1-R3, as a multi-layer extension of the paper's single-layer setting."""
-    ch = "09_multilayer"
+def chapter_verdicts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict) -> dict[str, dict[str, claims.Verdict]]:
+    """Per dataset, the extension verdicts by the rules of :mod:`qkov_lib.claims`: R1-multilayer
+    (accuracy and macro-F1 at every higher ratio against the lowest), R2-multilayer (each layer's
+    head-mean attention gain at the highest ratio) and R3-multilayer (largest layer gain against
+    the accuracy change, at every higher ratio)."""
     ratios = sorted(cfg["ratios"])
-    lo, higher, dss = ratios[0], ratios[1:], cfg["datasets"]
-    daccs = {(d, r): float(facts[f"{d}_r{r:g}_dacc"]) for d in dss for r in higher}
-    worst = min(daccs.values())
-    r1 = "reproduced" if worst >= -0.02 else ("partly" if any(v >= -0.02 for v in daccs.values()) else "not reproduced")
-    accs = "; ".join(f"{d}: accuracy {facts[f'{d}_acc']} at ratios {facts['ratios']}" for d in dss)
-    sharp = {(d, r): int(facts[f"{d}_r{r:g}_n_sharp"]) for d in dss for r in higher}
-    blunt = {(d, r): int(facts[f"{d}_r{r:g}_n_blunt"]) for d in dss for r in higher}
-    yes = {(d, r): facts[f"{d}_r{r:g}_verdict"].startswith("yes") for d in dss for r in higher}
-    r2 = "reproduced" if all(yes.values()) else ("partly" if any(v > 0 for v in sharp.values()) else "not reproduced")
-    atts = "; ".join(f"{d} ratio {r:g}: {sharp[(d, r)]} sharper / {blunt[(d, r)]} blunter of {facts['n_slots']} "
-                     f"(layer, head) slots" for d in dss for r in higher)
-    # decoupled: attention got sharper somewhere while accuracy did not move by more than 0.02
-    dec = [sharp[k] > 0 and abs(daccs[k]) <= 0.02 for k in daccs]
-    cou = [sharp[k] > 0 and abs(daccs[k]) > 0.02 for k in daccs]
-    r3 = "not tested" if not any(dec) and not any(cou) else ("partly" if any(dec) else "not reproduced")
+    lo, hi, higher = ratios[0], ratios[-1], ratios[1:]
+    lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
+    acc = scores.groupby(["dataset", "ratio"])[["accuracy", "macro_f1"]].mean()
+    layers = range(1, cfg["n_layers"] + 1)
+    out = {}
+    for ds in cfg["datasets"]:
+        def gain(r: float, l: int) -> float:
+            return float(lt.loc[(ds, r, l), "head-mean"] - lt.loc[(ds, lo, l), "head-mean"])
+
+        d_acc = [float(acc.loc[(ds, r), "accuracy"] - acc.loc[(ds, lo), "accuracy"]) for r in higher]
+        d_f1 = [float(acc.loc[(ds, r), "macro_f1"] - acc.loc[(ds, lo), "macro_f1"]) for r in higher]
+        out[ds] = {"R1-multilayer": claims.r1_performance_stable(d_acc, d_f1),
+                   "R2-multilayer": claims.heads_sharpen([gain(hi, l) for l in layers] if higher else []),
+                   "R3-multilayer": claims.r3_decoupled([max(gain(r, l) for l in layers) for r in higher], d_acc)}
+    return out
+
+
+def claims_rows(facts: dict[str, str], verdicts: dict[str, dict[str, claims.Verdict]], cfg: dict
+                ) -> list[dict[str, str]]:
+    """Scorecard rows of our multi-layer extension of R1-R3 (IDs ``R1-multilayer`` ...), one per
+    dataset, so that they never change the verdicts on the paper's single-layer claims."""
+    ch = "09_multilayer"
     size = f"{cfg['n_layers']} layers x {cfg['n_heads']} heads, AdamW, {len(cfg['seeds'])} seed(s)"
-    return [
-        claim("R1", "accuracy stays stable as eta_QK/eta_OV grows",
-              f"multi-layer extension ({size}): {accs}; worst change against ratio {lo:g}: {worst:+.3f}", r1, ch),
-        claim("R2", "attention on relevant tokens rises with eta_QK/eta_OV",
-              f"multi-layer extension ({size}), against ratio {lo:g}: {atts}; sufficiency not measured here", r2, ch),
-        claim("R3", "sharpness and accuracy are decoupled",
-              f"multi-layer extension: accuracy changes against ratio {lo:g}: "
-              + ", ".join(f"{d} {r:g}: {v:+.3f}" for (d, r), v in daccs.items())
-              + f"; sharper slots: " + ", ".join(f"{d} {r:g}: {n}" for (d, r), n in sharp.items()), r3, ch),
-    ]
+    rows = []
+    for ds, vs in verdicts.items():
+        ours = {"R1-multilayer": f"{ds} ({size}): accuracy {facts[f'{ds}_acc']}, macro-F1 {facts[f'{ds}_f1']} at "
+                                 f"ratios {facts['ratios']}",
+                "R2-multilayer": f"{ds} ({size}): {facts[f'{ds}_layers']}",
+                "R3-multilayer": f"{ds} ({size}): {facts[f'{ds}_answer']}"}
+        rows += [claims.claim(cid, claims.statement(cid), ours[cid], v, ch) for cid, v in vs.items()]
+    return rows
 
 
 # --- figures --------------------------------------------------------------------------------

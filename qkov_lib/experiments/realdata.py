@@ -40,21 +40,16 @@ from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
 from ..metrics import confidence, dtap_histogram, macro_f1, relevant_mass, summarize
 from ..models import TokenModel
-from ..claims import claim
+from .. import claims
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything, torch_threads
 from ..training import History, TrainConfig, predict, train
-from .synthetic import format_summary, seed_summary, settings_frame  # noqa: F401  (re-exported for the chapters)
+from .synthetic import format_summary, seed_summary  # noqa: F401  (re-exported for the chapters)
 
 TAU_SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 FRACS = [0.01, 0.05, 0.1, 0.2, 0.5]
 ATTENTIONS = ("model", "uniform", "random")
 CHAPTERS = {"squad": "05_squad", "hatexplain": "06_hatexplain", "sva": "07_sva"}
-# Tolerance of "stable" accuracy / macro-F1 for R1 and R3 (absolute, fraction of instances).
-STABLE_TOL = 0.02
-# Smallest improvement that counts as "substantial" for R2/R3 (besides exceeding the seed
-# interval): 5 points of AC / ACMC, 0.01 of sufficiency AOPC (probability units).
-MIN_GAIN = {"AC@0.5": 0.05, "ACMC@0.5": 0.05, "sufficiency": 0.01}
 
 
 def _profiles(base: dict, test: dict, cpu: dict, full: dict) -> dict[str, dict]:
@@ -416,52 +411,60 @@ def pm(value: float, ci: float, pct: bool = True, digits: int = 1) -> str:
     return f"{value * s:.{digits}f}{unit}" + ("" if math.isnan(ci) else f" ± {ci * s:.{digits}f}{unit if pct else ''}")
 
 
-def _significant(d: float, ci_a: float, ci_b: float) -> bool:
-    """``d`` exceeds the combined seed interval (``sqrt(ci_a^2 + ci_b^2)``); with one seed any
-    change of the right sign counts."""
-    width = math.sqrt(ci_a ** 2 + ci_b ** 2) if not (math.isnan(ci_a) or math.isnan(ci_b)) else 0.0
-    return d > width
+def _change(summary: pd.DataFrame, metric: str, lo: float, r: float) -> tuple[float, float]:
+    """Change of ``metric`` from ratio ``lo`` to ``r`` and the 95% half-width of that change
+    (the seed intervals added in quadrature; NaN with one seed)."""
+    (a, ca), (b, cb) = _get(summary, lo, metric), _get(summary, r, metric)
+    return b - a, math.sqrt(ca ** 2 + cb ** 2)
 
 
-def chapter_facts(summary: pd.DataFrame, cfg: Mapping[str, Any], by_correct: pd.DataFrame | None = None) -> dict[str, str]:
-    """Numbers and verdict phrases the chapter quotes, computed from the seed summary (model
-    rows against the lowest and highest ratio, baselines at the highest ratio)."""
+def model_ratios(summary: pd.DataFrame, cfg: Mapping[str, Any]) -> list[float]:
+    """The ratios of ``cfg`` that have model rows in ``summary``, in increasing order."""
     have = set(summary.loc[summary["attention"] == "model", "ratio"].astype(float))
     ratios = sorted(float(r) for r in cfg["ratios"] if float(r) in have)
     if not ratios:
         raise ValueError(f"the summary has no model rows at the ratios {cfg['ratios']}")
+    return ratios
+
+
+def chapter_verdicts(summary: pd.DataFrame, cfg: Mapping[str, Any]) -> dict[str, claims.Verdict]:
+    """R1-R3 by the rules of :mod:`qkov_lib.claims`, from the seed summary: every higher ratio
+    against the lowest (R1, R3) and the highest against the lowest (R2)."""
+    ratios = model_ratios(summary, cfg)
+    lo, hi = ratios[0], ratios[-1]
+    higher = ratios[1:]
+    d = {m: [_change(summary, m, lo, r)[0] for r in higher] for m in ("accuracy", "macro_f1", "attn_relevant")}
+    r2 = [_change(summary, m, lo, hi) if higher else (math.nan, math.nan) for m in ("AC@0.5", "ACMC@0.5", "sufficiency")]
+    return {"R1": claims.r1_performance_stable(d["accuracy"], d["macro_f1"]),
+            "R2": claims.r2_interpretability(*(x for x, _ in r2), noise=[e for _, e in r2]),
+            "R3": claims.r3_decoupled(d["attn_relevant"], d["accuracy"])}
+
+
+def chapter_facts(summary: pd.DataFrame, cfg: Mapping[str, Any], by_correct: pd.DataFrame | None = None) -> dict[str, str]:
+    """Numbers, verdicts (with their rules) and sentences the chapter quotes, computed from the
+    seed summary (model rows against the lowest and highest ratio, baselines at the highest)."""
+    ratios = model_ratios(summary, cfg)
     lo, hi = ratios[0], ratios[-1]
     f: dict[str, str] = {"r_lo": f"{lo:g}", "r_hi": f"{hi:g}", "n_seeds": str(len(cfg["seeds"]))}
-    vals = {}
     for m in ("accuracy", "macro_f1", "AC@0.5", "ACMC@0.5", "attn_relevant", "comprehensiveness", "sufficiency",
               "token_f1", "iou_f1", "auprc"):
-        a, b = _get(summary, lo, m), _get(summary, hi, m)
-        vals[m] = (a, b)
         pct = m not in ("comprehensiveness", "sufficiency")
-        f[f"{m}_lo"], f[f"{m}_hi"] = pm(*a, pct=pct, digits=1 if pct else 3), pm(*b, pct=pct, digits=1 if pct else 3)
+        f[f"{m}_lo"] = pm(*_get(summary, lo, m), pct=pct, digits=1 if pct else 3)
+        f[f"{m}_hi"] = pm(*_get(summary, hi, m), pct=pct, digits=1 if pct else 3)
         for kind in ("uniform", "random"):
             f[f"{m}_{kind}"] = pm(*_get(summary, hi, m, kind), pct=pct, digits=1 if pct else 3)
-    worst = min((_get(summary, r, "accuracy")[0] - vals["accuracy"][0][0] for r in ratios[1:]), default=0.0)
-    worst_f1 = min((_get(summary, r, "macro_f1")[0] - vals["macro_f1"][0][0] for r in ratios[1:]), default=0.0)
+    worst = min((_change(summary, "accuracy", lo, r)[0] for r in ratios[1:]), default=math.nan)
+    worst_f1 = min((_change(summary, "macro_f1", lo, r)[0] for r in ratios[1:]), default=math.nan)
     f["worst_dacc"], f["worst_df1"] = f"{100 * worst:+.1f} points", f"{100 * worst_f1:+.1f} points"
-    d_acc = vals["accuracy"][1][0] - vals["accuracy"][0][0]
-    f["dacc"] = f"{100 * d_acc:+.1f} points"
-    ups = {}
-    for m, sign in (("AC@0.5", 1), ("ACMC@0.5", 1), ("sufficiency", -1)):
-        (a, ca), (b, cb) = vals[m]
-        d = sign * (b - a)
-        ups[m] = (not math.isnan(d)) and _significant(d, ca, cb) and d >= MIN_GAIN[m]
-        f[f"d_{m}"] = (f"{100 * (b - a):+.1f} points" if m != "sufficiency" else f"{b - a:+.3f}") if not math.isnan(d) else "n/a"
-    f["n_improved"] = str(sum(ups.values()))
-    f["improved"] = ", ".join(m for m, u in ups.items() if u) or "none"
-    r1 = "reproduced" if worst >= -STABLE_TOL and worst_f1 >= -STABLE_TOL else (
-        "partly" if worst >= -STABLE_TOL or worst_f1 >= -STABLE_TOL else "not reproduced")
-    r2 = "reproduced" if all(ups.values()) else ("partly" if any(ups.values()) else "not reproduced")
-    sharper = ups["AC@0.5"]
-    r3 = ("reproduced" if sharper and abs(d_acc) <= STABLE_TOL else
-          "partly" if sharper or (vals["attn_relevant"][1][0] > vals["attn_relevant"][0][0] and abs(d_acc) <= STABLE_TOL)
-          else "not reproduced")
-    f["verdict_R1"], f["verdict_R2"], f["verdict_R3"] = r1, r2, r3
+    f["dacc"] = f"{100 * _change(summary, 'accuracy', lo, hi)[0]:+.1f} points"
+    for m in ("AC@0.5", "ACMC@0.5", "sufficiency"):
+        dm = _change(summary, m, lo, hi)[0]
+        f[f"d_{m}"] = "n/a" if math.isnan(dm) else (f"{100 * dm:+.1f} points" if m != "sufficiency" else f"{dm:+.3f}")
+    for cid, v in chapter_verdicts(summary, cfg).items():
+        f[f"verdict_{cid}"], f[f"rule_{cid}"], f[f"reason_{cid}"] = v.verdict, v.rule, v.reason
+    f["ratio_sentence"] = (f"Only ratio {lo:g} was run, so R1-R3 are not tested here." if lo == hi else
+                           f"From ratio {lo:g} to {hi:g}: R1 {f['verdict_R1']}, R2 {f['verdict_R2']}, "
+                           f"R3 {f['verdict_R3']}.")
     if by_correct is not None and len(by_correct):
         g = by_correct.groupby(["ratio", "prediction"])["attn_relevant"].mean()
         for p in ("correct", "wrong"):
@@ -470,38 +473,28 @@ def chapter_facts(summary: pd.DataFrame, cfg: Mapping[str, Any], by_correct: pd.
     return f
 
 
-def claims(facts: Mapping[str, str], dataset: str, chapter: str | None = None) -> list[dict[str, str]]:
-    """Scorecard rows R1, R2, R3 of one dataset chapter from :func:`chapter_facts`."""
+def claims_rows(facts: Mapping[str, str], verdicts: Mapping[str, claims.Verdict], dataset: str,
+                chapter: str | None = None) -> list[dict[str, str]]:
+    """Scorecard rows R1, R2, R3 of one dataset chapter from :func:`chapter_verdicts` and
+    :func:`chapter_facts`."""
     ch = chapter or CHAPTERS[dataset]
     lo, hi = facts["r_lo"], facts["r_hi"]
     r1 = (f"{dataset}: accuracy {facts['accuracy_lo']} (ratio {lo}) -> {facts['accuracy_hi']} (ratio {hi}); "
-          f"macro-F1 {facts['macro_f1_lo']} -> {facts['macro_f1_hi']}; worst change vs ratio {lo} at any higher ratio: accuracy "
-          f"{facts['worst_dacc']}, macro-F1 {facts['worst_df1']} (tolerance {100 * STABLE_TOL:.0f} points)")
+          f"macro-F1 {facts['macro_f1_lo']} -> {facts['macro_f1_hi']}; worst change vs ratio {lo} at any higher ratio: "
+          f"accuracy {facts['worst_dacc']}, macro-F1 {facts['worst_df1']}")
     r2 = (f"{dataset}: AC@0.5 {facts['AC@0.5_lo']} -> {facts['AC@0.5_hi']}; ACMC@0.5 {facts['ACMC@0.5_lo']} -> "
           f"{facts['ACMC@0.5_hi']}; sufficiency AOPC (lower is better) {facts['sufficiency_lo']} -> "
-          f"{facts['sufficiency_hi']} (ratio {lo} -> {hi}); uniform-attention AC@0.5 {facts['AC@0.5_uniform']}; "
-          f"improved substantially (beyond the seed interval and the minimum gain): {facts['improved']}")
+          f"{facts['sufficiency_hi']} (ratio {lo} -> {hi}); uniform-attention AC@0.5 {facts['AC@0.5_uniform']}")
     r3 = (f"{dataset}: attention on relevant tokens {facts['attn_relevant_lo']} -> {facts['attn_relevant_hi']} and AC@0.5 "
           f"change {facts['d_AC@0.5']} while accuracy changed {facts['dacc']} (ratio {lo} -> {hi})")
     if "mass_correct_lo" in facts:
         r3 += (f"; mean attention on relevant tokens among correct predictions {facts['mass_correct_lo']} -> "
                f"{facts['mass_correct_hi']}, among wrong ones {facts['mass_wrong_lo']} -> {facts['mass_wrong_hi']}")
-    return [
-        claim("R1", "accuracy / F1 stable or slightly better as eta_QK/eta_OV grows in {1, 10, 100}", r1, facts["verdict_R1"], ch),
-        claim("R2", "AC, ACMC and sufficiency improve substantially (SQuAD AC about 12% -> 43%)", r2, facts["verdict_R2"], ch),
-        claim("R3", "sharper attention without better prediction: sharpness is decoupled from accuracy", r3,
-              facts["verdict_R3"], ch),
-    ]
+    return [claims.claim(cid, claims.CLAIMS[cid], ours, verdicts[cid], ch)
+            for cid, ours in (("R1", r1), ("R2", r2), ("R3", r3))]
 
 
 # --- summary chapter -----------------------------------------------------------------------
-PAPER_R = {
-    "R1": "accuracy / F1 stable or slightly better as eta_QK/eta_OV grows in {1, 10, 100}",
-    "R2": "AC, ACMC and sufficiency rise substantially; SQuAD AC about 12% -> 43%",
-    "R3": "sharpness and accuracy decoupled: sharper attention does not come from better prediction",
-}
-
-
 def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The results document a dataset chapter wrote (``<results_dir>/<name>.json``, default
     :func:`qkov_lib.results.default_results_path`), or None when the file does not exist."""
@@ -518,50 +511,50 @@ def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, 
 
 def r_table(results_dir: str | Path | None = None, datasets: Sequence[str] = ("squad", "hatexplain", "sva")) -> pd.DataFrame:
     """The R1-R3 table: one row per (claim, dataset) with the paper's statement, our measurement
-    (with the profile and number of seeds it came from) and the verdict; "not run" where a
-    dataset chapter has written no results."""
+    (with the profile and number of seeds it came from), the verdict, its rule and reason;
+    "not run" where a dataset chapter has written no results."""
     rows = []
     for cid in ("R1", "R2", "R3"):
         for name in datasets:
             doc = read_results(name, results_dir)
+            base = {"claim": cid, "dataset": name, "chapter": CHAPTERS[name], "paper": claims.CLAIMS[cid],
+                    "rule": "", "reason": ""}
             if doc is None:
-                rows.append({"claim": cid, "dataset": name, "paper": PAPER_R[cid],
-                             "ours": f"not run: no results file for chapter {CHAPTERS[name]} in this build",
-                             "reproduces?": "not run", "profile": None})
+                rows.append({**base, "ours": f"not run: no results file for chapter {CHAPTERS[name]} in this build",
+                             "verdict": "not run", "profile": None})
                 continue
             found = [c for c in doc.get("metrics", {}).get("claims", []) if c.get("id") == cid]
             params = doc.get("params", {})
-            prof = f"{params.get('profile')} profile, {len(params.get('seeds', []))} seed(s)"
             if not found:
-                rows.append({"claim": cid, "dataset": name, "paper": PAPER_R[cid], "ours": "not reported by the chapter",
-                             "reproduces?": "not run", "profile": params.get("profile")})
+                rows.append({**base, "ours": "not reported by the chapter", "verdict": "not run",
+                             "profile": params.get("profile")})
                 continue
             c = found[0]
-            rows.append({"claim": cid, "dataset": name, "paper": PAPER_R[cid], "ours": f"{c['ours']} [{prof}]",
-                         "reproduces?": c["verdict"], "profile": params.get("profile")})
+            prof = f"{params.get('profile')} profile, {len(params.get('seeds', []))} seed(s)"
+            rows.append({**base, "ours": f"{c['ours']} [{prof}]", "verdict": c["verdict"], "rule": c.get("rule", ""),
+                         "reason": c.get("reason", ""), "profile": params.get("profile")})
     return pd.DataFrame(rows)
 
 
-def r_verdicts(table: pd.DataFrame) -> dict[str, str]:
-    """One verdict per claim across datasets: the common verdict when all agree, ``not run`` when
-    no dataset ran, else ``partly``."""
-    out = {}
-    for cid, g in table.groupby("claim", sort=True):
-        v = [x for x in g["reproduces?"] if x != "not run"]
-        out[cid] = "not run" if not v else (v[0] if all(x == v[0] for x in v) else "partly")
-    return out
+def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """One ``(verdict, reason)`` per claim across datasets, by :func:`qkov_lib.scorecard.combine`
+    (disagreeing datasets are named with their reasons)."""
+    from ..scorecard import combine
+
+    return {cid: combine([r for r in g.to_dict("records") if r["verdict"] != "not run"])
+            for cid, g in table.groupby("claim", sort=True)}
 
 
 def r_table_myst(table: pd.DataFrame) -> str:
-    """The R1-R3 table as MyST markdown: claim | paper | ours | reproduces?"""
-    def cell(x: Any) -> str:
-        return " ".join(str(x).split()).replace("|", "\\|")
+    """The R1-R3 table as MyST markdown: claim | paper | ours | verdict | rule."""
+    from ..scorecard import myst_cell
 
-    lines = ["| claim | paper | ours (mean ± 95% seed interval) | reproduces? |", "|---|---|---|---|"]
+    lines = ["| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |", "|---|---|---|---|---|"]
     for cid, g in table.groupby("claim", sort=True):
         for i, (_, r) in enumerate(g.iterrows()):
-            lines.append(f"| {'**' + cid + '**' if i == 0 else ''} | {cell(r['paper']) if i == 0 else ''} | "
-                         f"{cell(r['ours'])} | **{r['reproduces?']}** |")
+            ours = myst_cell(r["ours"]) + (f" *Decided by:* {myst_cell(r['reason'])}" if r["reason"] else "")
+            lines.append(f"| {'**' + cid + '**' if i == 0 else ''} | {myst_cell(r['paper']) if i == 0 else ''} | "
+                         f"{ours} | **{r['verdict']}** | {myst_cell(r['rule'])} |")
     return "\n".join(lines)
 
 
@@ -606,7 +599,7 @@ def plot_tau_sweep(table: pd.DataFrame, taus: Sequence[float]):
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), facecolor=FACE, sharey=True)
     for ax, m in zip(axes, ("AC", "ACMC")):
         sub = curve[curve["metric"] == m]
-        sns.lineplot(data=sub, x="tau", y="value", hue="run", style="attention", errorbar=("ci", 95), ax=ax,
+        sns.lineplot(data=sub, x="tau", y="value", hue="run", style="attention", errorbar=("ci", 95), seed=0, ax=ax,
                      legend=(m == "ACMC"), dashes={"model": "", "uniform": (3, 2), "random": (1, 1)})
         ax.set_title(f"{m} against tau")
         ax.set_ylabel("fraction of instances")
@@ -638,7 +631,7 @@ def plot_attractors(frame: pd.DataFrame):
     sub["n_attractors"] = sub["n_attractors"].astype(int)
     sub["ratio"] = sub["ratio"].map(lambda r: f"{r:g}")
     fig, ax = plt.subplots(figsize=(5.5, 3.6), facecolor=FACE)
-    sns.lineplot(data=sub, x="n_attractors", y="accuracy", hue="ratio", marker="o", errorbar=("ci", 95), ax=ax)
+    sns.lineplot(data=sub, x="n_attractors", y="accuracy", hue="ratio", marker="o", errorbar=("ci", 95), seed=0, ax=ax)
     ax.axhline(0.5, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("number of attractors")
     ax.set_ylabel("test accuracy")
