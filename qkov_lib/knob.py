@@ -12,15 +12,29 @@ Recognised attention modules ("families"):
   (3E, E) and ``in_proj_bias`` (3E,) hold Q, K, V stacked along dim 0; with ``kdim`` or
   ``vdim`` != ``embed_dim`` the weights are separate (``q_proj_weight`` ...) but the bias is
   still packed. ``bias_k`` is K, ``bias_v`` is V, ``out_proj`` is O.
-* Hugging Face style sibling modules: ``q_proj``/``k_proj``/``v_proj`` with ``o_proj`` or
-  ``out_proj`` (Llama, OPT, BART ...); ``query``/``key``/``value`` (BERT, RoBERTa, ViT) with
-  ``attention.output.dense`` as O; ``q``/``k``/``v``/``o`` (T5). A family needs both a Q and
-  a K child in the same parent, so a lone ``out_proj`` (a classification head) stays ``other``.
-  Every parameter below a matched child goes with it (so LoRA adapters of ``q_proj`` are ``qk``).
+* Hugging Face style sibling modules: ``q_proj``/``k_proj``/``v_proj`` with ``o_proj``,
+  ``out_proj`` or ``dense`` (Llama, OPT, BART, Phi ...); ``query``/``key``/``value`` (BERT,
+  RoBERTa, ViT) with ``attention.output.dense`` as O; ``q``/``k``/``v``/``o`` (T5);
+  ``q_lin``/``k_lin``/``v_lin``/``out_lin`` (DistilBERT). A family needs both a Q and a K child
+  in the same parent, so a lone ``out_proj`` (a classification head) stays ``other``. Every
+  parameter below a matched child goes with it (so LoRA adapters of ``q_proj`` are ``qk``).
 * GPT-2's packed ``c_attn`` (Q, K, V side by side; HF ``Conv1D`` stores the weight transposed,
   (E, 3E), an ``nn.Linear`` version (3E, E)) with its sibling ``c_proj`` as O; with a sibling
   ``q_attn`` (GPT-2 cross-attention) ``c_attn`` holds K, V only. The MLP's ``c_proj`` has no
   ``c_attn`` sibling and stays ``other``.
+* Fused Q/K/V projections whose row layout is model-specific (:data:`FUSED_LAYOUTS`), recognised
+  by the class of the attention module that owns them, each checked against that model's own
+  forward in the tests: GPT-NeoX/Pythia and BLOOM ``query_key_value`` (heads interleaved,
+  ``[n_heads, 3, d_head]``), Falcon ``query_key_value`` (interleaved; ``multi_query``:
+  ``[Q; one K head; one V head]``; ``new_decoder_architecture``: per KV group its Q heads, then
+  K, then V), MPT and ModernBERT ``Wqkv`` (``[Q; K; V]``), Phi-3 ``qkv_proj`` (``[Q; K; V]`` with
+  grouped-query sizes), GPT-BigCode ``c_attn`` (interleaved; ``multi_query``: ``[Q; K; V]``).
+  An interleaved layout is split into one slice per head and part. A fused projection of any
+  other model (``query_key_value``, ``qkv``, ``Wqkv`` ... in an unknown class) is refused with
+  a clear error rather than guessed.
+* TransformerLens ``HookedTransformer`` attention (``W_Q``, ``W_K``, ``W_V``, ``W_O`` per-head
+  tensors and ``b_Q`` ... ``b_O``; grouped-query ``_W_K``/``_W_V``/``_b_K``/``_b_V``): Q, K to
+  ``qk``, V, O to ``ov``, everything else ``other``.
 * The library's own :class:`qkov_lib.models.QKOVAttention` (``W_QK, W_Q, W_K`` / ``W_OV, W_O, W_V``).
 
 Per-slice learning rates for packed tensors. Scaling the gradient of a slice is right for SGD
@@ -37,7 +51,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -51,13 +65,137 @@ PART_GROUP: dict[str, str] = {"Q": "qk", "K": "qk", "V": "ov", "O": "ov"}
 
 # separate-projection families: child name -> part; a parent needs a Q and a K child
 SEPARATE_FAMILIES: tuple[tuple[str, dict[str, str]], ...] = (
-    ("q_proj/k_proj/v_proj/o_proj", {"q_proj": "Q", "k_proj": "K", "v_proj": "V", "o_proj": "O", "out_proj": "O"}),
+    ("q_proj/k_proj/v_proj/o_proj", {"q_proj": "Q", "k_proj": "K", "v_proj": "V", "o_proj": "O", "out_proj": "O",
+                                     "dense": "O"}),
     ("query/key/value", {"query": "Q", "key": "K", "value": "V"}),
     ("q/k/v/o (T5)", {"q": "Q", "k": "K", "v": "V", "o": "O"}),
+    ("q_lin/k_lin/v_lin/out_lin (DistilBERT)", {"q_lin": "Q", "k_lin": "K", "v_lin": "V", "out_lin": "O"}),
 )
 BERT_OUTPUT = re.compile(r"(?:^|\.)attention\.output\.dense$")
-# names of packed projections whose slice layout this module does not know: refuse to guess
-UNSUPPORTED_PACKED = ("qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "kv_proj", "kv")
+# names of packed projections: outside FUSED_LAYOUTS their slice layout is unknown, refuse to guess
+UNSUPPORTED_PACKED = ("qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "kv_proj", "kv", "w_pack")
+# TransformerLens attention: own parameter -> part (GroupedQueryAttention keeps K, V as _W_K ...)
+TRANSFORMER_LENS_PARTS: dict[str, str] = {
+    "W_Q": "Q", "b_Q": "Q", "W_K": "K", "b_K": "K", "_W_K": "K", "_b_K": "K",
+    "W_V": "V", "b_V": "V", "_W_V": "V", "_b_V": "V", "W_O": "O", "b_O": "O",
+}
+
+
+# --- fused Q/K/V layouts -------------------------------------------------------------------
+Layout = tuple[tuple[str, int], ...]  # (part, size) blocks along the packed dim, in order
+
+
+def _merge(blocks: Sequence[tuple[str, int]]) -> Layout:
+    """``blocks`` with adjacent blocks of the same part joined (fewer slices, same layout)."""
+    out: list[tuple[str, int]] = []
+    for part, size in blocks:
+        if size < 1:
+            raise ValueError(f"layout block {part!r} has size {size}; sizes must be >= 1")
+        if out and out[-1][0] == part:
+            out[-1] = (part, out[-1][1] + size)
+        else:
+            out.append((part, int(size)))
+    return tuple(out)
+
+
+def stacked_layout(q: int, k: int, v: int) -> Layout:
+    """``[Q; K; V]`` one after the other, of sizes ``q``, ``k``, ``v`` (rows or features)."""
+    return _merge([("Q", q), ("K", k), ("V", v)])
+
+
+def interleaved_layout(n_heads: int, head_dim: int) -> Layout:
+    """``[n_heads, 3, head_dim]``: for each head its Q, K and V rows (GPT-NeoX, BLOOM, Falcon
+    without multi-query, GPT-BigCode without multi-query)."""
+    return _merge([(part, head_dim) for _ in range(n_heads) for part in "QKV"])
+
+
+def grouped_layout(n_heads: int, n_kv_heads: int, head_dim: int) -> Layout:
+    """``[n_kv_heads, n_heads / n_kv_heads + 2, head_dim]``: for each key/value group its query
+    heads, then one K head, then one V head (Falcon's ``new_decoder_architecture``)."""
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
+    per = n_heads // n_kv_heads
+    return _merge([b for _ in range(n_kv_heads) for b in (("Q", per * head_dim), ("K", head_dim), ("V", head_dim))])
+
+
+def _attr(module: nn.Module, *names: str) -> int:
+    """The first of ``module.<name>`` or ``module.config.<name>`` that exists, as an int."""
+    for src in (module, getattr(module, "config", None)):
+        for n in names:
+            v = getattr(src, n, None) if src is not None else None
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    raise ValueError(f"{type(module).__name__} has none of the attributes {names} (on itself or its config) "
+                     "that give its fused Q/K/V layout")
+
+
+def _falcon_layout(a: nn.Module) -> Layout:
+    heads, hd = _attr(a, "num_heads", "num_attention_heads"), _attr(a, "head_dim")
+    if getattr(a, "new_decoder_architecture", False):
+        return grouped_layout(heads, _attr(a, "num_kv_heads"), hd)
+    if getattr(a, "multi_query", False):
+        return stacked_layout(heads * hd, hd, hd)
+    return interleaved_layout(heads, hd)
+
+
+def _bigcode_layout(a: nn.Module) -> Layout:
+    if getattr(a, "is_cross_attention", False):
+        raise ValueError("GPT-BigCode cross-attention (c_attn holding K, V of the encoder states) is not supported; "
+                         "pass rules={regex: group} to place it")
+    heads, hd = _attr(a, "num_heads"), _attr(a, "head_dim")
+    if getattr(a, "multi_query", False):
+        return stacked_layout(heads * hd, hd, hd)
+    return interleaved_layout(heads, hd)
+
+
+def _phi3_layout(a: nn.Module) -> Layout:
+    hd = _attr(a, "head_dim")
+    heads, kv = _attr(a, "num_attention_heads", "num_heads"), _attr(a, "num_key_value_heads")
+    return stacked_layout(heads * hd, kv * hd, kv * hd)
+
+
+def _thirds_layout(a: nn.Module) -> Layout:
+    e = _attr(a, "hidden_size", "d_model")
+    return stacked_layout(e, e, e)
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """A fused Q/K/V projection (an ``nn.Linear`` child ``qkv`` of an attention module of class
+    ``attention``) whose output features follow ``layout(attention module)``, and the name of
+    its output-projection sibling ``out``. Each entry is checked against the model's forward in
+    ``tests/test_knob.py``."""
+
+    family: str
+    attention: str
+    qkv: str
+    out: str
+    layout: Callable[[nn.Module], Layout]
+
+
+FUSED_LAYOUTS: tuple[FusedLayout, ...] = (
+    FusedLayout("GPT-NeoX query_key_value", "GPTNeoXAttention", "query_key_value", "dense",
+                lambda a: interleaved_layout(_attr(a, "num_attention_heads"), _attr(a, "head_size"))),
+    FusedLayout("BLOOM query_key_value", "BloomAttention", "query_key_value", "dense",
+                lambda a: interleaved_layout(_attr(a, "num_heads"), _attr(a, "head_dim"))),
+    FusedLayout("Falcon query_key_value", "FalconAttention", "query_key_value", "dense", _falcon_layout),
+    FusedLayout("MPT Wqkv", "MptAttention", "Wqkv", "out_proj", _thirds_layout),
+    FusedLayout("ModernBERT Wqkv", "ModernBertAttention", "Wqkv", "Wo", _thirds_layout),
+    FusedLayout("Phi-3 qkv_proj", "Phi3Attention", "qkv_proj", "o_proj", _phi3_layout),
+    FusedLayout("GPT-BigCode c_attn", "GPTBigCodeAttention", "c_attn", "c_proj", _bigcode_layout),
+)
+
+
+def _fused_layout_of(module: nn.Module, children: Mapping[str, nn.Module]) -> FusedLayout | None:
+    """The :data:`FUSED_LAYOUTS` entry for ``module`` (by its class name), if it has the child."""
+    for fl in FUSED_LAYOUTS:
+        if type(module).__name__ == fl.attention and fl.qkv in children:
+            return fl
+    return None
+
+
+def _known_fused() -> str:
+    return ", ".join(f"{fl.attention}.{fl.qkv}" for fl in FUSED_LAYOUTS)
 
 
 # --- the parametrization ------------------------------------------------------------------
@@ -225,41 +363,50 @@ class _Plan:
                 key = self.ids[id(p)]
                 self._add(key, [Entry(key, PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
 
-    def packed(self, module: nn.Module, mname: str, attr: str, parts: Sequence[str], dim: int, family: str) -> None:
-        """``module.<attr>`` holds ``parts`` of equal size stacked along ``dim``."""
+    def packed(self, module: nn.Module, mname: str, attr: str, layout: str | Layout, dim: int, family: str) -> None:
+        """``module.<attr>`` holds the blocks of ``layout`` along ``dim``; a string of part labels
+        (``"QKV"``) means that many equal blocks, one per part."""
         tname = _join(mname, attr)
         pk = _packing(module, attr)
+        value = getattr(module, attr, None)
+        if value is None:
+            return
+        if isinstance(layout, str):
+            n = value.shape[dim]
+            if n % len(layout):
+                raise ValueError(f"ambiguous packed tensor {tname}: size {n} along dim {dim} does not split into "
+                                 f"{len(layout)} equal parts {tuple(layout)}")
+            layout = tuple((part, n // len(layout)) for part in layout)
+        parts, sizes = tuple(p for p, _ in layout), [s for _, s in layout]
         if pk is not None:  # already split: the slices are leaves original0, original1, ...
-            if tuple(pk.parts) != tuple(parts) or pk.dim != dim:
-                raise ValueError(f"{tname} was split as {pk.parts} along dim {pk.dim}, expected {tuple(parts)} along {dim}")
-            full = tuple(getattr(module, attr).shape)
-            start, ents = 0, []
-            for i, (size, part) in enumerate(zip(pk.sizes, pk.parts)):
-                leaf = getattr(module.parametrizations[attr], f"original{i}")
-                if not leaf.requires_grad:
-                    start += size
-                    continue
+            if tuple(pk.parts) != parts or pk.sizes != sizes or pk.dim != dim:
+                raise ValueError(f"{tname} was split as {pk.parts} {pk.sizes} along dim {pk.dim}, expected "
+                                 f"{parts} {sizes} along {dim}")
+            leaves = [getattr(module.parametrizations[attr], f"original{i}") for i in range(len(sizes))]
+        else:
+            if not isinstance(value, nn.Parameter) or not value.requires_grad:
+                return
+            if value.shape[dim] != sum(sizes):
+                raise ValueError(f"ambiguous packed tensor {tname}: size {value.shape[dim]} along dim {dim}, but its "
+                                 f"layout {family} has {sum(sizes)} ({_layout_text(layout)})")
+            tname = self.ids[id(value)]  # the canonical name, should the tensor be shared
+            leaves = [None] * len(sizes)
+        full = tuple(value.shape)
+        start, ents = 0, []
+        for (part, size), leaf in zip(layout, leaves):
+            if leaf is None or leaf.requires_grad:
                 shape = full[:dim] + (size,) + full[dim + 1:]
                 ents.append(Entry(tname, PART_GROUP[part], part, family, shape, dim, start, start + size,
-                                  self.ids[id(leaf)]))
-                start += size
-            if ents:
-                self._add(tname, ents)
-            return
-        p = getattr(module, attr, None)
-        if p is None or not isinstance(p, nn.Parameter) or not p.requires_grad:
-            return
-        n = p.shape[dim]
-        if n % len(parts):
-            raise ValueError(f"ambiguous packed tensor {tname}: size {n} along dim {dim} does not split into "
-                             f"{len(parts)} equal parts {tuple(parts)}")
-        size = n // len(parts)
-        tname = self.ids[id(p)]  # the canonical name, should the tensor be shared
-        ents = []
-        for i, part in enumerate(parts):
-            shape = tuple(p.shape[:dim]) + (size,) + tuple(p.shape[dim + 1:])
-            ents.append(Entry(tname, PART_GROUP[part], part, family, shape, dim, i * size, (i + 1) * size))
-        self._add(tname, ents)
+                                  "" if leaf is None else self.ids[id(leaf)]))
+            start += size
+        if ents:
+            self._add(tname, ents)
+
+
+def _layout_text(layout: Layout) -> str:
+    """A short text for a layout, e.g. ``Q4 K4 V4 Q4 K4 V4`` (at most 12 blocks shown)."""
+    text = " ".join(f"{p}{s}" for p, s in layout[:12])
+    return text + (f" ... ({len(layout)} blocks)" if len(layout) > 12 else "")
 
 
 def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
@@ -283,6 +430,12 @@ def _conv1d_dim(module: nn.Module, mname: str, n_parts: int) -> int:
         raise ValueError(f"ambiguous packed projection {mname} ({type(module).__name__}, weight {shape}): "
                          f"cannot tell which dim holds the {n_parts} packed parts; use nn.Linear or HF Conv1D")
     return fits[0]
+
+
+def _is_transformer_lens_attention(module: nn.Module) -> bool:
+    """A TransformerLens attention module: it owns ``W_Q`` and ``W_K`` (or ``_W_K``) itself."""
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    return "W_Q" in own and bool({"W_K", "_W_K"} & own)
 
 
 def _check_only(module: nn.Module, mname: str, allowed: Sequence[str]) -> None:
@@ -324,11 +477,28 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
         elif isinstance(m, QKOVAttention):
             for attr in QK_PARAMS + OV_PARAMS:
                 plan.whole(m, mname, attr, attr, "QKOVAttention", "qk" if attr in QK_PARAMS else "ov")
+        elif _is_transformer_lens_attention(m):
+            for attr, part in TRANSFORMER_LENS_PARTS.items():
+                plan.whole(m, mname, attr, part, "TransformerLens W_Q/W_K/W_V/W_O")
 
     for mname, m in mods.items():
         if id(m) in plan.handled_modules:
             continue
         children = dict(m.named_children())
+        fused = _fused_layout_of(m, children)
+        if fused is not None:
+            qkv, qname = children[fused.qkv], _join(mname, fused.qkv)
+            if not isinstance(qkv, nn.Linear):
+                raise ValueError(f"{qname} of {fused.attention} is a {type(qkv).__name__}; its layout "
+                                 f"({fused.family}) is known for nn.Linear only")
+            _check_only(qkv, qname, ("weight", "bias"))
+            layout = fused.layout(m)
+            plan.packed(qkv, qname, "weight", layout, 0, fused.family)
+            plan.packed(qkv, qname, "bias", layout, 0, fused.family)
+            plan.handled_modules.add(id(qkv))
+            if fused.out in children:
+                plan.subtree(children[fused.out], _join(mname, fused.out), "O", fused.family)
+            continue
         for fam, table in SEPARATE_FAMILIES:
             present = {c: part for c, part in table.items() if c in children}
             if "Q" in present.values() and "K" in present.values():
@@ -375,10 +545,12 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
         if leaf in UNSUPPORTED_PACKED and id(m) not in plan.handled_modules:
             own = [_join(mname, n) for n, p in m.named_parameters() if p.requires_grad]
             if own and not all(n in ruled or n in seen for n in own):
+                parent = mods[mname.rpartition(".")[0]]
                 raise ValueError(
-                    f"ambiguous attention tensor(s) {own}: '{leaf}' looks like a packed projection whose "
-                    "slice layout is model-specific (e.g. interleaved per head); pass "
-                    "rules={regex: group} to place it explicitly")
+                    f"ambiguous attention tensor(s) {own}: '{leaf}' in {type(parent).__name__} looks like a packed "
+                    "projection whose slice layout is model-specific (e.g. interleaved per head); the fused "
+                    f"layouts checked against their models are {_known_fused()}; pass rules={{regex: group}} "
+                    "to place it explicitly")
 
     for n in names:
         if n in ruled:
@@ -393,7 +565,8 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
         raise ValueError(
             f"no attention parameters recognised in {type(model).__name__}: looked for "
             "nn.MultiheadAttention, QKOVAttention, q_proj/k_proj/v_proj/o_proj, query/key/value + "
-            "attention.output.dense, q/k/v/o, GPT-2 c_attn/c_proj; pass rules={regex: group} for other layouts")
+            "attention.output.dense, q/k/v/o, q_lin/k_lin/v_lin/out_lin, GPT-2 c_attn/c_proj, TransformerLens "
+            f"W_Q/W_K/W_V/W_O, fused {_known_fused()}; pass rules={{regex: group}} for other layouts")
     if not any(e.group == "qk" for e in entries):
         raise ValueError(f"no query/key parameters recognised in {type(model).__name__}: the ratio "
                          "eta_QK/eta_OV would act on nothing")
@@ -469,7 +642,7 @@ def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: 
                 split: bool = True) -> tuple[list[dict], KnobReport]:
     """Optimizer parameter groups named ``qk``/``ov``/``other`` for any model, and the report.
 
-    Packed tensors (``in_proj_weight``, ``c_attn``) are split in place first (see
+    Packed tensors (``in_proj_weight``, ``c_attn``, ``query_key_value`` ...) are split in place first (see
     :func:`split_packed`), so build the optimizer from the returned groups after this call.
     With ``split=False`` a model that needs splitting raises ValueError. Empty groups are dropped.
     """

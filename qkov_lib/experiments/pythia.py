@@ -1,0 +1,239 @@
+"""The knob on a Pythia-architecture model (section "The knob on a Pythia-architecture model" of
+the multi-layer chapter).
+
+A ``transformers.GPTNeoXForCausalLM`` is built from a small config with the architecture choices
+of the Pythia suite (parallel attention and MLP residual, rotary embeddings on a quarter of each
+head's dimensions, GELU, untied input/output embeddings, biases, LayerNorm) and random weights;
+nothing is downloaded. It learns the synthetic distinct/common-token task
+(:mod:`qkov_lib.data.synthetic`) as a language model: after the query token, predict the
+distinct token (its id is the class). It is trained with AdamW through
+:func:`qkov_lib.knob.knob_optimizer`, which splits each layer's fused ``query_key_value`` (heads
+interleaved as ``[n_heads, 3, d_head]``) into per-head Q, K and V slices, at several
+``eta_QK/eta_OV``. Measured per layer and head: the query position's attention on the distinct
+token, with :func:`qkov_lib.experiments.multilayer.head_metrics`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..data.batch import Batch
+from ..data.synthetic import SyntheticTask, sample
+from ..knob import KnobReport, knob_optimizer, tensor_value
+from ..runtime import seed_everything, torch_threads
+from ..training import NonFiniteError, log_steps
+from . import multilayer as ml
+
+DATASET = "synthetic"
+TEST_SEED = 10_000  # the test set's seed, apart from every training seed
+
+# Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
+PROFILES: dict[str, dict] = {
+    "test": dict(ratios=[1.0, 10.0], seeds=[0], n_layers=2, n_heads=2, d_model=16, steps=40, batch_size=32,
+                 eta_ov=3e-3, weight_decay=0.01, n_classes=4, n_common_vocab=6, n_common=[2, 4, 6], n_test=256,
+                 n_logs=3, threads=1),
+    "cpu": dict(ratios=[1.0, 10.0], seeds=[0, 1, 2], n_layers=2, n_heads=4, d_model=32, steps=200, batch_size=64,
+                eta_ov=3e-3, weight_decay=0.01, n_classes=4, n_common_vocab=6, n_common=[2, 4, 6], n_test=1024,
+                n_logs=6, threads=1),
+    "full": dict(ratios=[1.0, 10.0], seeds=[0, 1, 2, 3, 4], n_layers=6, n_heads=8, d_model=128, steps=3000,
+                 batch_size=128, eta_ov=1e-3, weight_decay=0.01, n_classes=16, n_common_vocab=32,
+                 n_common=[4, 8, 16], n_test=4096, n_logs=20, threads=None),
+}
+
+
+def task_of(cfg: dict) -> SyntheticTask:
+    """The synthetic task of a resolved profile (token ids only; the model has its own embeddings)."""
+    return SyntheticTask(n_classes=cfg["n_classes"], n_common_vocab=cfg["n_common_vocab"],
+                         n_common=tuple(cfg["n_common"]))
+
+
+def pythia_config(vocab_size: int, d_model: int, n_layers: int, n_heads: int, max_len: int, pad_id: int):
+    """A ``GPTNeoXConfig`` with Pythia's architecture at a small size: parallel residual, rotary
+    embeddings on 25% of each head's dimensions (base 10000), GELU MLP of width ``4 d_model``,
+    untied embeddings, biases, LayerNorm eps 1e-5; no dropout, no cache, and eager attention so
+    that the model returns its attention probabilities. ``pad_id`` is the padding token."""
+    from transformers import GPTNeoXConfig
+
+    if d_model < 1 or n_heads < 1 or d_model % n_heads:
+        raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
+    if n_layers < 1 or vocab_size < 2 or max_len < 2:
+        raise ValueError(f"need n_layers >= 1, vocab_size >= 2, max_len >= 2; got {n_layers}, {vocab_size}, {max_len}")
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad_id {pad_id} is not a token of the vocabulary of size {vocab_size}")
+    cfg = GPTNeoXConfig(vocab_size=vocab_size, hidden_size=d_model, num_hidden_layers=n_layers,
+                        num_attention_heads=n_heads, intermediate_size=4 * d_model, max_position_embeddings=max_len,
+                        hidden_act="gelu", rotary_pct=0.25, rotary_emb_base=10000, use_parallel_residual=True,
+                        tie_word_embeddings=False, attention_bias=True, layer_norm_eps=1e-5, hidden_dropout=0.0,
+                        attention_dropout=0.0, use_cache=False, bos_token_id=None, eos_token_id=None,
+                        pad_token_id=pad_id)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def build_model(task: SyntheticTask, cfg: dict, seed: int) -> nn.Module:
+    """A ``GPTNeoXForCausalLM`` for ``task`` (vocabulary: the task's tokens and its padding id),
+    initialised by transformers from a torch RNG seeded with ``seed`` (the global RNG is left as
+    it was)."""
+    from transformers import GPTNeoXForCausalLM
+
+    config = pythia_config(task.vocab_size + 1, cfg["d_model"], cfg["n_layers"], cfg["n_heads"], task.seq_len,
+                           task.pad_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPTNeoXForCausalLM(config)
+
+
+def query_readout(model: nn.Module, batch: Batch, attentions: bool = False) -> tuple[Tensor, list[Tensor]]:
+    """``(logits (N, V) at the query position, [attention probabilities (N, H, T, T)] * L)``.
+
+    Padding (left) is masked out of attention; the query attends to itself and the real tokens
+    before it (a causal model). Rotary embeddings depend only on relative positions, so the
+    amount of left padding does not change the query's output. ``attentions=False`` returns []."""
+    real = batch.tokens != model.config.pad_token_id
+    out = model(input_ids=batch.tokens, attention_mask=real.long(), output_attentions=attentions, use_cache=False)
+    return out.logits[:, -1], list(out.attentions) if attentions else []
+
+
+def lm_loss(logits: Tensor, y: Tensor) -> Tensor:
+    """Next-token cross-entropy at the query: the target token is the distinct token, whose id
+    is the class ``y``."""
+    return F.cross_entropy(logits.float(), y)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, test: Batch) -> tuple[dict[str, float], pd.DataFrame]:
+    """Test ``loss`` and ``accuracy`` (argmax over the whole vocabulary), and the per-head
+    table of :func:`~qkov_lib.experiments.multilayer.head_metrics`: the query's attention on the
+    distinct token per layer and head (key mask: the real tokens and the query itself)."""
+    was = model.training
+    model.eval()
+    logits, maps = query_readout(model, test, attentions=True)
+    model.train(was)
+    attn = torch.stack([m[:, :, -1] for m in maps], dim=1).double()
+    real = test.tokens != model.config.pad_token_id
+    heads = ml.head_metrics(attn, ml.rollout([m.double() for m in maps]), test.relevant, real)
+    scores = {"loss": float(lm_loss(logits, test.y)), "accuracy": float((logits.argmax(-1) == test.y).double().mean())}
+    return scores, heads
+
+
+def _log_record(step: int, model: nn.Module, test: Batch) -> dict:
+    scores, heads = evaluate(model, test)
+    layer_rows = heads[heads["head"] == "mean"]
+    return {"step": step, **scores,
+            **{f"L{row.layer} head-mean": row.attn_relevant for row in layer_rows.itertuples()}}
+
+
+def train_one(cfg: dict, ratio: float, seed: int, test: Batch | None = None, progress: bool = False) -> ml.Run:
+    """Train one Pythia-architecture model on fresh batches of the synthetic task for
+    ``cfg["steps"]`` AdamW steps over the knob's groups (qk: ``eta_ov * ratio``; ov and other:
+    ``eta_ov``), then evaluate on ``test`` (default: :func:`test_set`). Deterministic given
+    ``seed``."""
+    task = task_of(cfg)
+    test = test_set(cfg) if test is None else test
+    with torch_threads(cfg["threads"]):
+        gen = seed_everything(seed)
+        model = build_model(task, cfg, seed)
+        opt, report = knob_optimizer(model, "adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio),
+                                     weight_decay=cfg["weight_decay"])
+        logs, hist = set(log_steps(cfg["steps"], cfg["n_logs"])), []
+        model.train()
+        for step in tqdm(range(cfg["steps"] + 1), desc=f"pythia r={ratio:g} s={seed}", disable=not progress, leave=False):
+            if step in logs:
+                hist.append(_log_record(step, model, test))
+            if step == cfg["steps"]:
+                break
+            b = sample(task, cfg["batch_size"], gen)
+            loss = lm_loss(query_readout(model, b)[0], b.y)
+            if not bool(torch.isfinite(loss)):
+                raise NonFiniteError(f"non-finite loss at step {step} (Pythia, ratio {ratio:g}, seed {seed})")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        scores, heads = evaluate(model, test)
+    return ml.Run(DATASET, float(ratio), seed, scores, heads, pd.DataFrame(hist), str(report), report.summary())
+
+
+def test_set(cfg: dict) -> Batch:
+    """``cfg["n_test"]`` i.i.d. test sequences (seed :data:`TEST_SEED`)."""
+    return sample(task_of(cfg), cfg["n_test"], torch.Generator().manual_seed(TEST_SEED))
+
+
+def run_grid(cfg: dict) -> list[ml.Run]:
+    """Every (ratio, seed) of ``cfg``, on one shared test set, with a progress bar."""
+    test = test_set(cfg)
+    grid = list(itertools.product(cfg["ratios"], cfg["seeds"]))
+    return [train_one(cfg, r, s, test) for r, s in tqdm(grid, desc="Pythia grid")]
+
+
+# --- the knob on this model ----------------------------------------------------------------
+def first_step_moves(cfg: dict, ratio: float, seed: int = 0) -> tuple[KnobReport, dict[str, float]]:
+    """The knob's report for a fresh model, and the mean absolute move of the Q, K and V slices
+    of every layer's ``query_key_value`` weight in one AdamW step (no weight decay) on one batch.
+    Adam's first step moves each element by its learning rate, so Q/V and K/V come out at
+    ``ratio`` when the interleaved slices are placed right."""
+    task = task_of(cfg)
+    model = build_model(task, cfg, seed)
+    opt, report = knob_optimizer(model, "adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio))
+    fused = [e for e in report.entries if e.tensor.endswith("attention.query_key_value.weight")]
+    if not fused:
+        raise ValueError("no query_key_value slices in the knob's report")
+    before = {t: tensor_value(model, t).detach().clone() for t in {e.tensor for e in fused}}
+    b = sample(task, cfg["batch_size"], torch.Generator().manual_seed(seed))
+    lm_loss(query_readout(model, b)[0], b.y).backward()
+    opt.step()
+    moved: dict[str, list[Tensor]] = {}
+    for e in fused:
+        move = (tensor_value(model, e.tensor).detach() - before[e.tensor])[e.index].abs()
+        moved.setdefault(e.part, []).append(move.flatten())
+    return report, {part: float(torch.cat(ms).mean()) for part, ms in sorted(moved.items())}
+
+
+# --- tables and facts ----------------------------------------------------------------------
+def summary_table(runs: Sequence[ml.Run]) -> pd.DataFrame:
+    """Per ratio and layer (and the rollout), means over seeds: the query's attention on the
+    distinct token for the head-averaged row (``head-mean``) and the sharpest head (``best
+    head``), ``uniform`` attention's mass, and the test accuracy of the ratio."""
+    table = ml.layer_table(ml.heads_frame(runs)).drop(columns=["dataset"])
+    acc = pd.DataFrame([{"ratio": r.ratio, "accuracy": r.test["accuracy"]} for r in runs]).groupby("ratio")["accuracy"].mean()
+    table["accuracy"] = table["ratio"].map(acc)
+    return table
+
+
+def facts(runs: Sequence[ml.Run], cfg: dict) -> dict[str, str]:
+    """Text for the chapter's prose, from ``runs``: accuracy and per-layer attention on the
+    distinct token at each ratio (means over seeds), and the count of (layer, head-rank) slots
+    that got sharper / blunter from the lowest to the highest ratio (``multilayer.changes``)."""
+    table = summary_table(runs)
+    ratios = sorted(cfg["ratios"])
+    lo, hi = ratios[0], ratios[-1]
+
+    def at(col: str, layer) -> str:
+        t = table[table["layer"] == layer].set_index("ratio")[col]
+        return ", ".join(f"{t[r]:.2f}" for r in ratios)
+
+    layers = [l for l in table["layer"].unique() if l != "rollout"]
+    acc = table.drop_duplicates("ratio").set_index("ratio")["accuracy"]
+    ch = ml.changes(ml.heads_frame(runs), lo, hi)
+    out = {
+        "py_ratios": ", ".join(f"{r:g}" for r in ratios),
+        "py_seeds": str(len(cfg["seeds"])),
+        "py_shape": f"{cfg['n_layers']} layers × {cfg['n_heads']} heads, width {cfg['d_model']}",
+        "py_steps": str(cfg["steps"]),
+        "py_acc": ", ".join(f"{acc[r]:.2f}" for r in ratios),
+        "py_uniform": f"{table['uniform'].iloc[0]:.2f}",
+        "py_layers": "; ".join(f"layer {l}: head-mean {at('head-mean', l)}, sharpest head {at('best head', l)}"
+                              for l in layers),
+        "py_rollout": at("head-mean", "rollout"),
+        "py_sharper": f"{int(ch['sharpened'].sum())} of {len(ch)}",
+        "py_blunter": f"{int(ch['blunted'].sum())} of {len(ch)}",
+        "py_lo": f"{lo:g}",
+        "py_hi": f"{hi:g}",
+    }
+    return out

@@ -1,0 +1,117 @@
+"""Tests of qkov_lib.experiments.pythia: the knob on a Pythia-architecture GPT-NeoX model built
+from a config (nothing downloaded), trained on the synthetic distinct/common-token task."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkov_lib import profiles
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.synthetic import sample
+from qkov_lib.experiments import pythia
+
+CFG = profiles.resolve(pythia.PROFILES, "test")
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return pythia.run_grid(CFG)
+
+
+def small_model():
+    # float32 as trained (transformers' float64 eager mask turns fully padded query rows into NaN)
+    return pythia.build_model(pythia.task_of(CFG), CFG, seed=0).eval()
+
+
+def test_config_is_pythia_architecture_and_checks_sizes():
+    cfg = pythia.pythia_config(20, 16, 2, 4, 8, pad_id=19)
+    assert cfg.use_parallel_residual and not cfg.tie_word_embeddings and cfg.attention_bias
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25 and cfg.intermediate_size == 64
+    assert cfg.hidden_act == "gelu" and cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0
+    model = pythia.build_model(pythia.task_of(CFG), CFG, seed=0)
+    assert type(model).__name__ == "GPTNeoXForCausalLM"
+    assert model.config.vocab_size == pythia.task_of(CFG).pad_id + 1
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        pythia.pythia_config(20, 10, 2, 4, 8, pad_id=19)
+    with pytest.raises(ValueError, match="pad_id 20"):
+        pythia.pythia_config(20, 16, 2, 4, 8, pad_id=20)
+
+
+def test_same_seed_same_initial_model_and_global_rng_untouched():
+    state = torch.random.get_rng_state()
+    a, b = small_model(), small_model()
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_query_readout_ignores_left_padding_and_masks_padding():
+    """Extra left padding changes neither the query's logits nor its attention on real tokens
+    (rotary embeddings are relative; padding is masked): the readout is the query's row."""
+    model, task = small_model(), pythia.task_of(CFG)
+    b = sample(task, 6, torch.Generator().manual_seed(0))
+    pad = torch.full((6, 3), task.pad_id)
+    wide = Batch(torch.cat([pad, b.tokens], 1), torch.cat([pad != pad, b.key_mask], 1),
+                 torch.cat([pad != pad, b.relevant], 1), b.y)
+    with torch.no_grad():
+        logits, maps = pythia.query_readout(model, b, attentions=True)
+        logits_w, maps_w = pythia.query_readout(model, wide, attentions=True)
+    assert len(maps) == CFG["n_layers"] and maps[0].shape == (6, CFG["n_heads"], task.seq_len, task.seq_len)
+    assert torch.allclose(logits, logits_w, atol=1e-5)
+    real = b.tokens != task.pad_id
+    for m, mw in zip(maps, maps_w):
+        q, qw = m[:, :, -1], mw[:, :, -1]
+        assert torch.allclose(q, qw[..., 3:], atol=1e-6) and float(qw[..., :3].abs().max()) == 0.0
+        assert float((q * ~real[:, None]).abs().max()) == 0.0  # no attention on padding
+        assert torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)))
+
+
+def test_evaluate_reads_the_query_attention_on_the_distinct_token():
+    model, task = small_model(), pythia.task_of(CFG)
+    test = sample(task, 32, torch.Generator().manual_seed(1))
+    scores, heads = pythia.evaluate(model, test)
+    with torch.no_grad():
+        logits, maps = pythia.query_readout(model, test, attentions=True)
+    pos = test.relevant.long().argmax(1)  # one distinct token per sequence
+    for layer in (1, 2):
+        for head in (1, 2):
+            by_hand = maps[layer - 1][torch.arange(32), head - 1, -1, pos].mean()
+            row = heads[(heads["layer"] == layer) & (heads["head"] == head)]
+            assert float(row["attn_relevant"].iloc[0]) == pytest.approx(float(by_hand), abs=1e-6)
+    real = test.tokens != task.pad_id
+    assert float(heads["uniform"].iloc[0]) == pytest.approx(float((1.0 / real.sum(1)).mean()))
+    assert scores["accuracy"] == pytest.approx(float((logits.argmax(-1) == test.y).double().mean()))
+    assert scores["loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, test.y)), rel=1e-6)
+
+
+@pytest.mark.parametrize("ratio", [1.0, 10.0])
+def test_first_adamw_step_moves_interleaved_qk_slices_by_the_ratio(ratio):
+    report, moves = pythia.first_step_moves(CFG, ratio)
+    d = CFG["d_model"] // CFG["n_heads"]
+    parts = [(e.part, e.start) for e in report.entries if e.tensor == "gpt_neox.layers.0.attention.query_key_value.weight"]
+    assert parts == [(p, i * d) for i, p in enumerate("QKV" * CFG["n_heads"])]  # [n_heads, 3, d_head]
+    assert moves["Q"] / moves["V"] == pytest.approx(ratio, rel=0.02)
+    assert moves["K"] / moves["V"] == pytest.approx(ratio, rel=0.02)
+    assert moves["V"] == pytest.approx(CFG["eta_ov"], rel=0.02)
+
+
+def test_training_learns_is_deterministic_and_facts(runs):
+    assert [(r.ratio, r.seed) for r in runs] == [(1.0, 0), (10.0, 0)]
+    for r in runs:
+        assert r.test["accuracy"] > 1.0 / CFG["n_classes"]  # above chance
+        d, L = CFG["d_model"], CFG["n_layers"]
+        assert r.knob_summary.loc["qk", "numel"] == L * (2 * d * d + 2 * d)  # Q and K rows of every layer, + biases
+    again = pythia.train_one(CFG, 10.0, 0)
+    assert again.test == runs[1].test and again.heads.equals(runs[1].heads)
+    table = pythia.summary_table(runs)
+    assert list(table["layer"].unique()) == [1, 2, "rollout"] and set(table["ratio"]) == {1.0, 10.0}
+    assert ((table["head-mean"] >= 0) & (table["head-mean"] <= 1)).all()
+    f = pythia.facts(runs, CFG)
+    assert f["py_ratios"] == "1, 10" and f["py_acc"].count(",") == 1
+    assert f["py_layers"].startswith("layer 1: head-mean ")
+    assert all(isinstance(v, str) for v in f.values())
+
+
+def test_bad_ratio_is_refused():
+    with pytest.raises(ValueError, match="ratio"):
+        pythia.train_one(CFG, 0.0, 0)
