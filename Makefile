@@ -8,7 +8,7 @@ DATA ?= $(abspath ../shared/data)
 BIN := $(VENV)/bin
 export QKOV_DATA_DIR ?= $(DATA)
 
-.PHONY: setup book book-cached test browser-test clean
+.PHONY: setup book book-cached test browser-test clean lab data data-check
 
 $(BIN)/activate: requirements.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,18 +20,33 @@ $(BIN)/activate: requirements.txt pyproject.toml
 
 setup: $(BIN)/activate  ## create .venv and install everything
 
-book: setup  ## execute every chapter (profile $(PROFILE)) and build _build/html
+data-check:  ## before set-up, with the system python: stop at once if data is missing and cannot be downloaded
+	$(PYTHON) qkov_lib/data/sources.py check --probe
+
+data: setup  ## download the official releases into $(QKOV_DATA_DIR), verify their sha256, build the data folder
+	$(BIN)/python -m qkov_lib.data.sources fetch --dest "$(QKOV_DATA_DIR)"
+
+book: data-check setup  ## execute every chapter (profile $(PROFILE)) and build _build/html
+	$(BIN)/python -m qkov_lib.data.sources check --fetch
 	rm -rf _build/results
 	QKOV_PROFILE=$(PROFILE) $(BIN)/jupyter-book build . -W --keep-going --all
 
 test: setup  ## the unit tests
 	$(BIN)/python -m pytest -q --ignore=tests/browser
 
-book-cached: setup  ## like book, but reuse outputs keyed on the chapter cells AND qkov_lib
+book-cached: data-check setup  ## like book, but reuse outputs keyed on the chapter cells AND qkov_lib
+	$(BIN)/python -m qkov_lib.data.sources check --fetch
 	QKOV_PROFILE=$(PROFILE) $(BIN)/qkov book --mode cache
 
 browser-test:  ## headless Chromium checks of the built _build/html (needs chromium + chromium-driver)
 	QKOV_BROWSER_REQUIRED=1 $(BIN)/python -m pytest -q -rs tests/browser
+
+LAB_SETTINGS := $(VENV)/etc/jupyter/labconfig/default_setting_overrides.json
+lab: setup  ## JupyterLab from .venv: book/*.md open as notebooks (jupytext), default profile
+	@# Lab opens .md as text unless told otherwise: make jupytext's notebook view the default
+	@# for Markdown/MyST, in this environment only (not in ~/.jupyter)
+	$(BIN)/jupytext-config --settings-file $(LAB_SETTINGS) set-default-viewer markdown myst
+	$(BIN)/jupyter lab --ServerApp.root_dir=. $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 clean:
 	rm -rf _build runs

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     qkov book [--mode force|cache|executed]              build the HTML book
     qkov cache key|clear                                 the library-keyed output cache
     qkov scorecard [--results DIR]                       the claims scorecard as a table
+    qkov data check|fetch|verify|list [...]              the real-data folder (qkov data fetch --help)
     """
     import argparse
 
@@ -136,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("action", choices=("key", "clear"))
     sc = sub.add_parser("scorecard", help="print the reproducibility scorecard from results files")
     sc.add_argument("--results", default=None, help="results folder (default: $QKOV_RESULTS_DIR or _build/results)")
+    dat = sub.add_parser("data", help="check, fetch, verify or list the real-data files", add_help=False)
+    dat.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m qkov_lib.data.sources")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["data"]:  # every option after "data" belongs to the data tool
+        from .data import sources
+
+        return sources.main(argv[1:])
     args = ap.parse_args(argv)
 
     if args.cmd == "run":

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .data.sources import used_files
 from .runtime import REPO_ROOT, git_commit, pick_device, versions
 
 RESULTS_ENV = "QKOV_RESULTS_DIR"
@@ -48,7 +49,8 @@ def _jsonable(x: Any) -> Any:
 def save_results(chapter: str, params: Mapping[str, Any], metrics: Any, path: str | os.PathLike | None = None,
                  wall_time_s: float | None = None, device: str | None = None) -> Path:
     """Write the chapter's machine-readable results: parameters, metrics (any JSON-able
-    structure, typically a list of row dicts), versions, git commit, device and wall time."""
+    structure, typically a list of row dicts), versions, git commit, device, wall time and the
+    sha256 of every data file read in this process (:func:`qkov_lib.data.sources.used_files`)."""
     out = Path(path) if path else default_results_path(chapter)
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -59,6 +61,7 @@ def save_results(chapter: str, params: Mapping[str, Any], metrics: Any, path: st
         "git_commit": git_commit(),
         "device": device or str(pick_device()),
         "wall_time_s": wall_time_s,
+        "data_files": used_files(),  # sha256 of every data file the run read
     }
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, allow_nan=True))

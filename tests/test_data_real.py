@@ -1,11 +1,12 @@
 """Real-data loaders (qkov_lib.data.{sources,text,sva,hatexplain,squad}): small fixtures written
-by the tests (including every kind of bad input), checksums and fetching, and the split counts
-of the real files against the official numbers in ../shared/data/README.md."""
+by the tests (including every kind of bad input), checksums, the manifest, the hub fallback, and
+the split counts of the real files against the official numbers in ../shared/data/README.md.
+The real files are found the way the library finds them ($QKOV_DATA_DIR, else the default
+beside the checkout); without them those tests skip and say so. Fetching: tests/test_fetch.py."""
 
 import gzip
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,8 @@ import torch
 from qkov_lib.data import hatexplain, sources, squad, sva, text
 from qkov_lib.data.text import PAD_ID, QUERY_ID, UNK_ID, Vocabulary, load_text_dataset, truncate
 
-REAL = Path(os.environ.get("QKOV_DATA_DIR") or "/work/shared/data")
-needs_real = pytest.mark.skipif(not (REAL / "sva").is_dir(),
-                                reason=f"real data not found (set QKOV_DATA_DIR; tried {REAL})")
+REAL, WHY = sources.find_data_dir()
+needs_real = pytest.mark.skipif(REAL is None, reason=WHY)
 
 
 @pytest.fixture(autouse=True)
@@ -86,11 +86,8 @@ def write_hatexplain(root: Path) -> None:
     _gz(root / hatexplain.TRAIN_CSV, csv)
 
 
-def qa(qid, question, text_, start, occ=None):
-    d = {"id": qid, "question": question, "answers": [{"text": text_, "answer_start": start}]}
-    if occ is not None:
-        d["answer_occurrences_in_context"] = occ
-    return d
+def qa(qid, question, text_, start):
+    return {"id": qid, "question": question, "answers": [{"text": text_, "answer_start": start}]}
 
 
 CTX = "The Broncos won in 2016. Denver beat Carolina 24 to 10 at Levi's Stadium."
@@ -98,11 +95,11 @@ CTX = "The Broncos won in 2016. Denver beat Carolina 24 to 10 at Levi's Stadium.
 
 def write_squad(root: Path) -> None:
     train = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": CTX, "qas": [
-        qa("a", "When did the Broncos win?", "2016", CTX.index("2016"), 1),
-        qa("b", "Who did Denver beat?", "Carolina", 3, 1),                        # wrong offset, text present
-        qa("c", "Who lost?", "Seattle", 0, 1),                                    # answer not in the context
-        qa("d", "What was it?", "the", 0, 2),                                     # ambiguous span (train only)
-        qa("e", "Where was the game?", "Levi's Stadium", CTX.index("Levi"), 1),  # beyond a small cap
+        qa("a", "When did the Broncos win?", "2016", CTX.index("2016")),
+        qa("b", "Who did Denver beat?", "Carolina", 3),                        # wrong offset, text present
+        qa("c", "Who lost?", "Seattle", 0),                                    # answer not in the context
+        qa("d", "What was it?", "in", CTX.index(" in") + 1),                   # "in" twice: ambiguous (train only)
+        qa("e", "Where was the game?", "Levi's Stadium", CTX.index("Levi")),  # beyond a small cap
     ]}]}]}
     dev = {"version": "1.1", "data": [{"title": "t", "paragraphs": [{"context": CTX, "qas": [
         qa("x", "How many points did Denver score?", "24", CTX.index("24")),
@@ -308,73 +305,137 @@ def test_bad_arguments(fixture_dir):
         load_text_dataset("squad", fixture_dir, verify=False, query="bag")
 
 
-# --- checksums and fetch ------------------------------------------------------------------------
+# --- checksums, the manifest, the record of used files ----------------------------------------
 def test_checksum_mismatch_is_detected(fixture_dir):
     # the fixture file sits at the manifest's path but is not the manifest's file
     with pytest.raises(sources.ChecksumError, match="checksum mismatch.*marvin_linzen2018_agreement"):
         load_text_dataset("sva", fixture_dir, verify=True)
 
 
-def test_verify_accepts_a_recompressed_copy(tmp_path):
-    rel = "hatexplain/post_id_divisions.json"
+def test_check_sha256_accepts_a_recompressed_copy(tmp_path):
     content = b'{"train": [], "val": [], "test": []}'
-    entry = {rel: {"sha256": "0" * 64, "content_sha256": hashlib.sha256(content).hexdigest()}}
-    p = tmp_path / rel
-    p.parent.mkdir(parents=True)
-    p.write_bytes(content)
-    sources._verify_entry(p, rel, entry[rel])            # content matches: accepted
-    p.write_bytes(content + b" ")
-    with pytest.raises(sources.ChecksumError):
-        sources._verify_entry(p, rel, entry[rel])
+    p = tmp_path / "f.json.gz"
+    p.write_bytes(gzip.compress(content, mtime=0))
+    assert sources.check_sha256(p, "x", "0" * 64, hashlib.sha256(content).hexdigest()) == "content_sha256"
+    assert sources.check_sha256(p, "x", hashlib.sha256(p.read_bytes()).hexdigest(), None) == "sha256"
+    assert sources.check_sha256(p, "x", None, None) == "no checksum"
+    p.write_bytes(gzip.compress(content + b" ", mtime=0))
+    with pytest.raises(sources.ChecksumError, match="checksum mismatch for .*f.json.gz"):
+        sources.check_sha256(p, "x", "0" * 64, hashlib.sha256(content).hexdigest())
+    p.write_bytes(b"not gzip")
+    with pytest.raises(sources.ChecksumError, match="not a readable gzip file"):
+        sources.check_sha256(p, "x", "0" * 64, "1" * 64)
 
 
-def test_fetch_verifies_before_writing(tmp_path):
-    payload = b"VBZ\tthe dog\n"
-    e = {"x/file.tsv.gz": {"dataset": "t", "url": "https://example.org/file.tsv", "fetch": "gzip",
-                           "url_sha256": hashlib.sha256(payload).hexdigest(), "sha256": None,
-                           "content_sha256": hashlib.sha256(payload).hexdigest()},
-         "x/built.tsv.gz": {"dataset": "t", "url": "https://example.org/dir", "fetch": None, "note": "assembled"}}
-    out = sources.fetch(tmp_path, downloader=lambda url: payload, entries=e)
-    assert out["x/file.tsv.gz"] == "fetched" and out["x/built.tsv.gz"].startswith("not fetchable")
-    assert gzip.decompress((tmp_path / "x/file.tsv.gz").read_bytes()) == payload
-    assert sources.fetch(tmp_path, downloader=lambda url: b"never", entries=e)["x/file.tsv.gz"] == "present"
-    with pytest.raises(sources.ChecksumError, match="nothing was written"):
-        sources.fetch(tmp_path / "other", downloader=lambda url: payload + b"tampered", entries=e)
-    assert not (tmp_path / "other" / "x").exists()
-
-    def offline(url):
-        raise OSError("Name or service not known")
-
-    with pytest.raises(OSError, match="could not download https://example.org/file.tsv.*QKOV_DATA_DIR"):
-        sources.fetch(tmp_path / "third", downloader=offline, entries=e)
+def test_data_file_records_the_sha256_of_what_was_used(fixture_dir):
+    sources.clear_used()
+    load_text_dataset("sva", fixture_dir, max_len=8, min_freq=1, test_frac=0.3, verify=False)
+    path = fixture_dir / sva.ML_FILE
+    assert sources.used_files() == {sva.ML_FILE: hashlib.sha256(path.read_bytes()).hexdigest()}
+    sources.clear_used()
+    assert sources.used_files() == {}
 
 
 def test_manifest_is_complete():
-    m = sources.manifest()
-    for rel, e in m.items():
-        assert {"license", "url", "fetch", "sha256", "content_sha256"} <= set(e), rel
-        if e["fetch"]:
-            assert len(e["url_sha256"]) == 64 and e["url"].startswith("https://")
-    for mod_file in (sva.ML_FILE, sva.LINZEN_TRAIN_FILE, sva.LINZEN_TEST_FILE, hatexplain.TRAIN_CSV,
-                     *hatexplain.SPLIT_FILES.values(), squad.DEV_FILE, *squad.TRAIN_FILES):
-        assert mod_file in m
+    from qkov_lib.data.convert import CONVERTERS
+
+    files, dls = sources.manifest(), sources.downloads()
+    for rel, e in files.items():
+        assert {"dataset", "license", "source", "build", "sha256", "content_sha256"} <= set(e), rel
+        b = e["build"]
+        if b:
+            ids = [b["download"]] if "download" in b else b["inputs"]
+            assert set(ids) <= set(dls) and (b.get("convert") in CONVERTERS or "download" in b), rel
+            if "download" in b:
+                assert dls[b["download"]]["path"] == rel
+            # a built file is checked against a content checksum, else its line count
+            assert e["content_sha256"] or e.get("lines"), rel
+        elif not e.get("optional"):
+            assert any(files[r]["build"] for r in sources.group_members(rel)), f"{rel}: no fetchable alternative"
+    for did, d in dls.items():
+        assert d["url"].startswith(("https://", "http://")) and d["store"] in ("gzip", "copy"), did
+        assert d["sha256"] is None or len(d["sha256"]) == 64, did
+        assert d["sha256_from"], did                    # where the checksum comes from, or why there is none
+    unverified = [did for did, d in dls.items() if d["sha256"] is None]
+    assert unverified == ["linzen2016/rnn_agr_simple.tar.gz"]
+    for mod_file in (sva.ML_FILE, sva.LINZEN_TRAIN_FILE, sva.LINZEN_TEST_FILE, hatexplain.TRAIN_CSV, hatexplain.TRAIN_JSONL,
+                     hatexplain.DIVISIONS, *hatexplain.SPLIT_FILES.values(), squad.DEV_FILE, *squad.TRAIN_FILES):
+        assert mod_file in files
 
 
 @needs_real
 def test_local_files_match_the_manifest():
     status = sources.verify_all(REAL)
-    assert status["squad/train-v1.1.json.gz"] == "missing (optional)"
-    present = {k: v for k, v in status.items() if not v.startswith("missing")}
+    assert status["squad/train-v1.1.json.gz"] == status[hatexplain.TRAIN_JSONL] == "missing (alternative present)"
+    present = {k: v for k, v in status.items() if not v.startswith("missing") and not k.startswith("raw/")}
     assert len(present) == 11 and set(present.values()) == {"sha256"}
+    raw = {k: v for k, v in status.items() if k.startswith("raw/")}
+    assert len(raw) == 15 and set(raw.values()) == {"content_sha256"}      # the template pickles
+    assert sources.missing_files(REAL) == []
+
+
+# --- the Hugging Face hub fallback (QKOV_DATA_SOURCE=hub), offline -------------------------------
+class _Split(list):
+    _fingerprint = "fp"
+
+    def to_list(self):
+        return list(self)
+
+
+def _fake_hub(calls):
+    def load_dataset(name, **kw):
+        calls.append(name)
+        if name == "rajpurkar/squad":
+            row = lambda i, t: {"id": i, "title": "t", "context": CTX, "question": f"Which {t}?",
+                                "answers": {"text": [t], "answer_start": [CTX.index(t)]}}
+            return {"train": _Split([row("a", "2016"), row("b", "in")]), "validation": _Split([row("c", "24")])}
+        if name == "Hate-speech-CNERG/hatexplain":
+            p = post("h1", [0, 0, 1], ["you", "vermin"], [[0, 1]])
+            return {"train": _Split([p]), "validation": _Split([p]), "test": _Split([p, post("n1", [1, 1, 1], ["hi"])])}
+        raise AssertionError(name)
+    return load_dataset
+
+
+def test_hub_fallback_reads_the_hub_names(monkeypatch):
+    import datasets
+
+    calls = []
+    monkeypatch.setattr(datasets, "load_dataset", _fake_hub(calls))
+    monkeypatch.setenv(sources.SOURCE_ENV, "hub")
+    monkeypatch.setenv(sources.DATA_ENV, "/nonexistent/never/read")
+    sources.clear_used()
+    sq = load_text_dataset("squad", max_len=30, min_freq=1)
+    assert calls == ["rajpurkar/squad"]
+    assert sq.report["train_skipped_ambiguous_span"] == 1 and sq.train_info["id"] == ["a"]   # same filter on hub data
+    hx = load_text_dataset("hatexplain", max_len=10, min_freq=1)
+    assert calls == ["rajpurkar/squad", "Hate-speech-CNERG/hatexplain"]
+    assert hx.test.y.tolist() == [0, 1] and hx.report["test_with_rationale"] == 1
+    assert set(sources.used_files()) == {"hub:rajpurkar/squad", "hub:Hate-speech-CNERG/hatexplain"}
+    with pytest.raises(FileNotFoundError, match="data directory '/nonexistent/never/read'"):
+        load_text_dataset("sva")                         # no hub copy: the local files are needed
+    monkeypatch.setenv(sources.SOURCE_ENV, "cloud")
+    with pytest.raises(ValueError, match="source must be 'local' or 'hub'"):
+        load_text_dataset("squad")
+
+
+def test_hub_failure_says_what_to_do(monkeypatch):
+    import datasets
+
+    def offline(name, **kw):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(RuntimeError, match="could not load the hub copy 'rajpurkar/squad'.*QKOV_DATA_DIR"):
+        sources.load_hub("squad")
 
 
 # --- official numbers (data README) ---------------------------------------------------------
 @needs_real
 def test_squad_counts_match_the_readme():
-    train = list(squad.flatten(sources.load_rows("json", REAL / squad.TRAIN_FILES[0], field="data")))
+    train = list(squad.flatten(sources.load_rows("json", REAL / sources.first_present(squad.TRAIN_FILES, REAL), field="data")))
     dev = list(squad.flatten(sources.load_rows("json", REAL / squad.DEV_FILE, field="data")))
     assert len(train) == 87_599 and len(dev) == 10_570
-    assert sum(q["occurrences"] == 1 for q in train) == 78_161         # the exact-span subset
+    assert sum(squad.answer_occurrences(q["context"], q["text"]) == 1 for q in train) == 78_161   # exact spans
     report: dict = {}
     kept = [e for q in dev if (e := squad.question_example(q, 10_000, 64, "wh", report, "test", False))]
     assert report["test_read"] == 10_570 and report.get("test_skipped_answer_not_found", 0) == 0

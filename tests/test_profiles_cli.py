@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from qkov_lib import claims, cli, profiles
+from qkov_lib import claims, cli, profiles, results
 from qkov_lib.experiments import synthetic as exp
 
 
@@ -83,3 +83,16 @@ def test_qkov_run_rejects_unknown_parameter_names(tmp_path, capsys):
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
     with pytest.raises(ValueError, match="unknown parameter 'ratio'"):
         cli.run_chapter("synthetic", tmp_path, {"ratio": [100]})
+
+
+def test_qkov_data_is_the_data_tool(capsys):
+    assert cli.main(["data", "list"]) == 0
+    assert "squad/dev-v1.1.json.gz" in capsys.readouterr().out
+
+
+def test_results_files_record_the_data_files_they_read(tmp_path, monkeypatch):
+    from qkov_lib.data import sources
+
+    monkeypatch.setattr(sources, "_USED", {"sva/x.tsv.gz": "ab" * 32})
+    doc = json.loads(results.save_results("x", {}, {}, path=tmp_path / "x.json").read_text())
+    assert doc["data_files"] == {"sva/x.tsv.gz": "ab" * 32}

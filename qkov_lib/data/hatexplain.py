@@ -2,9 +2,11 @@
 
 * Classes (Hugging Face ints): 0 hatespeech, 1 normal, 2 offensive. The label of a post is the
   majority of its three annotators; posts without a majority are dropped and counted.
-* Train: the official train split (``hatexplain_train_no_rationales.csv.gz``: texts and
-  annotator labels, no rationales -- training does not need them). ``train_split="val"``
-  trains on the official validation split instead.
+* Train: the official train split -- ``hatexplain_train.jsonl.gz`` (converted by ``qkov data
+  fetch`` from the authors' ``dataset.json``; it has rationales, which training does not use)
+  when present, else the curated ``hatexplain_train_no_rationales.csv.gz`` (texts and annotator
+  labels). Both give the same posts and labels. ``train_split="val"`` trains on the official
+  validation split instead.
 * Test: the official test split (``hatexplain_test.jsonl.gz``). Relevant tokens are the union
   of the annotators' token rationales, on posts whose majority label is not normal. A
   non-normal post without any rationale token is kept for classification and counted as
@@ -27,6 +29,7 @@ from .text import Example, TextDataset, capped_words, count, finish, subsample, 
 
 CLASS_NAMES = ["hatespeech", "normal", "offensive"]
 NORMAL = 1
+TRAIN_JSONL = "hatexplain/hatexplain_train.jsonl.gz"
 TRAIN_CSV = "hatexplain/hatexplain_train_no_rationales.csv.gz"
 SPLIT_FILES = {"val": "hatexplain/hatexplain_validation.jsonl.gz", "test": "hatexplain/hatexplain_test.jsonl.gz"}
 DIVISIONS = "hatexplain/post_id_divisions.json"
@@ -120,6 +123,8 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 96, min_freq:
         test_ex = post_examples(_jsonl(SPLIT_FILES["test"], data_dir, verify), max_len, report, "test")
         if train_split == "val":
             train_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, report, "train", False)
+        elif sources.first_present((TRAIN_JSONL, TRAIN_CSV), data_dir) == TRAIN_JSONL:
+            train_ex = post_examples(_jsonl(TRAIN_JSONL, data_dir, verify), max_len, report, "train", False)
         else:
             rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
             train_ex = csv_examples(rows, max_len, report)

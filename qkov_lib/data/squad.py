@@ -14,10 +14,12 @@ to learn that only context positions hold answers.
 
 **Relevant tokens.** The positions of the answer span in the context.
 
-**Splits.** Train: the rebuilt train file, restricted to the exact-span subset
-(``answer_occurrences_in_context == 1``; the rest is counted as ``train_skipped_ambiguous_span``);
-with the official train file (``fetch``) the annotated offsets are used directly. Test: the
-official dev file, first answer of each question.
+**Splits.** Train: the official train file (``qkov data fetch``) when present, else the curated
+copy rebuilt from the SQuAD explorer pages; either way restricted to the exact-span subset: the
+questions whose answer text occurs exactly once in the context, counted from the context by
+:func:`answer_occurrences` (never read from a field of the file; the rest is counted as
+``train_skipped_ambiguous_span``). The same filter on the same questions gives the same training
+set from both files. Test: the official dev file, first answer of each question.
 
 **Bad input.** An ``answer_start`` that does not point at the answer text is corrected by
 string search when the text occurs in the context (counted), otherwise the question is skipped
@@ -40,7 +42,7 @@ import numpy as np
 from . import sources
 from .text import Example, TextDataset, count, finish, tokenize, tokenize_spans, truncate
 
-TRAIN_FILES = ("squad/train-v1.1-from-explorer.json.gz", "squad/train-v1.1.json.gz")
+TRAIN_FILES = ("squad/train-v1.1.json.gz", "squad/train-v1.1-from-explorer.json.gz")  # official first
 DEV_FILE = "squad/dev-v1.1.json.gz"
 SEP = "<sep>"
 WH_TYPES = ("how_many", "how_much", "what", "which", "who", "whom", "whose", "when", "where", "why", "how", "other")
@@ -58,17 +60,34 @@ def question_type(words: list[str]) -> str:
     return "other"
 
 
+def answer_occurrences(context: str, text: str) -> int:
+    """How many positions of ``context`` the answer ``text`` starts at (overlaps counted); an
+    answer that occurs once has an unambiguous span. 0 for an empty ``text``."""
+    n, i = 0, context.find(text) if text else -1
+    while i >= 0:
+        n += 1
+        i = context.find(text, i + 1)
+    return n
+
+
 def flatten(articles: Iterable[Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
     """One dict per question from SQuAD's nested ``data`` list: ``id, title, context, question,
-    text, answer_start, occurrences`` (None when the file has no ``answer_occurrences_in_context``)."""
+    text, answer_start`` (the first answer; None without one). Other fields of the file are ignored."""
     for a in articles:
         for p in a["paragraphs"]:
             for qa in p["qas"]:
                 ans = qa["answers"][0] if qa["answers"] else None
                 yield {"id": qa["id"], "title": a.get("title"), "context": p["context"], "question": qa["question"],
                        "text": None if ans is None else ans["text"],
-                       "answer_start": None if ans is None else int(ans["answer_start"]),
-                       "occurrences": qa.get("answer_occurrences_in_context")}
+                       "answer_start": None if ans is None else int(ans["answer_start"])}
+
+
+def hub_question(r: Mapping[str, Any]) -> dict[str, Any]:
+    """A row of the Hugging Face ``squad`` copy (answers as lists) as a :func:`flatten` question."""
+    ans = r["answers"]
+    return {"id": r["id"], "title": r.get("title"), "context": r["context"], "question": r["question"],
+            "text": ans["text"][0] if ans["text"] else None,
+            "answer_start": int(ans["answer_start"][0]) if ans["text"] else None}
 
 
 def question_example(q: Mapping[str, Any], max_len: int, max_question: int, query: str,
@@ -79,16 +98,16 @@ def question_example(q: Mapping[str, Any], max_len: int, max_question: int, quer
     if not text:
         count(report, f"{split}_skipped_no_answer")
         return None
-    if exact_spans and q.get("occurrences") is not None and int(q["occurrences"]) != 1:
+    occurrences = answer_occurrences(ctx, text)  # counted here, whatever fields the file has
+    if occurrences == 0:
+        count(report, f"{split}_skipped_answer_not_found")
+        return None
+    if exact_spans and occurrences > 1:
         count(report, f"{split}_skipped_ambiguous_span")
         return None
     if start is None or ctx[start:start + len(text)] != text:
-        found = ctx.find(text)
-        if found < 0:
-            count(report, f"{split}_skipped_answer_not_found")
-            return None
         count(report, f"{split}_answer_start_corrected")
-        start = found
+        start = ctx.find(text)
     end = start + len(text)
     cwords, starts, ends = _context_spans(ctx)
     span = list(range(bisect.bisect_right(ends, start), bisect.bisect_left(starts, end)))  # tokens overlapping the answer
@@ -138,10 +157,7 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq
     report: dict[str, int] = {}
     if sources.use_hub(source):
         hub = sources.load_hub("squad")
-        train_q = ({"id": r["id"], "context": r["context"], "question": r["question"], "text": r["answers"]["text"][0],
-                    "answer_start": r["answers"]["answer_start"][0], "occurrences": None} for r in hub["train"].to_list())
-        test_q = ({"id": r["id"], "context": r["context"], "question": r["question"], "text": r["answers"]["text"][0],
-                   "answer_start": r["answers"]["answer_start"][0], "occurrences": None} for r in hub["validation"].to_list())
+        train_q, test_q = (map(hub_question, hub[split].to_list()) for split in ("train", "validation"))
     else:
         train_path = _train_path(data_dir, verify)
         train_q = flatten(sources.load_rows("json", train_path, field="data"))
@@ -151,7 +167,8 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq
     test = _examples(list(test_q), n_test, seed + 1, dict(split="test", exact_spans=False, **args), report)
     class_names = [f"-{d}" for d in range(max_len)]
     notes = ["SQuAD v1.1 as a copy task over positions (our reconstruction): input question <sep> context, "
-             "query token = question wh-type, target = distance of the answer's first token from the query."]
+             "query token = question wh-type, target = distance of the answer's first token from the query.",
+             "Train: questions whose answer occurs exactly once in the context (counted from the context)."]
     return finish("squad", train, test, class_names, report, min_freq, specials=(SEP, *QUERY_TOKENS),
                   query_is_key=query_is_key, notes=notes)
 
@@ -178,9 +195,9 @@ def _examples(questions: list[dict[str, Any]], n: int | None, seed: int, kw: dic
 
 
 def _train_path(data_dir, verify: bool):
+    rel = sources.first_present(TRAIN_FILES, data_dir)
+    if rel is not None:
+        return sources.data_file(rel, data_dir, verify)
     root = sources.resolve_data_dir(data_dir)
-    for rel in TRAIN_FILES:
-        if (root / rel).is_file():
-            return sources.data_file(rel, data_dir, verify)
     raise FileNotFoundError(f"no SQuAD train file in {root} (looked for {', '.join(TRAIN_FILES)}; the data directory "
                             f"comes from data_dir or ${sources.DATA_ENV}); download with `{sources.FETCH_HINT}`")
