@@ -147,6 +147,24 @@ def claim(claim_id: str, paper: str, ours: str, verdict: str | Verdict, chapter:
             "reason": v.reason, "chapter": chapter or ""}
 
 
+def verdict_glue(verdicts: Mapping[str, Verdict]) -> dict[str, str]:
+    """Glue entries ``verdict_<ID>``, ``rule_<ID>`` and ``reason_<ID>`` of each verdict (``-`` in
+    an ID becomes ``_``, so ``R3-synthetic`` gives ``verdict_R3_synthetic``)."""
+    out = {}
+    for cid, v in verdicts.items():
+        key = cid.replace("-", "_")
+        out.update({f"verdict_{key}": v.verdict, f"rule_{key}": v.rule, f"reason_{key}": v.reason})
+    return out
+
+
+def verdict_frame(verdicts: Mapping[str, Verdict]):
+    """The verdicts as a table for display: one row per claim ID with verdict, rule and reason."""
+    import pandas as pd
+
+    return pd.DataFrame([{"claim": k, "verdict": v.verdict, "rule": v.rule, "reason": v.reason}
+                         for k, v in verdicts.items()]).set_index("claim")
+
+
 def _finite(xs: Sequence[float]) -> list[float]:
     return [float(x) for x in xs if x is not None and math.isfinite(float(x))]
 

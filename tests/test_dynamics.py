@@ -223,5 +223,7 @@ def test_theory_profiles_resolve():
         assert set(table) == {"test", "cpu", "full"}
         assert all(set(table[p]) == set(table["test"]) for p in table)
         assert resolve(table, "test")["profile"] == "test"
+        # the checks' tolerances are the claims module's thresholds, not per-profile settings
+        assert not {k for k in table["test"] if k.startswith("tol_")}
     with pytest.raises(TypeError, match="ratios"):
         resolve(th.PROFILES_ASYMPTOTICS, "test", ratios=3)

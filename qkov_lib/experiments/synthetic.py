@@ -176,13 +176,14 @@ def pairwise_tv(dtaps: Mapping[tuple[str, float], np.ndarray], params: Sequence[
 
 
 def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], lo: float, hi: float) -> str | None:
-    """Which of FACO and CACO at ratio ``lo`` the FAFO heatmap at ratio ``hi`` is closer to (DTAP
-    total variation); None when the comparison cannot be made (one ratio, or a missing model)."""
-    keys = [("FAFO", hi), ("FACO", lo), ("CACO", lo)]
+    """Where a faster QK moves FAFO's DTAP heatmap (:func:`qkov_lib.claims.s2_fafo_move`): toward
+    FACO or CACO at ratio ``lo`` (its total-variation distance to it shrank from ratio ``lo`` to
+    ``hi``), ``"neither"``, or None when the comparison cannot be made (one ratio, a missing model)."""
+    keys = [("FAFO", lo), ("FAFO", hi), ("FACO", lo), ("CACO", lo)]
     if hi == lo or any(k not in dtaps for k in keys):
         return None
-    d = {p: dtap_distance(dtaps[("FAFO", hi)], dtaps[(p, lo)]) for p in ("FACO", "CACO")}
-    return min(d, key=d.get)
+    dist = {r: {p: dtap_distance(dtaps[("FAFO", r)], dtaps[(p, lo)]) for p in ("FACO", "CACO")} for r in (lo, hi)}
+    return claims.s2_fafo_move(dist[lo], dist[hi])
 
 
 def chapter_verdicts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray], cfg: dict
@@ -211,8 +212,7 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
     v = chapter_verdicts(summary, dtaps, cfg)
     f = {"r_low": f"{lo:g}", "r_high": f"{hi:g}", "n_param": str(len(params)),
          "rank_low": " > ".join(ranking(summary, lo)), "rank_high": " > ".join(ranking(summary, hi))}
-    for cid, verdict in v.items():
-        f[f"verdict_{cid}"], f[f"rule_{cid}"], f[f"reason_{cid}"] = verdict.verdict, verdict.rule, verdict.reason
+    f.update(claims.verdict_glue(v))
     tv = pairwise_tv(dtaps, params, lo)
     if tv:
         (a, b), t = max(tv.items(), key=lambda kv: kv[1])
@@ -230,8 +230,9 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
                             f"{' and '.join(top2)}, which matches "
                             + {"A": "the first summary (CACO, FACO)", "B": "the second summary (CAFO, CACO)",
                                "neither": "neither summary"}[which]
-                            + (f"; with a faster QK, FAFO's heatmap moved closer to {toward}'s." if toward else
-                               "; FAFO's move under a faster QK was not measured (one ratio)."))
+                            + ("; FAFO's move under a faster QK was not measured (one ratio)." if toward is None else
+                               "; with a faster QK, FAFO's heatmap moved away from both FACO's and CACO's."
+                               if toward == "neither" else f"; with a faster QK, FAFO's heatmap moved closer to {toward}'s."))
     if hi == lo:
         f["s3_sentence"] = f"Only ratio {lo:g} was run, so the effect of the ratio (S3) is not tested."
     else:

@@ -1,0 +1,330 @@
+"""Chapters 02-04 take their verdicts from the claims rules, fed with numbers from the chapters'
+own tables: each verdict flips when the measured effect flips, and a comparison the grid cannot
+make (one ratio, missing parameterizations, no equal rates) says "not tested"."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qkov_lib import claims as C
+from qkov_lib import dynamics as dy
+from qkov_lib.data import synthetic as syn
+from qkov_lib.experiments import sweep
+from qkov_lib.experiments import theory as th
+from qkov_lib.profiles import resolve
+
+TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 4))
+POINTS = [(0.3, 0.2), (2.5, 1.3)]
+P4 = ["FAFO", "CAFO", "FACO", "CACO"]
+
+
+# --- chapter 02: T1, T2 ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reduction():
+    grad = th.gradient_check(TASK, POINTS)
+    vel = th.velocity_check(TASK, POINTS, parameterizations=["FAFO", "CACO"])
+    ov = th.overlay(TASK, "FAFO", 0.5, 0.5, th.eta_ov_for(0.1, 4.0), 4.0, 60, n_logs=10)
+    return grad, vel, ov
+
+
+def _negated_prediction_grad(points):
+    """gradient_check's table with the reduction's predicted gradients negated."""
+    rows = []
+    for w, q in points:
+        g = dy.full_model_gradients(TASK, w, q)
+        G_QK, G_OV = dy.predicted_gradients(w, q, TASK)
+        rows.append({"err_loss": abs(float(g["loss"]) - float(dy.reduced_loss(w, q, dy.Sizes.from_task(TASK)))),
+                     "err_grad_QK": float((g["W_QK"] + G_QK).abs().max()),
+                     "err_grad_OV": float((g["W_OV"] + G_OV).abs().max())})
+    return pd.DataFrame(rows)
+
+
+def test_t1_t2_flip_when_the_reduction_predicts_the_opposite_sign(reduction):
+    grad, vel, ov = reduction
+    v = th.reduction_verdicts(grad, vel, th.overlay_summary(ov))
+    assert (v["T1"].verdict, v["T2"].verdict) == ("reproduced", "reproduced")
+    # the ODE trajectory with the opposite sign: GD no longer tracks it -> only the gradients agree
+    flipped_ov = ov.assign(err_w=(ov["ov"] + ov["w_ode"]).abs(), err_q=(ov["qk"] + ov["q_ode"]).abs())
+    assert th.reduction_verdicts(grad, vel, th.overlay_summary(flipped_ov))["T1"].verdict == "partly"
+    # ... and the predicted gradients with the opposite sign too
+    v = th.reduction_verdicts(_negated_prediction_grad(POINTS), vel.assign(dw_ode=-vel["dw_ode"], dq_ode=-vel["dq_ode"]),
+                              th.overlay_summary(flipped_ov))
+    assert (v["T1"].verdict, v["T2"].verdict) == ("not reproduced", "not reproduced")
+
+
+def test_t2_fails_without_the_rescaling(reduction):
+    """Factor-level velocity of FAFO against the collapsed ODE (R = 1): the measured rescaling
+    is what makes T2 pass."""
+    _, vel, _ = reduction
+    sizes = dy.Sizes.from_task(TASK)
+    fafo = vel[vel["parameterization"] == "FAFO"].copy()
+    ode = [dy.velocity("CACO", w, q, sizes, 1.0, 3.0) for w, q in zip(fafo["w"], fafo["q"])]
+    fafo["dw_ode"], fafo["dq_ode"] = [float(a) for a, _ in ode], [float(b) for _, b in ode]
+    assert th.reduction_verdicts(vel.iloc[:0], vel, pd.DataFrame())["T2"].verdict == "reproduced"
+    assert th.reduction_verdicts(vel.iloc[:0], fafo, pd.DataFrame())["T2"].verdict == "not reproduced"
+
+
+def test_reduction_with_no_checks_is_not_tested(reduction):
+    grad, vel, ov = reduction
+    v = th.reduction_verdicts(grad.iloc[:0], vel.iloc[:0], th.overlay_summary(ov).iloc[:0])
+    assert (v["T1"].verdict, v["T2"].verdict) == ("not tested", "not tested")
+
+
+# --- chapter 03: T3-T6, S2 ---------------------------------------------------------------------
+def _asym_tables(**overrides) -> dict:
+    cfg = resolve(th.PROFILES_ASYMPTOTICS, "test", **overrides)
+    sizes = th.sizes_of(cfg)
+    eq = th.equal_or_lowest(cfg["ratios"])
+    runs = th.long_runs(sizes, cfg)
+    return dict(runs=runs, table=th.exponent_table(runs, sizes, cfg), t3=th.t3_table(runs, cfg, eq),
+                hz=th.horizon_ranking(runs, cfg["horizons"], eq), ml=th.matched_loss_ranking(runs, [1e-2, 1e-4], eq),
+                lines_single=th.line_check(sizes, cfg, cfg["ratios"], single_n=3),
+                lines_mix=th.line_check(sizes, cfg, cfg["ratios"]), full=th.full_model_runs(cfg, progress=False),
+                sizes=sizes, cfg=cfg)
+
+
+def _asym_verdicts(t: dict) -> dict[str, str]:
+    v = th.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
+    return {k: x.verdict for k, x in v.items()}
+
+
+@pytest.fixture(scope="module")
+def asym():
+    return _asym_tables()
+
+
+def test_asymptotics_verdicts_on_the_test_profile(asym):
+    assert _asym_verdicts(asym) == {"T3": "partly", "T4": "partly", "T5": "reproduced", "T6": "reproduced",
+                                    "S2": "partly"}
+
+
+def test_t5_flips_when_the_ratio_order_is_reversed(asym):
+    """Relabel ratio 1 as 10 and 10 as 1: the common mass now rises with the ratio in the ODE and
+    the full-model attention falls."""
+    swap = {1.0: 10.0, 10.0: 1.0}
+    runs = asym["runs"].assign(ratio=asym["runs"]["ratio"].map(swap))
+    full = asym["full"].assign(ratio=asym["full"]["ratio"].map(swap))
+    assert C.t5_sharpening(*th.t5_inputs(asym["runs"], asym["full"])).verdict == "reproduced"
+    assert C.t5_sharpening(*th.t5_inputs(runs, full)).verdict == "not reproduced"
+
+
+def test_t6_flips_when_factorized_and_collapsed_qk_swap(asym):
+    swap = {"FACO": "CACO", "CACO": "FACO", "FAFO": "CAFO", "CAFO": "FAFO"}
+    hz = asym["hz"].rename(columns={f"common {a}": f"common {b}" for a, b in swap.items()})
+    full = asym["full"].assign(parameterization=asym["full"]["parameterization"].map(swap))
+    assert C.t6_factorized_qk(th.t6_margins(asym["hz"], asym["full"])).verdict == "reproduced"
+    assert C.t6_factorized_qk(th.t6_margins(hz, full)).verdict == "not reproduced"
+
+
+def test_t3_flips_when_the_ov_scalar_grows_twice_as_fast(asym):
+    """Doubling w turns its fitted exponent in log t from 1 into 2: the OV half of T3 fails."""
+    runs = asym["runs"].assign(w=2 * asym["runs"]["w"])
+    table = th.exponent_table(runs, asym["sizes"], asym["cfg"])
+    assert C.t3_growth(*th.t3_inputs(asym["table"], asym["t3"])).verdict == "partly"
+    assert C.t3_growth(*th.t3_inputs(table, asym["t3"])).verdict == "not reproduced"
+
+
+def _residual(lines: pd.DataFrame, sign: float) -> pd.DataFrame:
+    """line_check's relative residual against the line of slope ``sign * slope``."""
+    out = []
+    for _, g in lines.groupby(["parameterization", "ratio"], sort=False):
+        X, Y = g["X"].to_numpy(), g["Y"].to_numpy()
+        out.append(g.assign(residual=(Y - Y[0] - sign * g["slope"] * (X - X[0])) / (Y.max() - Y.min())))
+    return pd.concat(out)
+
+
+def test_t4_flips_when_the_line_slope_changes_sign(asym):
+    single, mix = asym["lines_single"], asym["lines_mix"]
+    assert np.allclose(_residual(single, 1.0)["residual"], single["residual"])  # same residual as the chapter
+    assert C.t4_line(*th.t4_inputs(single, mix)).verdict == "partly"
+    assert C.t4_line(*th.t4_inputs(_residual(single, -1.0), mix)).verdict == "not reproduced"
+
+
+def _full(att: dict[float, dict[str, float]]) -> pd.DataFrame:
+    """A full_model_runs-shaped table: one random-init run per (parameterization, ratio)."""
+    return pd.DataFrame([{"parameterization": p, "ratio": r, "init": "random", "seed": 0, "distinct": a}
+                         for r, d in att.items() for p, a in d.items()])
+
+
+ATT1 = {"FAFO": 0.80, "CAFO": 0.60, "FACO": 0.95, "CACO": 0.90}  # top two FACO, CACO: the first summary
+
+
+def test_s2_flips_with_the_ranking_and_fafos_move():
+    toward_faco = _full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.93}})
+    assert th.s2_inputs(toward_faco)[1] == "FACO"
+    assert C.s2_which_pair(*th.s2_inputs(toward_faco)).verdict == "reproduced"
+    flipped = {p: 1 - a for p, a in ATT1.items()}  # ranking reversed: top two CAFO, FAFO
+    away = _full({1.0: flipped, 10.0: {**flipped, "FAFO": 0.4}})  # FAFO (0.2) moves away from FACO and CACO
+    assert th.s2_inputs(away)[1] == "neither"
+    assert C.s2_which_pair(*th.s2_inputs(away)).verdict == "not reproduced"
+    assert C.s2_which_pair(*th.s2_inputs(_full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.05}}))).verdict == "partly"
+
+
+def test_asymptotics_with_one_ratio_say_not_tested():
+    t = _asym_tables(ratios=[1.0], full_ratios=[1.0])
+    v = th.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
+    f = th.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
+                             t["full"], t["sizes"], t["cfg"], v)
+    assert v["T5"].verdict == "not tested" and "not tested" in f["t5_ode_sentence"] and "not tested" in f["t5_full_sentence"]
+    assert "not tested" in f["A_sentence"] and "not tested" in f["fafo_move_sentence"]
+    assert "move not tested" in v["S2"].reason
+    rows = th.asymptotics_claims(f, v)
+    assert [r["id"] for r in rows] == ["T3", "T4", "T5", "T6", "S2"] and all(r["rule"] and r["reason"] for r in rows)
+    # no equal rates: T6 and S2 cannot be judged
+    t = _asym_tables(ratios=[10.0], full_ratios=[10.0])
+    assert {k: x for k, x in _asym_verdicts(t).items() if k in ("T5", "T6", "S2")} == {
+        "T5": "not tested", "T6": "not tested", "S2": "not tested"}
+
+
+def test_asymptotics_sentences_follow_the_numbers(asym):
+    """The result sentences are chosen by the numbers: with q doubled so that it grows like a
+    higher power of log t, the 'does not grow like log² t' sentence is not chosen."""
+    t = asym
+    v = th.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
+    f = th.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
+                             t["full"], t["sizes"], t["cfg"], v)
+    assert "does **not** grow like log² t" in f["q_sentence"]
+    assert f["thr_literal_tol"] == C.threshold_text("LITERAL_TOL") and f["rule_T5"] == C.T5_RULE
+    t3 = t["t3"].assign(**{"exponent of q in log t": 2.0})
+    f2 = th.asymptotics_facts(t["runs"], t["table"], t3, t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
+                              t["full"], t["sizes"], t["cfg"], v)
+    assert "does grow like log² t" in f2["q_sentence"] and f2["t3_sentence"] != f["t3_sentence"]
+
+
+# --- chapter 04: S1-S3, R3-synthetic, S3-robustness ---------------------------------------------
+def _summary(rise: float, params=P4, ratios=(1.0, 10.0), acc_change: float = 0.0, att=ATT1) -> pd.DataFrame:
+    """A seed-summary-shaped table: attention rises by ``rise`` from the lowest to the highest ratio."""
+    rows = []
+    for p in params:
+        for k, r in enumerate(ratios):
+            frac = k / max(len(ratios) - 1, 1)
+            rows.append({"parameterization": p, "ratio": r, "attn_relevant": att[p] + rise * frac, "loss": 0.01,
+                         "accuracy": 1.0 - acc_change * frac, "AC@0.9": 0.5 + rise * frac, "weak_attn_confident": 0.1,
+                         "n_seeds": 1, "n_diverged": 0})
+    return pd.DataFrame(rows)
+
+
+def _dtaps(fafo_hi_on_faco: float, params=P4, ratios=(1.0, 10.0)) -> dict:
+    """Heatmaps with each parameterization in its own bin; FAFO half on FACO's bin at ratio 1 and
+    ``fafo_hi_on_faco`` on it at the highest ratio."""
+    bins = {"FAFO": (9, 0), "CAFO": (5, 5), "FACO": (9, 9), "CACO": (0, 9)}
+    out = {}
+    for p in params:
+        for r in ratios:
+            h = np.zeros((10, 10))
+            if p == "FAFO":
+                share = 0.5 if r == min(ratios) else fafo_hi_on_faco
+                h[bins["FACO"]], h[bins["FAFO"]] = share, 1 - share
+            else:
+                h[bins[p]] = 1.0
+            out[(p, r)] = h
+    return out
+
+
+def _sweep_verdicts(summary, matched, dtaps, rob=None) -> dict[str, str]:
+    eq = sweep.equal_rate(summary["ratio"].unique())
+    toward = sweep.fafo_toward(dtaps, sorted(summary["ratio"].unique()), eq)
+    return {k: v.verdict for k, v in sweep.chapter_verdicts(summary, matched, dtaps, toward, rob).items()}
+
+
+def test_sweep_verdicts_flip_with_the_measured_effects():
+    up, down = _summary(+0.03), _summary(-0.03)
+    v = _sweep_verdicts(up, up, _dtaps(0.8))
+    assert v == {"S1": "reproduced", "S2": "reproduced", "S3": "reproduced", "R3-synthetic": "reproduced",
+                 "S3-robustness": "not tested"}
+    # attention falls with the ratio (fixed steps and at matched loss)
+    v = _sweep_verdicts(down, down, _dtaps(0.8))
+    assert v["S3"] == "not reproduced" and v["R3-synthetic"] == "not reproduced"
+    # identical heatmaps: S1 flips
+    same = {k: np.full((10, 10), 0.01) for k in _dtaps(0.8)}
+    assert _sweep_verdicts(up, up, same)["S1"] == "not reproduced"
+    # ranking reversed and FAFO moving away from FACO (and CACO): S2 flips
+    rev = _summary(+0.03, att={p: 1 - a for p, a in ATT1.items()})
+    assert _sweep_verdicts(rev, rev, _dtaps(0.2))["S2"] == "not reproduced"
+    # sharper only with an accuracy change at matched loss: R3-synthetic partly
+    assert _sweep_verdicts(up, _summary(+0.03, acc_change=0.1), _dtaps(0.8))["R3-synthetic"] == "partly"
+
+
+def _rob(rises: dict[str, float]) -> pd.DataFrame:
+    return pd.concat([_summary(r).assign(variant=name) for name, r in rises.items()], ignore_index=True)
+
+
+def test_s3_robustness_combines_the_variants_and_flips():
+    up = _summary(+0.03)
+    assert _sweep_verdicts(up, up, _dtaps(0.8), _rob({"a": 0.03, "b": 0.02}))["S3-robustness"] == "reproduced"
+    assert _sweep_verdicts(up, up, _dtaps(0.8), _rob({"a": 0.03, "b": -0.02}))["S3-robustness"] == "partly"
+    assert _sweep_verdicts(up, up, _dtaps(0.8), _rob({"a": -0.03, "b": -0.02}))["S3-robustness"] == "not reproduced"
+    one = _rob({"a": 0.0}).query("ratio == 1.0")
+    assert _sweep_verdicts(up, up, _dtaps(0.8), one)["S3-robustness"] == "not tested"
+
+
+def test_robustness_verdicts_table_uses_the_rule_and_the_stuck_threshold():
+    rows = []
+    for name, rise in (("up", 0.05), ("down", -0.05)):
+        for p in P4:
+            for r in (1.0, 10.0):
+                for seed in (0, 1):
+                    acc = C.STUCK_ACC - 0.01 if (name == "down" and r == 10.0 and seed == 0) else 1.0
+                    rows.append({"variant": name, "parameterization": p, "ratio": r, "seed": seed, "diverged": 0.0,
+                                 "loss": 0.01, "accuracy": acc, "attn_relevant": ATT1[p] + (rise if r == 10.0 else 0),
+                                 "AC@0.5": 0.5, "AC@0.9": 0.5})
+    rv = sweep.robustness_verdicts(pd.DataFrame(rows))
+    assert rv.loc["up", "S3 verdict"] == "reproduced" and rv.loc["up", "stuck or diverged"] == 0
+    assert rv.loc["down", "S3 verdict"] == "not reproduced" and rv.loc["down", "stuck or diverged"] == 4
+    assert rv.loc["up", "attention up"] == 4 and rv.loc["down", "attention up"] == 0
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (dict(ratios=[1.0]), {"S3": "not tested", "R3-synthetic": "not tested", "S3-robustness": "not tested"}),
+    (dict(ratios=[100.0], parameterizations=["FAFO"]),
+     {"S1": "not tested", "S2": "not tested", "S3": "not tested", "R3-synthetic": "not tested",
+      "S3-robustness": "not tested"}),
+])
+def test_sweep_chapter_with_one_ratio_says_not_tested(overrides, expect):
+    from qkov_lib.experiments import synthetic as base
+
+    cfg = resolve(sweep.PROFILES, "test", seeds=[0], steps=20, robustness=False, **overrides)
+    grid = sweep.run_grid(cfg, matched_loss=cfg["matched_loss"])
+    table, mtable = base.runs_frame(grid.runs), base.runs_frame(grid.matched)
+    summary, matched = sweep.summarize_runs(grid.runs), sweep.matched_summary(grid.matched)
+    dtaps = base.mean_dtap(grid.runs)
+    eq = sweep.equal_rate(cfg["ratios"])
+    toward = sweep.fafo_toward(dtaps, cfg["ratios"], eq)
+    v = sweep.chapter_verdicts(summary, matched, dtaps, toward, None)
+    assert {k: v[k].verdict for k in expect} == expect
+    f = sweep.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
+    assert "not tested" in f["s3_sentence"] and "not tested" in f["r3_sentence"] and "not tested" in f["rob_sentence"]
+    assert f["thr_same_loss"] == "0.05 nats" and f["verdict_R3_synthetic"] == "not tested"
+    rows = sweep.claims(f, v)
+    assert [r["id"] for r in rows] == ["S1", "S2", "S3", "R3-synthetic", "S3-robustness"]
+    assert all(r["rule"] and r["reason"] and r["verdict"] in C.VERDICTS for r in rows)
+    if len(cfg["ratios"]) == 1 and len(cfg["parameterizations"]) == 4:
+        assert "move not tested" in v["S2"].reason
+
+
+# --- the claims helpers added for these chapters ------------------------------------------------
+def _v(verdict: str) -> C.Verdict:
+    return C.Verdict(verdict, C.S3_RULE, "x")
+
+
+@pytest.mark.parametrize("per_variant, expect", [
+    ({"a": _v("reproduced"), "b": _v("reproduced")}, "reproduced"),
+    ({"a": _v("reproduced"), "b": _v("not tested")}, "partly"),
+    ({"a": _v("reproduced"), "b": _v("not reproduced")}, "partly"),
+    ({"a": _v("not reproduced"), "b": _v("not reproduced")}, "not reproduced"),
+    ({"a": _v("not tested")}, "not tested"),
+    ({}, "not tested"),
+])
+def test_s3_robustness_reaches_every_verdict(per_variant, expect):
+    out = C.s3_robustness(per_variant)
+    assert out.verdict == expect and out.rule == C.S3_ROBUST_RULE and out.reason
+
+
+def test_s2_fafo_move_and_verdict_glue():
+    assert C.s2_fafo_move({"FACO": 0.5, "CACO": 0.4}, {"FACO": 0.1, "CACO": 0.3}) == "FACO"
+    assert C.s2_fafo_move({"FACO": 0.5, "CACO": 0.4}, {"FACO": 0.6, "CACO": 0.45}) == "neither"
+    assert C.s2_fafo_move({"FACO": 0.5, "CACO": 0.4}, {"FACO": float("nan"), "CACO": 0.3}) is None
+    g = C.verdict_glue({"R3-synthetic": _v("partly")})
+    assert g == {"verdict_R3_synthetic": "partly", "rule_R3_synthetic": C.S3_RULE, "reason_R3_synthetic": "x"}
+    assert C.verdict_frame({"S3": _v("partly")}).loc["S3", "verdict"] == "partly"
+    assert C.THRESHOLDS["CONST_TOL"].value == C.CONST_TOL
