@@ -134,3 +134,28 @@ def dtap_distance(h1, h2) -> float:
     import numpy as np
 
     return 0.5 * float(np.abs(np.asarray(h1, dtype=float) - np.asarray(h2, dtype=float)).sum())
+
+
+def mass_by_role(attn: Tensor, roles: dict[str, Tensor], key_mask: Tensor | None = None) -> dict[str, float]:
+    """Mean attention mass (over instances) that falls on each token role.
+
+    attn (N, T) attention rows; roles maps a role name to an (N, T) bool mask of the positions
+    that play it; the masks must not overlap. The mass left over (keys in no role) is reported
+    as ``"rest"`` unless a role of that name is given. Values are fractions that sum to 1 over
+    the roles (and ``rest``) when the rows of ``attn`` sum to 1 over ``key_mask``."""
+    if attn.dim() != 2:
+        raise ValueError(f"attn must be (N, T), got shape {tuple(attn.shape)}")
+    covered = torch.zeros_like(attn, dtype=torch.bool)
+    out: dict[str, float] = {}
+    for name, m in roles.items():
+        if m.shape != attn.shape:
+            raise ValueError(f"role {name!r} has shape {tuple(m.shape)}, expected {tuple(attn.shape)}")
+        m = m.bool()
+        if (covered & m).any():
+            raise ValueError(f"role {name!r} overlaps an earlier role")
+        covered |= m
+        out[name] = float((attn * m).sum(1).mean())
+    if "rest" not in out:
+        rest = ~covered if key_mask is None else key_mask.bool() & ~covered
+        out["rest"] = float((attn * rest).sum(1).mean())
+    return out

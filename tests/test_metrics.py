@@ -75,3 +75,18 @@ def test_circuit_scalars_by_hand():
     assert s["ov"] == pytest.approx(2.75)
     # QK: mean distinct score (1.5 + 0.5)/2 = 1 minus common score -1 -> 2
     assert s["qk"] == pytest.approx(2.0)
+
+
+def test_mass_by_role_by_hand():
+    from qkov_lib.metrics import mass_by_role
+
+    attn = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    subj = torch.tensor([[True, False, False], [False, False, True]])
+    attr = torch.tensor([[False, True, False], [False, False, False]])
+    out = mass_by_role(attn, {"subject": subj, "attractor": attr})
+    assert out == pytest.approx({"subject": (0.5 + 0.8) / 2, "attractor": 0.3 / 2, "rest": (0.2 + 0.2) / 2})
+    assert sum(out.values()) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="overlaps"):
+        mass_by_role(attn, {"a": subj, "b": subj})
+    with pytest.raises(ValueError, match="shape"):
+        mass_by_role(attn, {"a": subj[:, :2]})
