@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -220,11 +221,70 @@ def _write_config(cfg: Mapping[str, Any], path: Path) -> Path:
     return path
 
 
+INJECTED_TAG = "injected-parameters"  # papermill's tag on the cell it adds after `parameters`
+# a quoted absolute path in Python source: "/..." or "C:\..." / "C:/..."
+_ABS_PATH_LITERAL = re.compile(r"""(["'])((?:/|[A-Za-z]:[\\/])[^"'\n]*)\1""")
+_MACHINE_PATH = re.compile(r"^(?:/|~|[A-Za-z]:[\\/])")
+
+
+def _is_machine_path(value: Any) -> bool:
+    return isinstance(value, str) and bool(_MACHINE_PATH.match(value))
+
+
+def _file_name(path: str) -> str:
+    return re.split(r"[\\/]", path.rstrip("\\/"))[-1]
+
+
+def hide_injected_parameters(nb: Any) -> int:
+    """Hide papermill's injected-parameters cells of notebook ``nb`` (in place); returns how many.
+
+    papermill sets ``results_path`` to an absolute path on the machine that ran the chapter. Each
+    injected cell is tagged ``remove-cell`` (the page does not show it), and a markdown note after
+    it lists the run's other parameters and says why the cell is hidden. Absolute paths are cut
+    to their file names in the cell's source and in ``metadata.papermill``, so the downloadable
+    notebook carries no machine path either."""
+    import nbformat
+
+    pm = nb.metadata.get("papermill", {})
+    params = dict(pm.get("parameters") or {})
+    for key in ("input_path", "output_path"):
+        if _is_machine_path(pm.get(key)):
+            pm[key] = _file_name(pm[key])
+    if params:
+        pm["parameters"] = {k: _file_name(v) if _is_machine_path(v) else v for k, v in params.items()}
+    shown = ", ".join(f"`{k} = {v!r}`" for k, v in params.items() if not _is_machine_path(v))
+    paths = ", ".join(f"`{k}`" for k, v in params.items() if _is_machine_path(v))
+    why = (f"The cell is hidden because it also sets {paths} to a file path on the machine that ran "
+           f"the notebook; the downloadable notebook keeps only the file name." if paths else
+           "The cell is hidden; its values are listed here.")
+    hidden, cells = 0, []
+    for cell in nb.cells:
+        cells.append(cell)
+        tags = cell.get("metadata", {}).get("tags", [])
+        if INJECTED_TAG not in tags:
+            continue
+        cell.source = _ABS_PATH_LITERAL.sub(lambda m: f"{m.group(1)}{_file_name(m.group(2))}{m.group(1)}",
+                                            cell.source)
+        if "remove-cell" not in tags:
+            cell.metadata["tags"] = [*tags, "remove-cell"]
+        note = nbformat.v4.new_markdown_cell(
+            f"*This page was executed with papermill, which added a cell of parameters after the one "
+            f"above: {shown or 'no values besides paths'}. {why}*")
+        note.metadata["tags"] = ["papermill-parameters-note"]
+        cells.append(note)
+        hidden += 1
+    nb.cells = cells
+    return hidden
+
+
 def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: str | os.PathLike) -> Path:
     """A copy of the book at ``stage`` in which every chapter notebook is replaced by its
     papermill-executed version from ``executed`` (``<name>.ipynb``, as written by
-    :func:`qkov_lib.cli.run_chapter`) and execution is switched off. Raises
-    FileNotFoundError naming the chapters that have no executed notebook."""
+    :func:`qkov_lib.cli.run_chapter`) and execution is switched off. papermill's
+    injected-parameters cells are hidden with a note (:func:`hide_injected_parameters`); the
+    download menu still offers each chapter's ``.md`` from ``root`` (``qkov_source_dir``, read by
+    :mod:`qkov_lib.bookhtml`). Raises FileNotFoundError naming the chapters that have no executed
+    notebook."""
     import nbformat
 
     root, executed, stage = Path(root).resolve(), Path(executed).resolve(), Path(stage).resolve()
@@ -247,11 +307,14 @@ def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: 
     for src, nb_path in found.items():
         nb = nbformat.read(nb_path, as_version=4)
         nb.metadata.get("mystnb", {}).pop("execution_mode", None)
+        hide_injected_parameters(nb)
         rel = src.relative_to(root)
         (stage / rel).unlink(missing_ok=True)
         nbformat.write(nb, stage / rel.with_suffix(".ipynb"))
     cfg = _load_config(root)
     cfg.setdefault("execute", {})["execute_notebooks"] = "off"
+    sph = cfg.setdefault("sphinx", {})
+    sph["config"] = {**(sph.get("config") or {}), "qkov_source_dir": str(root)}
     _write_config(cfg, stage / "_config.yml")
     return stage
 

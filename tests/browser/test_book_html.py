@@ -1,11 +1,14 @@
-"""Browser test of the built book (``_build/html``) in headless Chromium.
+r"""Browser test of the built book (``_build/html``) in headless Chromium.
 
 Serves the HTML on 127.0.0.1 and checks, for every page of ``_toc.yml``: it loads and is linked
 from the navigation, every ``<img>`` decoded (natural width > 0), figures are images (no bare
-``<Figure size ...>`` text), math markup is there where the source has math (MathJax itself comes
-from a CDN and is not loaded offline), and no output cell shows a traceback. Also checks the
-search page (Sphinx's local ``searchindex.js``). Saves a full-page screenshot of every page to
-``_build/screenshots/``.
+``<Figure size ...>`` text), no output cell shows a traceback, no script comes from another host,
+and where the source has math, MathJax (served from the book's ``_static``) has typeset it:
+``mjx-container`` elements exist and no raw ``\(``, ``\[`` or ``$$`` is left in the visible text.
+On the synthetic chapter: progress bars are drawn (no "IProgress not found") and the download
+menu offers the chapter's ``.md`` and ``.ipynb`` (both fetched and parsed); a screenshot shows
+both (``book__01_synthetic__progress_downloads.png``). Also checks the search page (Sphinx's local
+``searchindex.js``). Saves a full-page screenshot of every page to ``_build/screenshots/``.
 
 Skips when the book is not built or Chromium/chromedriver/selenium are missing; set
 ``QKOV_BROWSER_REQUIRED=1`` (CI) to make those a failure instead. Paths: ``QKOV_BOOK_ROOT``
@@ -16,6 +19,7 @@ Skips when the book is not built or Chromium/chromedriver/selenium are missing; 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -38,6 +42,31 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-dev-shm-usage", "--window-size=1280,1000"]
 MATH_SOURCE = re.compile(r"\$[^$\n]+\$|\$\$|\{math\}|\\begin\{")
 WIDTH = 1280
+RAW_TEX = re.compile(r"\\\(|\\\[|\$\$")  # TeX delimiters MathJax would have consumed
+CHAPTER_WITH_BARS = "book/01_synthetic"
+# Resolves when MathJax has typeset the page ('ok'), or says why not.
+WAIT_MATHJAX = """
+const done = arguments[arguments.length - 1];
+const t0 = Date.now();
+(function poll() {
+  const mj = window.MathJax;
+  if (mj && mj.startup && mj.startup.promise) {
+    mj.startup.promise.then(() => done('ok'), e => done('MathJax error: ' + e));
+  } else if (Date.now() - t0 > 20000) {
+    done('MathJax did not start within 20 s');
+  } else { setTimeout(poll, 100); }
+})();
+"""
+# The article's visible text without code (cells, inline code may hold any characters).
+VISIBLE_PROSE = """
+const art = document.querySelector('article') || document.querySelector('main') || document.body;
+const code = Array.from(art.querySelectorAll('pre, code, .highlight, .cell_input'));
+const saved = code.map(e => e.style.display);
+code.forEach(e => { e.style.display = 'none'; });
+const text = art.innerText;
+code.forEach((e, i) => { e.style.display = saved[i]; });
+return text;
+"""
 
 
 def _toc_docs(root: Path) -> list[str]:
@@ -72,12 +101,21 @@ class _Quiet(SimpleHTTPRequestHandler):
         pass
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return  # the browser dropped a request it no longer needed (navigation, screenshot)
+        super().handle_error(request, client_address)
+
+
 @pytest.fixture(scope="session")
 def site() -> str:
     """Base URL of ``_build/html`` served on 127.0.0.1 by a thread of this test."""
     if not (HTML / "index.html").exists():
         _unavailable(f"the book is not built ({HTML / 'index.html'} missing; run `make book`)")
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(HTML)))
+    server = _Server(("127.0.0.1", 0), functools.partial(_Quiet, directory=str(HTML)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -150,6 +188,24 @@ def _screenshot(driver, doc: str) -> Path:
     return path
 
 
+def _assert_math_typeset(driver, site: str, doc: str) -> int:
+    """MathJax is loaded from the book's own ``_static``, has finished, drew ``mjx-container``
+    elements, and left no raw TeX delimiter in the visible prose. Returns the number drawn."""
+    loaders = driver.execute_script(
+        "return Array.from(document.querySelectorAll('script[src*=\"mathjax\" i]')).map(s => s.src)")
+    assert loaders, f"{doc}: no MathJax loader on a page with math"
+    assert all(u.startswith(f"{site}/_static/") for u in loaders), f"{doc}: MathJax not served by the book: {loaders}"
+    driver.set_script_timeout(30)
+    state = driver.execute_async_script(WAIT_MATHJAX)
+    assert state == "ok", f"{doc}: {state}"
+    n = driver.execute_script("return document.querySelectorAll('mjx-container').length")
+    assert n > 0, f"{doc}: the source has math but MathJax drew none"
+    prose = driver.execute_script(VISIBLE_PROSE)
+    raw = [prose[max(m.start() - 40, 0):m.end() + 40] for m in RAW_TEX.finditer(prose)]
+    assert not raw, f"{doc}: {len(raw)} formulas left as raw TeX, e.g. {raw[:3]}"
+    return n
+
+
 def test_toc_lists_pages():
     if not DOCS:
         _unavailable(f"no _toc.yml in {ROOT}")
@@ -189,17 +245,19 @@ def test_page(site, driver, doc):
     tb = [t for t in outputs if "Traceback (most recent call last)" in t or re.search(r"\w+Error\s+Traceback", t)]
     assert n_tb == 0 and not tb, f"{doc}: an output cell shows a traceback: {(tb or ['(error output)'])[0][:500]}"
 
-    # math markup where the source has math (MathJax typesets it when the CDN is reachable)
+    # no path of the machine that built the book (papermill's results_path, "results written to ...")
+    leaked = [d for d in {str(ROOT.resolve()), str(HTML.resolve().parent)} if d in driver.page_source]
+    assert not leaked, f"{doc}: the page shows a path of the build machine: {leaked}"
+
+    # the book works offline: every script is served by the book itself
+    scripts = driver.execute_script("return Array.from(document.scripts).map(s => s.src).filter(u => u)")
+    foreign = [u for u in scripts if not u.startswith(f"{site}/")]
+    assert not foreign, f"{doc}: scripts from other hosts (a CDN?): {foreign}"
+
+    # where the source has math, MathJax (local) has typeset it
     src = _source(doc)
     if src is not None and MATH_SOURCE.search(src.read_text(encoding="utf-8")):
-        n_math = driver.execute_script("return document.querySelectorAll('.math, mjx-container').length")
-        assert n_math > 0, f"{doc}: the source has math but the page has no math markup"
-        math_text = driver.execute_script(
-            "return Array.from(document.querySelectorAll('.math')).map(e => e.textContent).join(' ')")
-        assert "\\(" in math_text or "\\[" in math_text or "mjx" in driver.page_source, \
-            f"{doc}: math elements without TeX delimiters"
-        assert driver.execute_script("return !!document.querySelector('script[src*=\"mathjax\" i]')"), \
-            f"{doc}: no MathJax loader on a page with math"
+        _assert_math_typeset(driver, site, doc)
 
     shot = _screenshot(driver, doc)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
@@ -229,3 +287,65 @@ def test_search_page(site, driver, query):
     assert hits, f"no search results for {query!r}: {summary}"
     pages = {f"/{d}.html" for d in DOCS}
     assert any(h.split("?")[0].split("#")[0].endswith(tuple(pages)) for h in hits), hits
+
+
+@pytest.mark.parametrize("doc", ["book/intro", "book/02_theory_reduction"])
+def test_equations_typeset(site, driver, doc):
+    """The pages named in the issue: the intro and a theory chapter show typeset formulas."""
+    if doc not in DOCS:
+        pytest.fail(f"{doc} is not in _toc.yml any more; name another page with math here")
+    _open(driver, f"{site}/{doc}.html")
+    n = _assert_math_typeset(driver, site, doc)
+    print(f"{doc}: {n} formulas typeset by the local MathJax")
+
+
+def test_chapter_progress_bars_and_source_downloads(site, driver):
+    doc = CHAPTER_WITH_BARS
+    if doc not in DOCS:
+        pytest.fail(f"{doc} is not in _toc.yml any more; name the chapter with a progress bar here")
+    _open(driver, f"{site}/{doc}.html")
+    text = driver.execute_script("return document.body.innerText")
+    assert "IProgress not found" not in text, f"{doc}: tqdm fell back to text (ipywidgets missing at build time)"
+    bars = driver.execute_script(
+        "return Array.from(document.querySelectorAll('.cell_output progress'))"
+        ".map(p => ({value: p.value, max: p.max, shown: p.getBoundingClientRect().width > 0}))")
+    assert bars and all(b["shown"] for b in bars), f"{doc}: no visible progress bar in the outputs: {bars}"
+    assert any(b["value"] == b["max"] > 0 for b in bars), f"{doc}: no finished progress bar: {bars}"
+
+    # the download menu: .md (the Jupytext source) and .ipynb (the executed notebook), both served
+    links = driver.execute_script(
+        "return Array.from(document.querySelectorAll('.dropdown-download-buttons a'))"
+        ".map(a => ({href: a.href, text: a.innerText.trim()}))")
+    by_text = {link["text"]: link["href"] for link in links}
+    assert {".md", ".ipynb"} <= set(by_text), f"{doc}: download menu lacks .md/.ipynb: {links}"
+    with urllib.request.urlopen(by_text[".md"], timeout=30) as resp:
+        md = resp.read().decode()
+    assert md.startswith("---") and "jupytext:" in md.split("---")[1] and ":tags: [parameters]" in md
+    with urllib.request.urlopen(by_text[".ipynb"], timeout=30) as resp:
+        nb = json.loads(resp.read())
+    tags = [t for c in nb["cells"] for t in c.get("metadata", {}).get("tags", [])]
+    assert "parameters" in tags and any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code")
+    outputs = json.dumps([c.get("outputs", []) for c in nb["cells"]])
+    assert str(ROOT.resolve()) not in outputs, f"{doc}: the .ipynb download shows a path of the build machine"
+
+    # screenshot: the first progress bar in view, the download menu open above it (after MathJax
+    # has typeset the page, which moves everything below the formulas)
+    driver.set_script_timeout(30)
+    assert driver.execute_async_script(WAIT_MATHJAX) == "ok"
+    # open the menu first: opening it scrolls the page; the sticky header keeps it in view
+    driver.execute_script("document.querySelector('.dropdown-download-buttons button').click()")
+    time.sleep(0.5)
+    driver.execute_script("document.querySelector('.cell_output progress').scrollIntoView({block: 'center'})")
+    time.sleep(0.5)
+    shown = driver.execute_script(
+        "return Array.from(document.querySelectorAll('.dropdown-download-buttons a'))"
+        ".filter(a => a.getBoundingClientRect().height > 0).map(a => a.innerText.trim())")
+    assert {".md", ".ipynb"} <= set(shown), f"{doc}: the download menu did not open: {shown}"
+    in_view = driver.execute_script(
+        "const r = document.querySelector('.cell_output progress').getBoundingClientRect();"
+        "return r.top >= 0 && r.bottom <= window.innerHeight")
+    assert in_view, f"{doc}: the progress bar is not in view for the screenshot"
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    shot = SHOTS / f"{doc.replace('/', '__')}__progress_downloads.png"
+    driver.save_screenshot(str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
