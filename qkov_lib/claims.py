@@ -104,6 +104,8 @@ MIN_GAIN_SUFF = _threshold("MIN_GAIN_SUFF", 0.01, "", "smallest fall of the suff
                                                       "(p(y|x) - p(y|top-k)) that counts as an improvement")
 HEAD_DELTA = _threshold("HEAD_DELTA", 0.02, "", "smallest change of a head's attention on the relevant token that "
                                                 "counts as a change (multi-layer chapter)")
+TRAINED_MARGIN = _threshold("TRAINED_MARGIN", 0.05, "", "a real-data run 'trained' when its validation accuracy "
+                                                       "beats the majority-class rate by at least this (fraction)")
 TOL_GRAD = _threshold("TOL_GRAD", 1e-12, "", "largest entrywise gap between reduced and autograd loss/gradients (T1)")
 TOL_VELOCITY = _threshold("TOL_VELOCITY", 1e-9, "", "largest relative gap between the rescaled ODE and "
                                                     "factor-level autograd (T2)")
@@ -457,6 +459,23 @@ def heads_sharpen(layer_gains: Sequence[float]) -> Verdict:
     k = sum(x >= HEAD_DELTA for x in g)
     v = "reproduced" if k == len(g) else "partly" if k else "not reproduced"
     return Verdict(v, HEADS_RULE, f"head-mean attention rose in {k}/{len(g)} layers (largest {max(g):+.3f})")
+
+
+TUNED_RULE = ("reproduced: the claim's rule gives 'reproduced' at the tuned base rate (best validation metric at "
+              "ratio 1) of every optimizer; not reproduced: at none of them; partly: at some; not tested: no tuned "
+              "base rate could be tested")
+
+
+def tuned_region(at_tuned: Mapping[str, str]) -> Verdict:
+    """A claim's verdict over the base-rate map, from its verdict (by its own rule) at the tuned
+    base rate of each optimizer, e.g. ``{"adamw": "reproduced", "sgd": "partly"}``."""
+    tested = {o: v for o, v in at_tuned.items() if v != "not tested"}
+    if not tested:
+        return Verdict("not tested", TUNED_RULE, "no tuned base rate could be tested")
+    k = sum(v == "reproduced" for v in tested.values())
+    n_not = sum(v == "not reproduced" for v in tested.values())
+    v = "reproduced" if k == len(tested) else "not reproduced" if n_not == len(tested) else "partly"
+    return Verdict(v, TUNED_RULE, "; ".join(f"{o}: {x}" for o, x in at_tuned.items()))
 
 
 RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,

@@ -40,6 +40,10 @@ CASES = {
                             "not reproduced": (0.0, -0.1, 0.05), "not tested": (None, None, None)},
     "heads_sharpen": {"reproduced": ([0.05, 0.03],), "partly": ([0.05, 0.0],), "not reproduced": ([0.0, -0.1],),
                       "not tested": ([],)},
+    "tuned_region": {"reproduced": ({"adamw": "reproduced", "sgd": "reproduced"},),
+                     "partly": ({"adamw": "reproduced", "sgd": "not reproduced"},),
+                     "not reproduced": ({"adamw": "not reproduced", "sgd": "not tested"},),
+                     "not tested": ({"adamw": "not tested"},)},
     "r3_decoupled": {"reproduced": ([0.1], [0.0]), "partly": ([0.1], [0.1]), "not reproduced": ([-0.1], [0.0]),
                      "not tested": ([], [])},
 }
@@ -53,7 +57,7 @@ def test_rule_reaches_verdict(rule, verdict):
 
 
 def test_every_rule_is_covered_and_every_rule_can_fail():
-    assert {f.__name__ for f in C.RULES.values()} | {"heads_sharpen"} == set(CASES)
+    assert {f.__name__ for f in C.RULES.values()} | {"heads_sharpen", "tuned_region"} == set(CASES)
     for rule, vs in CASES.items():
         assert "not reproduced" in vs and "reproduced" in vs and "not tested" in vs, rule
 

@@ -1,0 +1,253 @@
+"""The real-data protocol: base rate × ratio maps, trained-run filtering and region verdicts.
+
+The paper tunes a model, then raises the QK rate with everything else fixed; which base rate it
+used is unknown. So each dataset chapter maps the claim over a grid of base rates ``eta_ov`` and
+ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validation split:
+
+1. :func:`grid` lists the runs (optimizer × base rate × ratio × seed); :func:`train_grid` trains
+   them with :func:`qkov_lib.stacked.train_stacked` (one stack per optimizer) and evaluates each
+   on the validation and the test split.
+2. :func:`trained` marks the runs that learned the task (validation accuracy above chance by
+   :data:`qkov_lib.claims.TRAINED_MARGIN`); failed runs are counted, not averaged in.
+3. :func:`select_base_rates` picks, per optimizer, the base rate with the best validation metric
+   at ratio 1 -- the tuned model the paper's protocol starts from.
+4. :func:`phase_table` gives, per (optimizer, base rate, ratio), the change of each test metric
+   against ratio 1 paired by seed, with its 95% seed interval and whether it is significant.
+5. :func:`cell_verdicts` applies the R1-R3 rules of :mod:`qkov_lib.claims` in every (optimizer,
+   base rate) column of the map; :func:`region_verdicts` states the verdict at the tuned base
+   rates (:func:`qkov_lib.claims.tuned_region`) and the region in which each claim holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from .. import claims
+from ..data.batch import Batch
+from ..stacked import train_stacked
+from ..training import TrainConfig
+
+PHASE_METRICS = ("accuracy", "macro_f1", "attn_relevant", "AC@0.5", "ACMC@0.5", "sufficiency")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the map."""
+
+    optimizer: str
+    eta_ov: float
+    ratio: float
+    seed: int
+
+
+def grid(optimizers: Sequence[str], base_rates: Mapping[str, Sequence[float]], ratios: Sequence[float],
+         seeds: Sequence[int]) -> list[Cell]:
+    """Every (optimizer, base rate of that optimizer, ratio, seed); ratio 1 must be among the
+    ratios (it is the reference of every comparison)."""
+    if 1.0 not in [float(r) for r in ratios]:
+        raise ValueError(f"the ratios must include 1 (the reference), got {list(ratios)}")
+    missing = [o for o in optimizers if o not in base_rates or not base_rates[o]]
+    if missing:
+        raise ValueError(f"no base rates for optimizer(s) {missing}; base_rates has {sorted(base_rates)}")
+    return [Cell(o, float(e), float(r), int(s)) for o in optimizers for e in base_rates[o]
+            for r in ratios for s in seeds]
+
+
+def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], train: Batch, val: Batch,
+               test: Batch, config: Callable[[Cell], TrainConfig],
+               measure: Callable[[nn.Module, Batch], Mapping[str, float]], max_stack: int = 64,
+               desc: str = "map") -> pd.DataFrame:
+    """Train every cell and measure it: one row per cell with its settings, ``diverged``,
+    ``stop_step``, the validation metrics (``val_<metric>``) and the test metrics.
+
+    ``make_model(seed)`` builds a fresh model (the same initialisation for every cell of a seed,
+    so ratios are compared from the same start); ``config(cell)`` its training config;
+    ``measure(model, batch)`` the metrics of a trained model on a split. Cells are trained in
+    stacks of at most ``max_stack`` models that share an optimizer."""
+    rows = []
+    by_opt: dict[str, list[Cell]] = {}
+    for c in cells:
+        by_opt.setdefault(c.optimizer, []).append(c)
+    for opt, group in by_opt.items():
+        for i in range(0, len(group), max_stack):
+            chunk = group[i:i + max_stack]
+            models = [make_model(c.seed) for c in chunk]
+            hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
+                                  desc=f"{desc} {opt} {i // max_stack + 1}")
+            for c, m, h in zip(chunk, models, hists):
+                row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
+                if h.diverged_step is None:
+                    row.update({f"val_{k}": v for k, v in measure(m, val).items()})
+                    row.update(measure(m, test))
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def trained(table: pd.DataFrame, chance: float, metric: str = "val_accuracy") -> pd.Series:
+    """True for the runs that learned the task: not diverged and ``metric`` at least ``chance``
+    (e.g. the majority-class rate of the validation split) plus :data:`claims.TRAINED_MARGIN`."""
+    ok = ~table["diverged"].astype(bool)
+    if metric in table:
+        ok &= table[metric].fillna(-np.inf) >= chance + claims.TRAINED_MARGIN
+    else:
+        ok &= False
+    return ok
+
+
+def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy") -> dict[str, float]:
+    """Per optimizer, the base rate whose trained runs at ratio 1 have the best mean ``metric``
+    on the validation split (the test split chooses nothing). Needs the ``trained`` column."""
+    ref = table[(table["ratio"] == 1.0) & table["trained"]]
+    out = {}
+    for opt, g in ref.groupby("optimizer", sort=False):
+        means = g.groupby("eta_ov")[metric].mean()
+        out[opt] = float(means.idxmax())
+    return out
+
+
+def _half_width(d: np.ndarray) -> float:
+    from scipy import stats
+
+    n = len(d)
+    return float(stats.t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+
+
+def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS) -> pd.DataFrame:
+    """Per (optimizer, eta_ov, ratio): runs, trained runs, the failure rate, the mean of each
+    metric over trained runs, and its change against ratio 1 paired by seed (``d_<metric>``, only
+    seeds whose both runs trained) with the 95% half-width ``d_<metric>_ci`` and
+    ``d_<metric>_sig`` (the interval excludes 0; with one seed, never)."""
+    rows = []
+    for (opt, eta), g in table.groupby(["optimizer", "eta_ov"], sort=False):
+        ref = g[(g["ratio"] == 1.0) & g["trained"]].set_index("seed")
+        for r, h in g.groupby("ratio", sort=True):
+            ok = h[h["trained"]].set_index("seed")
+            row = {"optimizer": opt, "eta_ov": eta, "ratio": r, "runs": len(h), "trained_runs": len(ok),
+                   "failure_rate": 1 - len(ok) / len(h) if len(h) else math.nan}
+            both = ok.index.intersection(ref.index)
+            for m in metrics:
+                if m not in g:
+                    continue
+                row[m] = float(ok[m].mean()) if len(ok) else math.nan
+                d = (ok.loc[both, m] - ref.loc[both, m]).to_numpy(dtype=float)
+                d = d[np.isfinite(d)]
+                row[f"d_{m}"] = float(d.mean()) if len(d) else math.nan
+                row[f"d_{m}_ci"] = _half_width(d) if len(d) else math.nan
+                row[f"d_{m}_sig"] = bool(len(d) > 1 and abs(d.mean()) > row[f"d_{m}_ci"])
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def cell_verdicts(phase: pd.DataFrame) -> pd.DataFrame:
+    """R1-R3 by the rules of :mod:`qkov_lib.claims` in each (optimizer, eta_ov) column of the map:
+    every ratio above 1 against ratio 1 (R1, R3), the highest ratio against ratio 1 (R2)."""
+    rows = []
+    for (opt, eta), g in phase.groupby(["optimizer", "eta_ov"], sort=False):
+        hi = g[g["ratio"] > 1.0].sort_values("ratio")
+        top = hi.iloc[-1] if len(hi) else None
+
+        def col(m: str) -> list[float]:
+            return list(hi[f"d_{m}"]) if f"d_{m}" in hi else []
+
+        def at_top(m: str) -> tuple[float | None, float]:
+            if top is None or f"d_{m}" not in top:
+                return None, math.nan
+            return float(top[f"d_{m}"]), float(top[f"d_{m}_ci"])
+
+        (ac, ac_ci), (acmc, acmc_ci), (suff, suff_ci) = at_top("AC@0.5"), at_top("ACMC@0.5"), at_top("sufficiency")
+        vs = {"R1": claims.r1_performance_stable(col("accuracy"), col("macro_f1")),
+              "R2": claims.r2_interpretability(ac, acmc, suff, noise=[ac_ci, acmc_ci, suff_ci]),
+              "R3": claims.r3_decoupled(col("attn_relevant"), col("accuracy"))}
+        for cid, v in vs.items():
+            rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "reason": v.reason})
+    return pd.DataFrame(rows)
+
+
+def region_verdicts(cells: pd.DataFrame, selected: Mapping[str, float]) -> dict[str, tuple[claims.Verdict, str]]:
+    """Per claim: the verdict at the tuned base rate of every optimizer
+    (:func:`qkov_lib.claims.tuned_region`) and the region of the map where the claim is
+    reproduced, as text (``adamw: eta_ov 1e-3, 3e-3; sgd: none``)."""
+    out = {}
+    for cid, g in cells.groupby("claim", sort=True):
+        tuned = {opt: g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)]["verdict"].iloc[0]
+                 for opt, eta in selected.items() if len(g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)])}
+        holds = [f"{opt}: " + (", ".join(f"eta_ov {e:g}" for e in h["eta_ov"]) or "none")
+                 for opt, h in ((o, g[(g["optimizer"] == o) & (g["verdict"] == "reproduced")])
+                                for o in dict.fromkeys(g["optimizer"]))]
+        out[cid] = (claims.tuned_region(tuned), "; ".join(holds))
+    return out
+
+
+def plot_phase(phase: pd.DataFrame, metrics: Sequence[str], selected: Mapping[str, float] | None = None):
+    """Heatmaps of ``d_<metric>`` (change against ratio 1) over base rate (rows) × ratio
+    (columns), one panel per (optimizer, metric); significant cells are marked with ``*``, and
+    the tuned base rate's row is outlined."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from ..plotting import FACE, setup
+
+    setup()
+    opts = list(dict.fromkeys(phase["optimizer"]))
+    metrics = [m for m in metrics if f"d_{m}" in phase]
+    fig, axes = plt.subplots(len(opts), len(metrics), figsize=(3.6 * len(metrics) + 0.6, 2.6 * len(opts) + 0.6),
+                             squeeze=False, facecolor=FACE)
+    for i, opt in enumerate(opts):
+        sub = phase[phase["optimizer"] == opt]
+        for j, m in enumerate(metrics):
+            ax = axes[i, j]
+            val = sub.pivot(index="eta_ov", columns="ratio", values=f"d_{m}")
+            sig = sub.pivot(index="eta_ov", columns="ratio", values=f"d_{m}_sig").reindex_like(val)
+            text = val.map(lambda v: "" if not np.isfinite(v) else f"{v:+.2f}")
+            text = text + sig.map(lambda s: "*" if s == True else "")  # noqa: E712 (numpy bools)
+            lim = float(np.nanmax(np.abs(val.to_numpy()))) if np.isfinite(val.to_numpy()).any() else 1.0
+            sns.heatmap(val, ax=ax, cmap="RdBu", center=0, vmin=-lim or -1, vmax=lim or 1, annot=text, fmt="",
+                        cbar=j == len(metrics) - 1, linewidths=0.5, linecolor="white")
+            ax.set_title(f"{opt}: Δ {m}", fontsize=9)
+            ax.set_xlabel("eta_QK / eta_OV")
+            ax.set_ylabel("eta_OV")
+            ax.set_yticklabels([f"{e:g}" for e in val.index], rotation=0)
+            ax.set_xticklabels([f"{r:g}" for r in val.columns])
+            if selected and opt in selected and selected[opt] in list(val.index):
+                k = list(val.index).index(selected[opt])
+                ax.add_patch(plt.Rectangle((0, k), len(val.columns), 1, fill=False, edgecolor="black", lw=2))
+    fig.tight_layout()
+    return fig
+
+
+def failures(table: pd.DataFrame) -> pd.DataFrame:
+    """Runs that did not train, per (optimizer, eta_ov, ratio): how many of how many."""
+    g = table.groupby(["optimizer", "eta_ov", "ratio"], sort=False)["trained"]
+    return pd.DataFrame({"failed": g.apply(lambda s: int((~s).sum())), "runs": g.size()}).reset_index()
+
+
+def synthetic_demo(n: int = 600, T: int = 8, vocab: int = 12, seed: int = 0) -> tuple[Batch, Batch, Batch]:
+    """A tiny token task for tests: the class is the id of the one token in ``[1, 4]`` of each
+    sequence (the relevant position); the other tokens are noise ids in ``[5, vocab)``; the last
+    position is the query token 0. Returns train, validation and test batches."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def make(k: int) -> Batch:
+        tokens = torch.randint(5, vocab, (k, T), generator=gen)
+        pos = torch.randint(0, T - 1, (k,), generator=gen)
+        y = torch.randint(0, 4, (k,), generator=gen)
+        tokens[torch.arange(k), pos] = y + 1
+        tokens[:, -1] = 0
+        key_mask = torch.ones(k, T, dtype=torch.bool)
+        key_mask[:, -1] = False
+        relevant = torch.zeros(k, T, dtype=torch.bool)
+        relevant[torch.arange(k), pos] = True
+        return Batch(tokens, key_mask, relevant, y)
+
+    return make(n), make(n // 3), make(n // 3)
+
+
+__all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table", "cell_verdicts",
+           "region_verdicts", "plot_phase", "failures", "synthetic_demo", "PHASE_METRICS"]
