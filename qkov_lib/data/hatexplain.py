@@ -11,6 +11,8 @@
   of the annotators' token rationales, on posts whose majority label is not normal. A
   non-normal post without any rationale token is kept for classification and counted as
   ``test_empty_rationale``; it has no relevant tokens, so the attention metrics skip it.
+* Validation: :func:`load_with_val` also returns the official validation split (with
+  rationales), encoded with the training vocabulary, for choosing settings and early stopping.
 * Words: the given post tokens (already word-tokenised in the source), as they are.
   Posts longer than the cap keep their first ``max_len - 1`` words; truncations and cut
   rationale tokens are counted. The query token ``<query>`` follows the post.
@@ -25,7 +27,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from . import sources
-from .text import Example, TextDataset, capped_words, count, finish, subsample, truncate
+import torch
+
+from .batch import Batch
+from .text import (PAD_ID, Example, TextDataset, Vocabulary, capped_words, count, encode, finish, subsample,
+                   truncate)
 
 CLASS_NAMES = ["hatespeech", "normal", "offensive"]
 NORMAL = 1
@@ -115,24 +121,63 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 96, min_freq:
     if train_split not in ("train", "val"):
         raise ValueError(f"train_split must be 'train' or 'val', got {train_split!r}")
     report: dict[str, int] = {}
-    if sources.use_hub(source):
-        hub = sources.load_hub("hatexplain")
-        train_ex = post_examples(hub["train" if train_split == "train" else "validation"].to_list(), max_len, report, "train", False)
-        test_ex = post_examples(hub["test"].to_list(), max_len, report, "test")
-    else:
-        test_ex = post_examples(_jsonl(SPLIT_FILES["test"], data_dir, verify), max_len, report, "test")
-        if train_split == "val":
-            train_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, report, "train", False)
-        elif sources.first_present((TRAIN_JSONL, TRAIN_CSV), data_dir) == TRAIN_JSONL:
-            train_ex = post_examples(_jsonl(TRAIN_JSONL, data_dir, verify), max_len, report, "train", False)
-        else:
-            rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
-            train_ex = csv_examples(rows, max_len, report)
+    train_ex, test_ex = _train_test_examples(data_dir, max_len, train_split, verify, source, report)
     report["test_with_rationale"] = sum(bool(e.relevant) for e in test_ex)
     train_ex, test_ex = subsample(train_ex, n_train, seed), subsample(test_ex, n_test, seed + 1)
     notes = [f"HateXplain: train on the official {train_split} split (labels only), test on the official test split; "
              "relevant = union of annotator rationales on non-normal posts."]
     return finish("hatexplain", train_ex, test_ex, CLASS_NAMES, report, min_freq, query_is_key=query_is_key, notes=notes)
+
+
+def _train_test_examples(data_dir, max_len: int, train_split: str, verify: bool, source: str | None,
+                         report: dict[str, int]) -> tuple[list[Example], list[Example]]:
+    """Train examples (labels only) and test examples (with rationales) of :func:`load`."""
+    if sources.use_hub(source):
+        hub = sources.load_hub("hatexplain")
+        train_ex = post_examples(hub["train" if train_split == "train" else "validation"].to_list(), max_len, report, "train", False)
+        return train_ex, post_examples(hub["test"].to_list(), max_len, report, "test")
+    test_ex = post_examples(_jsonl(SPLIT_FILES["test"], data_dir, verify), max_len, report, "test")
+    if train_split == "val":
+        train_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, report, "train", False)
+    elif sources.first_present((TRAIN_JSONL, TRAIN_CSV), data_dir) == TRAIN_JSONL:
+        train_ex = post_examples(_jsonl(TRAIN_JSONL, data_dir, verify), max_len, report, "train", False)
+    else:
+        rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
+        train_ex = csv_examples(rows, max_len, report)
+    return train_ex, test_ex
+
+
+def pad_to(batch: Batch, length: int) -> Batch:
+    """``batch`` left-padded with extra ``<pad>`` columns (not keys, not relevant) to ``length``."""
+    N, T = batch.tokens.shape
+    if length < T:
+        raise ValueError(f"cannot pad a batch of length {T} down to {length}")
+    k = length - T
+
+    def grow(t, fill):
+        return torch.cat([t.new_full((N, k), fill), t], dim=1)
+
+    return Batch(grow(batch.tokens, PAD_ID), grow(batch.key_mask, False), grow(batch.relevant, False), batch.y, batch.weight)
+
+
+def load_with_val(data_dir: str | os.PathLike | None = None, max_len: int = 96, min_freq: int = 2,
+                  n_train: int | None = None, n_test: int | None = None, n_val: int | None = None, seed: int = 0,
+                  verify: bool = True, query_is_key: bool = False) -> tuple[TextDataset, Batch]:
+    """HateXplain with its official validation split: ``(dataset, val)``. The dataset is
+    :func:`load` (train on the official train split, test on the test split); ``val`` is the
+    official validation split encoded with the training vocabulary, with rationales as
+    ``relevant`` (union of annotators, non-normal posts), at the same padded length as train
+    and test (all three are left-padded to the longest). Validation counts go to the report
+    under ``val_*``; ``n_val`` subsamples it with ``seed + 2``."""
+    ds = load(data_dir, max_len, min_freq, n_train, n_test, seed, "train", verify, query_is_key)
+    val_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, ds.report, "val")
+    val_ex = subsample(val_ex, n_val, seed + 2)
+    ds.report["val_used"] = len(val_ex)
+    length = max(ds.max_len, max(len(e.tokens) for e in val_ex) + 1)
+    val = encode(val_ex, Vocabulary(list(ds.vocab)), length, query_is_key)
+    ds.train, ds.test = pad_to(ds.train, length), pad_to(ds.test, length)
+    ds.notes.append("Validation: the official validation split, for choosing settings and early stopping.")
+    return ds, val
 
 
 def _jsonl(rel: str, data_dir, verify: bool):
