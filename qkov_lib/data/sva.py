@@ -7,7 +7,8 @@ Two sources (see the data README):
   (singular / plural); relevant token: the subject noun at ``subject_index`` (exact, from the
   templates). Minimal pairs that share a prefix are the same input, so the items are the
   *distinct prefixes*; they are split at random (``test_frac``, ``seed``) so that no test
-  prefix occurs in training.
+  prefix occurs in training. ``test_info["roles"]`` gives every word's token role
+  (:func:`prefix_roles`: subject, other nouns, verbs that carry a number, last word, rest).
 * ``"sva_linzen"`` -- Linzen et al. (2016) natural Wikipedia prefixes. Train pool:
   ``numpred.val`` (15,772 prefixes); test: the attractor sets ``numpred.test.{1..5}``
   (64,750 prefixes, ``n_attractors`` in ``test_info``). Labels VBZ -> singular, VBP -> plural.
@@ -34,12 +35,82 @@ LINZEN_TEST_FILE = "sva/linzen2016_numpred.test_attractors.tsv.gz"
 NUMBER = {"sing": 0, "plur": 1}
 LINZEN_LABEL = {"VBZ": 0, "VBP": 1}
 
+# Token roles of a Marvin & Linzen prefix, one letter per word (see :func:`prefix_roles`).
+ROLE_CODES = {"S": "subject", "A": "attractor", "V": "verb", "L": "last", "-": "rest"}
+# Nouns of the fixed verb phrases of ``long_vp_coord`` ("enjoys playing tennis with colleagues", "is twenty
+# three years old", "knows many different foreign languages", "likes to watch television shows",
+# "writes in a journal every day"); they are not template noun slots, so no subject lists them.
+LONG_VP_NOUNS = ("tennis", "colleagues", "years", "languages", "shows", "journal", "day")
+
+
+def prefix_roles(words: list[str], subject_index: int, nouns: set[str] | frozenset[str],
+                 verb_forms: set[str] | frozenset[str]) -> str:
+    """The role of every word of a Marvin & Linzen prefix (the words before the target verb),
+    one letter per word, by the first rule that applies:
+
+    * ``S`` subject -- the word at ``subject_index`` (the noun the target verb agrees with);
+    * ``A`` attractor (another noun) -- a word in ``nouns``: the template nouns (every word that
+      is the subject of some row or heads a sentence's first noun phrase, both numbers, e.g.
+      ``chef``/``chefs``, ``driver``, ``mechanic``) plus :data:`LONG_VP_NOUNS`. Fixed words of the prepositions ("to the *side* of", "in *front* of")
+      and compound modifiers ("*taxi* driver", "*television* shows") are not counted;
+    * ``V`` verb that already carries a number -- a word in ``verb_forms``: the present-tense
+      forms the templates inflect for number (every ``verb_good``/``verb_bad`` of the file, e.g.
+      ``is``/``are``, ``likes``/``like``). In the prefixes these are the relative-clause verbs
+      (``subj_rel``: agrees with the subject; ``obj_rel_across*``: agrees with the embedded noun,
+      i.e. the attractor) and the first verb of a coordination (``vp_coord``, ``long_vp_coord``:
+      agrees with the subject). Past tense (``knew``, ``said``, ``thought`` in ``sent_comp``),
+      gerunds and infinitives carry no number and stay ``rest``;
+    * ``L`` last word -- the word right before the target verb, if no rule above applies
+      (mostly ``and`` in the coordinations);
+    * ``-`` rest -- everything else (``the``, ``that``, prepositions, adjectives, ...).
+
+    The roles therefore do not overlap; the last word can also be the subject (``simple_agrmt``,
+    ``*_within_*``, ``sent_comp``), an attractor (``prep_*``, ``subj_rel``) or a verb
+    (``obj_rel_across*``), and then carries that role."""
+    if not words:
+        raise ValueError("prefix_roles needs a non-empty prefix")
+    if not 0 <= subject_index < len(words):
+        raise ValueError(f"subject_index {subject_index} is outside the prefix of {len(words)} words")
+    out = []
+    for i, w in enumerate(words):
+        if i == subject_index:
+            out.append("S")
+        elif w in nouns:
+            out.append("A")
+        elif w in verb_forms:
+            out.append("V")
+        elif i == len(words) - 1:
+            out.append("L")
+        else:
+            out.append("-")
+    return "".join(out)
+
+
+def template_lexicon(rows: list[dict]) -> tuple[frozenset[str], frozenset[str]]:
+    """``(nouns, verb_forms)`` of :func:`prefix_roles` from all Marvin & Linzen rows: the
+    subjects, the head noun of every sentence's first noun phrase (e.g. ``mechanic`` in
+    ``sent_comp``, never a subject) and :data:`LONG_VP_NOUNS`; and every target verb form."""
+    from .convert import COMPOUND_MODIFIERS  # lazy: convert imports this module
+
+    def first_noun(words: list[str]) -> str:  # "the N ..." or "the taxi N ..."
+        return words[2] if words[1] in COMPOUND_MODIFIERS and len(words) > 2 else words[1]
+
+    sentences = [str(r["sentence_good"]).split() for r in rows]
+    nouns = (frozenset(str(r["subject"]) for r in rows) | frozenset(LONG_VP_NOUNS)
+             | frozenset(first_noun(w) for w in sentences if len(w) > 1))
+    verbs = frozenset(str(r[k]) for r in rows for k in ("verb_good", "verb_bad"))
+    if nouns & verbs:
+        raise ValueError(f"words {sorted(nouns & verbs)[:5]} are both template nouns and verb forms")
+    return nouns, verbs
+
 
 def marvin_linzen_examples(rows, max_len: int, report: dict[str, int]) -> list[Example]:
     """Distinct-prefix examples from Marvin & Linzen rows (dicts with ``sentence_good``,
     ``verb_index``, ``subject_index``, ``subject``, ``target_number``, ``condition``).
     Counts in ``report`` (prefix ``all_``): read, duplicate prefixes, conflicting labels,
     bad subject index, bad label, truncated and skipped-because-the-subject-was-cut prefixes."""
+    rows = list(rows)
+    nouns, verb_forms = template_lexicon(rows)
     by_prefix: dict[tuple[str, ...], Example] = {}
     labels: dict[tuple[str, ...], set[int]] = {}
     for r in rows:
@@ -58,7 +129,8 @@ def marvin_linzen_examples(rows, max_len: int, report: dict[str, int]) -> list[E
         if prefix in by_prefix:
             count(report, "all_duplicate_prefix")
             continue
-        by_prefix[prefix] = Example(list(prefix), [s], y, info={"condition": r["condition"], "subject": r["subject"]})
+        by_prefix[prefix] = Example(list(prefix), [s], y, info={"condition": r["condition"], "subject": r["subject"],
+                                                              "roles": prefix_roles(list(prefix), s, nouns, verb_forms)})
     out = []
     for prefix, ex in by_prefix.items():
         if len(labels[prefix]) > 1:
@@ -70,7 +142,8 @@ def marvin_linzen_examples(rows, max_len: int, report: dict[str, int]) -> list[E
             continue
         if t.n_cut:
             count(report, "all_truncated_prefix_over_cap")
-        out.append(Example(t.tokens, t.relevant, ex.y, info=ex.info))
+        # the roles string has one letter per word: cut it like the words
+        out.append(Example(t.tokens, t.relevant, ex.y, info={**ex.info, "roles": ex.info["roles"][t.n_cut:]}))
     report["all_distinct_prefixes"] = len(by_prefix)
     return out
 
