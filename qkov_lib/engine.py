@@ -23,8 +23,8 @@ which is exactly the model's forward pass regrouped by type (this is also why
 initialisation is the library's own), their :class:`~qkov_lib.training.TrainConfig` s, and gets
 every learning rate from :func:`~qkov_lib.models.param_groups`. The updates are those of
 ``torch.optim.SGD`` (``gd``/``sgd``, momentum and weight decay included) and
-``torch.optim.AdamW``, written out elementwise with a per-model learning rate (Adam is
-elementwise, so stacking models changes nothing). Minibatch orders replay
+``torch.optim.AdamW`` with a per-model learning rate, from :mod:`qkov_lib.optim` (the one
+implementation the token-model trainer uses too). Minibatch orders replay
 :func:`~qkov_lib.training.train`'s seeded ``randperm``. Logged records have the keys of
 :func:`~qkov_lib.training.evaluate` (with ``taus=()``), computed batched. The tests check
 equality with :func:`~qkov_lib.training.train` on a small grid.
@@ -51,12 +51,12 @@ from tqdm.auto import tqdm
 from .data.batch import Batch
 from .metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
 from .models import SyntheticModel, group_of, param_groups
+from .optim import StackedOptimizer, rates_of, stack_rates
 from .runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
+from .stacked import NONFINITE_MODES, check_configs
 from .training import History, NonFiniteError, TrainConfig, log_steps
 
-NONFINITE_MODES = ("raise", "freeze")
 DEFAULT_THREADS = 1
-ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW defaults (make_optimizer uses them)
 
 
 # --- data ----------------------------------------------------------------------------------
@@ -408,63 +408,13 @@ def evaluate_stack(stack: Stack, bag: Bag, taus: Sequence[float] = DEFAULT_TAUS,
                   else nan.clone() for b in range(stack.B)]
 
 
-# --- optimizers ----------------------------------------------------------------------------
-class _Optimizer:
-    """``torch.optim.SGD`` / ``AdamW`` updates on stacked tensors with per-model learning rates.
-
-    ``lrs[key]`` is a (b,) tensor for the rows of ``params[key]``; ``step(params, active)``
-    updates in place and leaves the rows whose ``active`` entry is False unchanged."""
-
-    def __init__(self, kind: str, lrs: dict[str, Tensor], momentum: float, weight_decay: float) -> None:
-        self.kind, self.momentum, self.wd = kind, momentum if kind == "sgd" else 0.0, weight_decay
-        self.lrs = lrs
-        self.state: dict[str, dict[str, Tensor]] = {}
-        self.t = 0
-
-    @staticmethod
-    def _b(v: Tensor, like: Tensor) -> Tensor:
-        return v.reshape(-1, *([1] * (like.dim() - 1))).to(device=like.device, dtype=like.dtype)
-
-    @torch.no_grad()
-    def step(self, params: dict[str, Tensor], active: dict[str, Tensor]) -> None:
-        self.t += 1
-        for n, p in params.items():
-            g = p.grad
-            st = self.state.setdefault(n, {})
-            if "lr" not in st:
-                st["lr"] = self._b(self.lrs[n], p)
-            lr = st["lr"]
-            if self.kind == "adamw":
-                b1, b2 = ADAM_BETAS
-                new = p * (1 - lr * self.wd)
-                if "m" not in st:
-                    st["m"], st["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                st["m"].lerp_(g, 1 - b1)
-                st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-                bc1, bc2 = 1 - b1 ** self.t, 1 - b2 ** self.t
-                denom = (st["v"].sqrt() / math.sqrt(bc2)).add_(ADAM_EPS)
-                new = new - (lr / bc1) * st["m"] / denom
-            else:
-                d = g if self.wd == 0 else g + self.wd * p
-                if self.momentum:
-                    if "buf" not in st:
-                        st["buf"] = d.clone()
-                    else:
-                        st["buf"].mul_(self.momentum).add_(d)
-                    d = st["buf"]
-                new = p - lr * d
-            p.copy_(torch.where(self._b(active[n], p).bool(), new, p))
-
-
 # --- training ------------------------------------------------------------------------------
 @dataclass
 class EngineHistory(History):
-    """A :class:`~qkov_lib.training.History` plus where the run was frozen: ``stop_step`` (the
-    step at which its training loss first reached ``stop_loss``) and ``diverged_step``; and,
-    with ``snapshot_loss``, the step, log record and weights where the loss first reached it."""
+    """A :class:`~qkov_lib.training.History` (``stop_step``: the step at which the run's training
+    loss first reached ``stop_loss``; ``diverged_step``) plus, with ``snapshot_loss``, the step,
+    log record and weights where the loss first reached it."""
 
-    stop_step: int | None = None
-    diverged_step: int | None = None
     snapshot_step: int | None = None
     snapshot_record: dict | None = None
     snapshot: dict[str, Tensor] | None = None  # attention parameter name -> weights at snapshot_step
@@ -472,19 +422,6 @@ class EngineHistory(History):
 
 BatchedProbe = Callable[["Stack"], dict[str, Sequence[float]]]
 """Called with the :class:`Stack` at each logged step; returns per-model values (length B)."""
-
-
-def _check_configs(cfgs: Sequence[TrainConfig]) -> TrainConfig:
-    shared = ("optimizer", "steps", "batch_size", "momentum", "weight_decay", "n_logs")
-    c0 = cfgs[0]
-    for k, c in enumerate(cfgs):
-        if not isinstance(c, TrainConfig):
-            raise TypeError(f"config {k} is a {type(c).__name__}, not a TrainConfig")
-        for f in shared:
-            if getattr(c, f) != getattr(c0, f):
-                raise ValueError(f"config {k} differs from config 0 in {f!r} ({getattr(c, f)!r} vs "
-                                 f"{getattr(c0, f)!r}); batched runs share {', '.join(shared)}")
-    return c0
 
 
 def _as_list(x, B: int, what: str) -> list:
@@ -495,15 +432,18 @@ def _as_list(x, B: int, what: str) -> list:
     return [x] * B
 
 
-def _learning_rates(stack: Stack, models: Sequence[SyntheticModel], cfgs: Sequence[TrainConfig]) -> dict[str, Tensor]:
-    """Per-row learning rates of every stacked tensor, read off :func:`qkov_lib.models.param_groups`."""
+def _rates(stack: Stack, models: Sequence[SyntheticModel], cfgs: Sequence[TrainConfig]) -> dict:
+    """Per-row optimizer rates of every stacked tensor, read off :func:`qkov_lib.models.param_groups`."""
     per_model = []
     for m, c in zip(models, cfgs):
-        names = {id(p): n.rsplit(".", 1)[-1] for n, p in m.named_parameters()}
-        per_model.append({names[id(p)]: g["lr"] for g in param_groups(m, c.eta_ov, c.ratio, c.eta_other,
-                                                                       c.weight_decay) for p in g["params"]})
-    return {key: torch.tensor([per_model[int(k)][key.split("/", 1)[1]] for k in stack.members[key]],
-                              dtype=torch.float64) for key in stack.params}
+        r = rates_of(param_groups(m, c.eta_ov, c.ratio, c.eta_other, c.weight_decay), m,
+                     c.momentum if c.optimizer == "sgd" else 0.0)
+        per_model.append({n.rsplit(".", 1)[-1]: v for n, v in r.items()})
+    out = {}
+    for key, rows in stack.members.items():
+        name = key.split("/", 1)[1]
+        out[key] = stack_rates([per_model[int(k)] for k in rows], [name])[name]
+    return out
 
 
 def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch],
@@ -515,8 +455,9 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
     its data (one shared :class:`Batch`, or one per model) with its config.
 
     Models may mix parameterizations but must share the task (embedding shape, classes);
-    configs may differ in ``eta_ov``, ``ratio``, ``eta_other`` and ``seed`` only. Returns one
-    :class:`EngineHistory` per model and writes the trained weights back into ``models``.
+    configs may differ in ``eta_ov``, ``ratio``, ``eta_other``, ``weight_decay``, ``momentum`` and
+    ``seed``. Returns one :class:`EngineHistory` per model and writes the trained weights back
+    into ``models``.
     ``stop_loss`` (full-batch training only) freezes a model once its training loss is
     ``<= stop_loss``, logging that step; ``snapshot_loss`` (full-batch only) records the step,
     a log record and a copy of the weights where the loss first is ``<= snapshot_loss`` and
@@ -541,7 +482,7 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
                    progress, snapshot_loss=None) -> list[EngineHistory]:
     B = len(models)
     cfgs = _as_list(cfgs, B, "configs")
-    c0 = _check_configs(cfgs)
+    c0 = check_configs(cfgs, ("optimizer", "steps", "batch_size", "n_logs"))
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
     stack = Stack(models)
@@ -556,7 +497,7 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
     bs = N if c0.batch_size is None else min(c0.batch_size, N)
     _check_target("stop_loss", stop_loss, bs == N)
     _check_target("snapshot_loss", snapshot_loss, bs == N)
-    opt = _Optimizer(c0.optimizer, _learning_rates(stack, models, cfgs), c0.momentum, c0.weight_decay)
+    opt = StackedOptimizer(c0.optimizer, _rates(stack, models, cfgs), per_row=False)  # many tiny rows
 
     hists = [EngineHistory(config=asdict(c)) for c in cfgs]
     active = torch.ones(B, dtype=torch.bool, device=device)
@@ -643,7 +584,7 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
         bad = active & ~stack.finite(grads)
         if bool(bad.any()):
             fail(step, bad, "gradient", grads)
-        opt.step(stack.params, {n: active[stack.members[n]] for n in stack.params})
+        opt.step(stack.params, grads, {n: active[stack.members[n]] for n in stack.params})
         values = {n: p.detach() for n, p in stack.params.items()}
         bad = active & ~stack.finite(values)
         if bool(bad.any()):

@@ -179,18 +179,22 @@ class QKOVAttention(nn.Module):
     def scores(self, x: Tensor) -> Tensor:
         """Raw attention scores ``x_i^T W_QK x_q`` (B, T) for the query at position -1."""
         q = x[:, -1]
-        if self.param.qk_factorized:
-            return torch.einsum("btr,br->bt", x @ self.W_K.T, q @ self.W_Q.T)
-        return torch.einsum("btd,bd->bt", x, q @ self.W_QK.T)
+        # contract the query side first: W_K^T (W_Q x_q) is one d-vector per sequence, so the keys
+        # cost O(T d) instead of projecting every key, O(T d r); and a multiply-and-sum (vecdot)
+        # instead of batched (T, d) @ (d, 1) products, whose per-matrix overhead dominates here
+        u = (q @ self.W_Q.T) @ self.W_K if self.param.qk_factorized else q @ self.W_QK.T
+        return torch.linalg.vecdot(x, u[:, None, :])
 
     def forward(self, x: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
         if x.dim() != 3 or key_mask.shape != x.shape[:2]:
             raise ValueError(f"expected x (B, T, d) and key_mask (B, T), got {tuple(x.shape)}, {tuple(key_mask.shape)}")
-        if not bool(key_mask.any(dim=1).all()):
+        # under torch.func.vmap (the stacked trainer) a per-row check cannot run; the trainer
+        # checks the whole data set once instead
+        if not torch._C._functorch.is_batchedtensor(key_mask) and not bool(key_mask.any(dim=1).all()):
             raise ValueError("every sequence needs at least one attendable key")
         s = self.scores(x).masked_fill(~key_mask, float("-inf"))
         attn = torch.softmax(s, dim=-1)
-        ctx = torch.einsum("bt,btd->bd", attn, x)
+        ctx = torch.linalg.vecdot(x, attn[..., None], dim=1)  # sum_t attn_t x_t, (B, d)
         logits = (ctx @ self.W_V.T) @ self.W_O.T if self.param.ov_factorized else ctx @ self.W_OV.T
         return logits, attn
 

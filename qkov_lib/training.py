@@ -2,25 +2,28 @@
 
 The knob is ``ratio = eta_QK / eta_OV``; ``eta_ov`` is the OV learning rate, the QK group gets
 ``eta_ov * ratio``, everything else ``eta_other``. Optimizers: ``gd`` (full-batch gradient
-descent), ``sgd`` (minibatch, optional momentum) and ``adamw``.
+descent), ``sgd`` (minibatch, optional momentum) and ``adamw``, as ``torch.optim`` defines them
+(implemented once, in :mod:`qkov_lib.optim`).
+
+:func:`train` trains one model; it is :func:`qkov_lib.stacked.train_stacked` with a stack of one,
+so a single run and a stacked grid share one training loop.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from .data.batch import Batch
 from .metrics import DEFAULT_TAUS, summarize
-from .models import check_rate, group_of, param_groups
+from .models import check_rate
 
 OPTIMIZERS = ("gd", "sgd", "adamw")
 
@@ -31,7 +34,13 @@ class NonFiniteError(RuntimeError):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimizer, learning rates, length, batching, logging and seed of one training run."""
+    """Optimizer, learning rates, length, batching, logging, early stopping and seed of one run.
+
+    Logging happens at about ``n_logs`` log-spaced steps (or every ``log_every`` steps) on a
+    fixed random subsample of ``log_subsample`` training rows drawn with ``log_seed`` (None: all
+    rows; 0: no training metrics). With validation data, ``patience`` stops a run once its
+    validation loss has not improved for that many evaluations; ``restore_best`` then gives it
+    back the weights of its best evaluation."""
 
     optimizer: str = "gd"
     eta_ov: float = 0.5
@@ -44,6 +53,11 @@ class TrainConfig:
     n_logs: int = 40
     seed: int = 0
     progress: bool = True
+    log_every: int | None = None
+    log_subsample: int | None = None
+    log_seed: int = 0
+    patience: int | None = None
+    restore_best: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -58,24 +72,34 @@ class TrainConfig:
             raise ValueError(f"batch_size must be positive or None, got {self.batch_size}")
         if self.optimizer == "gd" and self.batch_size is not None:
             raise ValueError("optimizer 'gd' is full-batch; use 'sgd' for minibatches")
+        if not (0.0 <= self.momentum < 1.0):
+            raise ValueError(f"momentum must lie in [0, 1), got {self.momentum!r}")
+        if not (self.weight_decay >= 0.0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay!r}")
+        for name in ("log_every", "patience"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if self.log_subsample is not None and (not isinstance(self.log_subsample, int) or self.log_subsample < 0):
+            raise ValueError(f"log_subsample must be an integer >= 0 or None, got {self.log_subsample!r}")
 
     @property
     def eta_qk(self) -> float:
         return self.eta_ov * self.ratio
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg`` over the ``qk``/``ov``/``other`` groups of ``model``."""
-    groups = param_groups(model, cfg.eta_ov, cfg.ratio, cfg.eta_other, cfg.weight_decay)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(groups)
-    return torch.optim.SGD(groups, momentum=cfg.momentum if cfg.optimizer == "sgd" else 0.0)
-
-
 def log_steps(steps: int, n_logs: int) -> list[int]:
     """About ``n_logs`` log-spaced steps in ``[0, steps]``, always including 0 and ``steps``."""
     grid = np.unique(np.round(np.geomspace(1, steps, max(n_logs - 1, 1))).astype(int))
     return sorted({0, steps, *grid.tolist()})
+
+
+def log_schedule(cfg: TrainConfig) -> list[int]:
+    """The logged steps of ``cfg``: every ``log_every`` steps if set, else :func:`log_steps`;
+    always including 0 and ``steps``."""
+    if cfg.log_every is not None:
+        return sorted({*range(0, cfg.steps, cfg.log_every), cfg.steps})
+    return log_steps(cfg.steps, cfg.n_logs)
 
 
 def loss_fn(logits: Tensor, y: Tensor, weight: Tensor | None) -> Tensor:
@@ -105,24 +129,17 @@ def evaluate(model: nn.Module, data: Batch, taus=DEFAULT_TAUS) -> dict[str, floa
     return summarize(attn, probs, data.relevant, data.y, taus, data.weight)
 
 
-def _check_finite(model: nn.Module, step: int, what: str) -> None:
-    named = [(n, p.grad if what == "gradient" else p) for n, p in model.named_parameters()]
-    named = [(n, t) for n, t in named if t is not None]
-    if not named or bool(torch.stack([torch.isfinite(t).all() for _, t in named]).all()):
-        return  # one synchronisation per step on the fast path
-    name = next(n for n, t in named if not bool(torch.isfinite(t).all()))
-    raise NonFiniteError(
-        f"non-finite {what} at step {step} in parameter group '{group_of(name)}' "
-        f"(tensor {name}); lower the learning rates or the ratio"
-    )
-
-
 @dataclass
 class History:
-    """Logged training records: one dict per logged step."""
+    """Logged training records (one dict per logged step) and where the run ended early:
+    ``stop_step`` (early stopping, or the synthetic engine's ``stop_loss``), ``diverged_step``
+    (frozen after going non-finite) and ``best_step`` (lowest validation loss)."""
 
     config: dict
     records: list[dict] = field(default_factory=list)
+    stop_step: int | None = None
+    diverged_step: int | None = None
+    best_step: int | None = None
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.records)
@@ -136,42 +153,12 @@ Probe = Callable[[nn.Module], dict[str, float]]
 
 
 def train(model: nn.Module, data: Batch, cfg: TrainConfig, probe: Probe | None = None,
-          desc: str = "train") -> History:
-    """Train ``model`` on ``data`` with ``cfg``; at log-spaced steps record the loss, accuracy
-    and mean attention on relevant tokens over all of ``data``, plus ``probe(model)``.
-    Raises :class:`NonFiniteError` naming the step and group if anything goes non-finite."""
-    device = next(model.parameters()).device
-    data = data.to(device)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    opt = make_optimizer(model, cfg)
-    logs = set(log_steps(cfg.steps, cfg.n_logs))
-    bs = len(data) if cfg.batch_size is None else min(cfg.batch_size, len(data))
-    order: list[Tensor] = []
-    hist = History(config=asdict(cfg))
-    bar = tqdm(range(cfg.steps + 1), desc=desc, disable=not cfg.progress, leave=False, mininterval=1.0)
-    for step in bar:
-        if step in logs:
-            rec = {"step": step, **evaluate(model, data, taus=())}
-            if probe is not None:
-                rec.update(probe(model))
-            if not math.isfinite(rec["loss"]):
-                raise NonFiniteError(f"non-finite loss at step {step}; lower the learning rates or the ratio")
-            hist.records.append(rec)
-        if step == cfg.steps:
-            break
-        if bs == len(data):
-            batch = data
-        else:
-            if not order:
-                order = list(torch.randperm(len(data), generator=gen).split(bs))
-            batch = data.index(order.pop(0).to(device))
-        logits, _ = model(batch.tokens, batch.key_mask)
-        loss = loss_fn(logits, batch.y, batch.weight)
-        if not bool(torch.isfinite(loss)):
-            raise NonFiniteError(f"non-finite loss ({float(loss)}) at step {step}; lower the learning rates or the ratio")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        _check_finite(model, step, "gradient")
-        opt.step()
-        _check_finite(model, step, "parameter")
-    return hist
+          desc: str = "train", val: Batch | None = None, **kwargs) -> History:
+    """Train ``model`` on ``data`` with ``cfg``; at the logged steps record the loss, accuracy
+    and mean attention on relevant tokens on the training data (or its ``cfg.log_subsample``),
+    on ``val`` if given (``val_*``), plus ``probe(model)``. Raises :class:`NonFiniteError`
+    naming the step and group if anything goes non-finite. A stack of one in
+    :func:`qkov_lib.stacked.train_stacked` (whose keyword arguments ``kwargs`` accepts)."""
+    from .stacked import train_stacked  # stacked builds on this module's config and history
+
+    return train_stacked([model], data, [cfg], probe=probe, val=val, desc=desc, **kwargs)[0]

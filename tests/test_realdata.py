@@ -187,7 +187,7 @@ def test_profiles_are_well_formed():
             assert cfg["dataset"] == name and cfg["optimizer"] in ("adamw", "sgd")
             assert len(cfg["seeds"]) >= (1 if prof == "test" else 3)
             if prof != "test":
-                assert sorted(cfg["ratios"]) == [1.0, 10.0, 100.0]
+                assert {1.0, 10.0, 100.0} <= set(cfg["ratios"])  # the paper's ratios, at least
 
 
 def test_provenance_frame_reads_results_and_marks_missing(tmp_path):

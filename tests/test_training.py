@@ -5,7 +5,7 @@ from qkov_lib.data import synthetic as syn
 from qkov_lib.experiments import synthetic as exp
 from qkov_lib.models import SyntheticModel
 from qkov_lib.profiles import resolve
-from qkov_lib.training import NonFiniteError, TrainConfig, log_steps, train
+from qkov_lib.training import NonFiniteError, TrainConfig, log_schedule, log_steps, train
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 3))
 
@@ -19,6 +19,8 @@ def test_log_steps():
     s = log_steps(1000, 20)
     assert s[0] == 0 and s[-1] == 1000 and s == sorted(set(s))
     assert len(s) <= 21
+    assert log_schedule(TrainConfig(steps=1000, n_logs=20)) == s
+    assert log_schedule(TrainConfig(steps=25, log_every=10)) == [0, 10, 20, 25]
 
 
 @pytest.mark.parametrize("opt, bs", [("gd", None), ("sgd", 16), ("adamw", 16)])

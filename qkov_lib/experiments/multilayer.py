@@ -26,12 +26,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..data.batch import Batch
-from ..knob import knob_optimizer
+from ..knob import knob_groups
 from ..metrics import macro_f1, relevant_mass
 from .. import claims
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything
-from ..training import NonFiniteError, log_steps
+from ..training import TrainConfig, train
 
 DATASETS = ("sva", "hatexplain")
 DISPLAY = {"sva": "SVA", "hatexplain": "HateXplain"}
@@ -252,44 +252,35 @@ def _monitor(model: EncoderClassifier, data: Batch) -> dict[str, float]:
 def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: torch.device | None = None,
               progress: bool = False) -> Run:
     """Train one :class:`EncoderClassifier` with AdamW over the ``qk``/``ov``/``other`` groups of
-    :func:`qkov_lib.knob.knob_optimizer` (qk: ``eta_ov * ratio``; ov: ``eta_ov``; other:
-    ``eta_other`` or ``eta_ov``) for ``cfg["steps"]`` minibatch steps, then evaluate on the test
-    split. ``data`` is a :class:`qkov_lib.data.text.TextDataset`."""
+    :func:`qkov_lib.knob.knob_groups` (qk: ``eta_ov * ratio``; ov: ``eta_ov``; other:
+    ``eta_other`` or ``eta_ov``) for ``cfg["steps"]`` minibatch steps with
+    :func:`qkov_lib.training.train` (batches of similar lengths, trimmed padding), logging
+    :func:`_monitor` on the first ``n_monitor`` test instances; then evaluate on the test split.
+    ``data`` is a :class:`qkov_lib.data.text.TextDataset`."""
     device = device or pick_device()
     gen = seed_everything(seed)
     model = EncoderClassifier(data.vocab_size, data.n_classes, data.max_len, cfg["d_model"], cfg["n_heads"],
                               cfg["n_layers"], cfg["dim_ff"], generator=gen).to(device)
-    opt, report = knob_optimizer(model, "adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
+    # the knob splits packed tensors (in_proj_weight) in place, so the groups are made once here
+    groups, report = knob_groups(model, eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
                                  weight_decay=cfg["weight_decay"])
-    train, test = data.train.to(device), data.test.to(device)
+    test = data.test.to(device)
     monitor = test.index(slice(0, cfg["n_monitor"]))
-    logs = set(log_steps(cfg["steps"], cfg["n_logs"]))
-    bs = min(cfg["batch_size"], len(train))
-    lengths = train.key_mask.sum(dim=1).cpu()
-    order: list[Tensor] = []
-    hist = []
-    for step in tqdm(range(cfg["steps"] + 1), desc=f"{dataset} r={ratio:g} s={seed}", disable=not progress, leave=False):
-        if step in logs:
-            hist.append({"step": step, **_monitor(model, monitor)})
-        if step == cfg["steps"]:
-            break
-        if not order:
-            order = length_batches(lengths, bs, gen)
-        b = trim_padding(train.index(order.pop(0).to(device)))
-        logits, _ = model(b.tokens, b.key_mask)
-        loss = F.cross_entropy(logits, b.y)
-        if not bool(torch.isfinite(loss)):
-            raise NonFiniteError(f"non-finite loss at step {step} ({dataset}, ratio {ratio:g}, seed {seed})")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    lengths = data.train.key_mask.sum(dim=1).cpu()
+    tc = TrainConfig(optimizer="adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
+                     steps=cfg["steps"], batch_size=cfg["batch_size"], weight_decay=cfg["weight_decay"],
+                     n_logs=cfg["n_logs"], seed=seed, progress=progress, log_subsample=0)
+    # minibatches of similar lengths, drawn from the generator that also drew the weights
+    hist = train(model, data.train, tc, probe=lambda m: _monitor(m, monitor), desc=f"{dataset} r={ratio:g} s={seed}",
+                 groups=lambda m, c: groups, batches=lambda _, n, bs: length_batches(lengths, bs, gen),
+                 prepare=trim_padding).frame()
     probs, attn, roll = predict_maps(model, test)
     y = test.y.cpu()
     pred = probs.argmax(-1)
     scores = {"loss": float(F.nll_loss(probs.clamp_min(1e-300).log(), y)), "accuracy": float((pred == y).double().mean()),
               "macro_f1": macro_f1(pred, y, data.n_classes)}
     heads = head_metrics(attn, roll, test.relevant.cpu(), test.key_mask.cpu())
-    return Run(dataset, float(ratio), seed, scores, heads, pd.DataFrame(hist), str(report), report.summary())
+    return Run(dataset, float(ratio), seed, scores, heads, hist, str(report), report.summary())
 
 
 def load_data(cfg: dict, data_dir=None) -> dict:

@@ -43,6 +43,7 @@ from ..models import TokenModel
 from .. import claims
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything, torch_threads
+from ..stacked import train_stacked
 from ..training import History, TrainConfig, predict, train
 from .synthetic import format_summary, seed_summary  # noqa: F401  (re-exported for the chapters)
 
@@ -56,9 +57,13 @@ def _profiles(base: dict, test: dict, cpu: dict, full: dict) -> dict[str, dict]:
     return {"test": {**base, **test}, "cpu": {**base, **cpu}, "full": {**base, **full}}
 
 
-_COMMON = dict(ratios=[1.0, 10.0, 100.0], seeds=[0, 1, 2], optimizer="adamw", eta_ov=1e-4, eta_other=None, n_logs=8,
-               parameterization="FAFO", init_scale=1e-2, d_model=64, batch_size=64, weight_decay=0.0,
-               min_freq=2, data_seed=0, n_eraser=1000, taus=TAU_SWEEP, fracs=FRACS)
+# The grid (ratios x seeds) is trained as one stack (qkov_lib.stacked); training metrics are
+# logged on a fixed subsample of log_subsample training instances; threads = torch threads.
+_COMMON = dict(ratios=[1.0, 3.0, 10.0, 30.0, 100.0], seeds=list(range(8)), optimizer="adamw", eta_ov=1e-4,
+               eta_other=None, n_logs=8, parameterization="FAFO", init_scale=1e-2, d_model=64, batch_size=64,
+               weight_decay=0.0, min_freq=2, data_seed=0, n_eraser=1000, taus=TAU_SWEEP, fracs=FRACS,
+               log_subsample=2000, threads=1)
+FULL_SEEDS = list(range(10))
 
 # Profile tables: test = seconds (CI); cpu = each chapter under 15 minutes on 2 cores; full = GPU.
 PROFILES: dict[str, dict[str, dict]] = {
@@ -69,21 +74,21 @@ PROFILES: dict[str, dict[str, dict]] = {
              linzen_n_train=400, linzen_n_test=400, linzen_steps=40, sgd_steps=40),
         dict(steps=2000, n_train=None, n_test=None, linzen_n_train=None, linzen_n_test=None, linzen_steps=1500,
              sgd_steps=4000),
-        dict(seeds=[0, 1, 2, 3, 4], steps=6000, n_train=None, n_test=None, n_eraser=2564,
+        dict(seeds=FULL_SEEDS, steps=6000, n_train=None, n_test=None, n_eraser=2564,
              linzen_n_train=None, linzen_n_test=None, linzen_steps=5000, sgd_steps=12000),
     ),
     "hatexplain": _profiles(
         dict(_COMMON, dataset="hatexplain", max_len=64, plausibility=True),
         dict(ratios=[1.0, 10.0], seeds=[0], steps=40, n_train=400, n_test=200, n_eraser=100),
         dict(steps=2000, n_logs=6, n_train=None, n_test=None),
-        dict(seeds=[0, 1, 2, 3, 4], steps=8000, max_len=128, n_train=None, n_test=None, n_eraser=1924),
+        dict(seeds=FULL_SEEDS, steps=8000, max_len=128, n_train=None, n_test=None, n_eraser=1924),
     ),
     "squad": _profiles(
         dict(_COMMON, dataset="squad", max_len=128, query="wh", readout="copy", min_freq=3, d_model=32, eta_ov=3e-4,
              n_logs=4),
         dict(ratios=[1.0, 10.0], seeds=[0], steps=40, n_train=500, n_test=200, n_eraser=100),
         dict(steps=2000, n_train=12000, n_test=1000),
-        dict(seeds=[0, 1, 2, 3, 4], steps=30000, d_model=64, max_len=256, n_train=None, n_test=None, n_eraser=10570,
+        dict(seeds=FULL_SEEDS, steps=30000, d_model=64, max_len=256, n_train=None, n_test=None, n_eraser=10570,
              n_logs=8),
     ),
 }
@@ -214,10 +219,12 @@ def make_model(ds: TextDataset, cfg: Mapping[str, Any], seed: int) -> TokenModel
 
 
 def train_config(cfg: Mapping[str, Any], ratio: float, seed: int, steps: int | None = None) -> TrainConfig:
-    """The :class:`TrainConfig` of one run: only ``ratio`` (and ``seed``) differ between runs."""
+    """The :class:`TrainConfig` of one run: only ``ratio`` (and ``seed``) differ between runs;
+    training metrics are logged on a fixed subsample of ``cfg["log_subsample"]`` instances."""
     return TrainConfig(optimizer=cfg["optimizer"], eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
                        steps=int(steps or cfg["steps"]), batch_size=cfg["batch_size"], weight_decay=cfg["weight_decay"],
-                       n_logs=cfg["n_logs"], seed=seed, progress=False)
+                       n_logs=cfg["n_logs"], seed=seed, progress=False, log_subsample=cfg.get("log_subsample"),
+                       log_seed=cfg["data_seed"])
 
 
 def test_probe(ds: TextDataset, n: int = 500):
@@ -238,12 +245,34 @@ def test_probe(ds: TextDataset, n: int = 500):
     return probe
 
 
+def train_models(ds: TextDataset, cfg: Mapping[str, Any], grid: Sequence[tuple[float, int]],
+                 device: torch.device | None = None, steps: int | None = None,
+                 probe: bool = True) -> tuple[list[TokenModel], list[History]]:
+    """Build the seeded model of every ``(ratio, seed)`` in ``grid`` and train them all as one
+    stack (:func:`qkov_lib.stacked.train_stacked`; each keeps its own init, minibatch order and
+    rates), logging :func:`test_probe` if ``probe``. Returns ``(models, histories)`` in grid order."""
+    device = device or pick_device()
+    models = [make_model(ds, cfg, seed).to(device) for _, seed in grid]
+    cfgs = [train_config(cfg, ratio, seed, steps) for ratio, seed in grid]
+    hists = train_stacked(models, ds.train, cfgs, probe=test_probe(ds) if probe else None,
+                          desc=f"{ds.name}: {len(grid)} models", progress=True)
+    return models, hists
+
+
 def train_one(ds: TextDataset, ratio: float, seed: int, cfg: Mapping[str, Any],
               device: torch.device | None = None) -> RealRun:
-    """Train one model and evaluate it and the two baselines on the test split."""
+    """Train one model (:func:`qkov_lib.training.train`) and evaluate it and the two baselines
+    on the test split."""
     device = device or pick_device()
     model = make_model(ds, cfg, seed).to(device)
     hist = train(model, ds.train, train_config(cfg, ratio, seed), probe=test_probe(ds), desc=f"r={ratio:g} s={seed}")
+    return evaluate_run(ds, model, hist, ratio, seed, cfg)
+
+
+def evaluate_run(ds: TextDataset, model: TokenModel, hist: History, ratio: float, seed: int,
+             cfg: Mapping[str, Any]) -> RealRun:
+    """Evaluate a trained model and the two baseline attentions on the test split."""
+    device = next(model.parameters()).device
     test = ds.test.to(device)
     attn, probs = predict(model, test)
     pred = probs.argmax(-1)
@@ -267,10 +296,13 @@ def train_one(ds: TextDataset, ratio: float, seed: int, cfg: Mapping[str, Any],
 
 
 def run_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | None = None) -> list[RealRun]:
-    """Every (ratio, seed) of ``cfg`` on ``ds``, with a progress bar."""
-    grid = list(itertools.product(cfg["ratios"], cfg["seeds"]))
-    with torch_threads(1):  # tiny models: a second CPU thread only adds spin-waiting
-        return [train_one(ds, r, s, cfg, device) for r, s in tqdm(grid, desc=f"{ds.name} grid")]
+    """Every (ratio, seed) of ``cfg`` on ``ds``: trained as one stack (:func:`train_models`),
+    then each evaluated on the test split (:func:`evaluate_run`), with progress bars."""
+    grid = [(float(r), s) for r, s in itertools.product(cfg["ratios"], cfg["seeds"])]
+    with torch_threads(cfg.get("threads", 1)):
+        models, hists = train_models(ds, cfg, grid, device)
+        return [evaluate_run(ds, m, h, r, s, cfg)
+                for m, h, (r, s) in zip(models, hists, tqdm(grid, desc=f"{ds.name}: test metrics"))]
 
 
 def runs_frame(runs: Iterable[RealRun]) -> pd.DataFrame:
@@ -370,17 +402,18 @@ def linzen_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | 
     """Train on Linzen's numpred.val for every (ratio, seed) and return test accuracy by number
     of attractors (one row per run and attractor count, plus ``"all"`` test prefixes and
     ``"train"``, the accuracy on the training prefixes)."""
-    device = device or pick_device()
     k = np.asarray(ds.test_info["n_attractors"])
-    with torch_threads(1):
-        return pd.DataFrame(_linzen_runs(ds, cfg, device, k))
+    grid = [(float(r), s) for r, s in itertools.product(cfg["ratios"], cfg["seeds"])]
+    with torch_threads(cfg.get("threads", 1)):
+        models, _ = train_models(ds, cfg, grid, device, steps=cfg["linzen_steps"], probe=False)
+        return pd.DataFrame(_linzen_rows(ds, models, grid, k))
 
 
-def _linzen_runs(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device, k: np.ndarray) -> list[dict]:
+def _linzen_rows(ds: TextDataset, models: Sequence[TokenModel], grid: Sequence[tuple[float, int]],
+                 k: np.ndarray) -> list[dict]:
     rows = []
-    for ratio, seed in tqdm(list(itertools.product(cfg["ratios"], cfg["seeds"])), desc="linzen grid"):
-        model = make_model(ds, cfg, seed).to(device)
-        train(model, ds.train, train_config(cfg, ratio, seed, cfg["linzen_steps"]), desc=f"linzen r={ratio:g} s={seed}")
+    for model, (ratio, seed) in zip(models, tqdm(grid, desc="linzen: test accuracy")):
+        device = next(model.parameters()).device
         _, p_train = predict(model, ds.train.to(device))
         rows.append({"ratio": float(ratio), "seed": seed, "n_attractors": "train",
                      "accuracy": float((p_train.argmax(-1).cpu() == ds.train.y).double().mean()), "n": len(ds.train)})
@@ -460,8 +493,7 @@ def chapter_facts(summary: pd.DataFrame, cfg: Mapping[str, Any], by_correct: pd.
     for m in ("AC@0.5", "ACMC@0.5", "sufficiency"):
         dm = _change(summary, m, lo, hi)[0]
         f[f"d_{m}"] = "n/a" if math.isnan(dm) else (f"{100 * dm:+.1f} points" if m != "sufficiency" else f"{dm:+.3f}")
-    for cid, v in chapter_verdicts(summary, cfg).items():
-        f[f"verdict_{cid}"], f[f"rule_{cid}"], f[f"reason_{cid}"] = v.verdict, v.rule, v.reason
+    f.update(claims.verdict_glue(chapter_verdicts(summary, cfg)))
     f["ratio_sentence"] = (f"Only ratio {lo:g} was run, so R1-R3 are not tested here." if lo == hi else
                            f"From ratio {lo:g} to {hi:g}: R1 {f['verdict_R1']}, R2 {f['verdict_R2']}, "
                            f"R3 {f['verdict_R3']}.")
