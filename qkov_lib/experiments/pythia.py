@@ -6,8 +6,8 @@ of the Pythia suite (parallel attention and MLP residual, rotary embeddings on a
 head's dimensions, GELU, untied input/output embeddings, biases, LayerNorm) and random weights;
 nothing is downloaded. It learns the synthetic distinct/common-token task
 (:mod:`qkov_lib.data.synthetic`) as a language model: after the query token, predict the
-distinct token (its id is the class). It is trained with AdamW through
-:func:`qkov_lib.knob.knob_optimizer`, which splits each layer's fused ``query_key_value`` (heads
+distinct token (its id is the class). It is trained with AdamW by :func:`qkov_lib.training.train` over the groups of
+:func:`qkov_lib.knob.knob_groups`, which splits each layer's fused ``query_key_value`` (heads
 interleaved as ``[n_heads, 3, d_head]``) into per-head Q, K and V slices, at several
 ``eta_QK/eta_OV``. Measured per layer and head: the query position's attention on the distinct
 token, with :func:`qkov_lib.experiments.multilayer.head_metrics`.
@@ -26,9 +26,9 @@ from tqdm.auto import tqdm
 
 from ..data.batch import Batch
 from ..data.synthetic import SyntheticTask, sample
-from ..knob import KnobReport, knob_optimizer, tensor_value
+from ..knob import KnobReport, knob_groups, knob_optimizer, tensor_value
 from ..runtime import seed_everything, torch_threads
-from ..training import NonFiniteError, log_steps
+from ..training import TrainConfig, train
 from . import multilayer as ml
 
 DATASET = "synthetic"
@@ -123,41 +123,49 @@ def evaluate(model: nn.Module, test: Batch) -> tuple[dict[str, float], pd.DataFr
     return scores, heads
 
 
-def _log_record(step: int, model: nn.Module, test: Batch) -> dict:
+class QueryReadout(nn.Module):
+    """The causal LM as a ``(tokens, key_mask) -> (logits at the query (N, V), attention (N, T))``
+    module, so that :func:`qkov_lib.training.train` trains it: the attention returned (for the
+    trainer's logs) is the last layer's head-averaged row at the query; padding is read from the
+    token ids, as in :func:`query_readout`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
+        real = tokens != self.model.config.pad_token_id
+        out = self.model(input_ids=tokens, attention_mask=real.long(), output_attentions=True, use_cache=False)
+        return out.logits[:, -1].float(), out.attentions[-1][:, :, -1].mean(1)
+
+
+def _layer_means(model: nn.Module, test: Batch) -> dict[str, float]:
+    """Test loss, accuracy and each layer's head-mean attention on the distinct token (a probe)."""
     scores, heads = evaluate(model, test)
-    layer_rows = heads[heads["head"] == "mean"]
-    return {"step": step, **scores,
-            **{f"L{row.layer} head-mean": row.attn_relevant for row in layer_rows.itertuples()}}
+    rows = heads[heads["head"] == "mean"]
+    return {"test_" + k: v for k, v in scores.items()} | {f"L{r.layer} head-mean": r.attn_relevant for r in rows.itertuples()}
 
 
 def train_one(cfg: dict, ratio: float, seed: int, test: Batch | None = None, progress: bool = False) -> ml.Run:
-    """Train one Pythia-architecture model on fresh batches of the synthetic task for
-    ``cfg["steps"]`` AdamW steps over the knob's groups (qk: ``eta_ov * ratio``; ov and other:
-    ``eta_ov``), then evaluate on ``test`` (default: :func:`test_set`). Deterministic given
-    ``seed``."""
+    """Train one Pythia-architecture model for ``cfg["steps"]`` AdamW steps with
+    :func:`qkov_lib.training.train` over the knob's groups (qk: ``eta_ov * ratio``; ov and
+    other: ``eta_ov``), on one epoch of ``steps * batch_size`` i.i.d. sequences of the synthetic
+    task, then evaluate on ``test`` (default: :func:`test_set`). Deterministic given ``seed``."""
     task = task_of(cfg)
     test = test_set(cfg) if test is None else test
     with torch_threads(cfg["threads"]):
         gen = seed_everything(seed)
         model = build_model(task, cfg, seed)
-        opt, report = knob_optimizer(model, "adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio),
-                                     weight_decay=cfg["weight_decay"])
-        logs, hist = set(log_steps(cfg["steps"], cfg["n_logs"])), []
-        model.train()
-        for step in tqdm(range(cfg["steps"] + 1), desc=f"pythia r={ratio:g} s={seed}", disable=not progress, leave=False):
-            if step in logs:
-                hist.append(_log_record(step, model, test))
-            if step == cfg["steps"]:
-                break
-            b = sample(task, cfg["batch_size"], gen)
-            loss = lm_loss(query_readout(model, b)[0], b.y)
-            if not bool(torch.isfinite(loss)):
-                raise NonFiniteError(f"non-finite loss at step {step} (Pythia, ratio {ratio:g}, seed {seed})")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+        # the knob splits the fused query_key_value in place, so its groups are made once, here
+        groups, report = knob_groups(model, eta_ov=cfg["eta_ov"], ratio=float(ratio), weight_decay=cfg["weight_decay"])
+        data = sample(task, cfg["steps"] * cfg["batch_size"], gen)
+        tc = TrainConfig(optimizer="adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio), steps=cfg["steps"],
+                         batch_size=cfg["batch_size"], weight_decay=cfg["weight_decay"], n_logs=cfg["n_logs"],
+                         seed=seed, progress=progress, log_subsample=0)
+        hist = train(QueryReadout(model), data, tc, probe=lambda m: _layer_means(m.model, test),
+                     desc=f"pythia r={ratio:g} s={seed}", groups=lambda m, c: groups).frame()
         scores, heads = evaluate(model, test)
-    return ml.Run(DATASET, float(ratio), seed, scores, heads, pd.DataFrame(hist), str(report), report.summary())
+    return ml.Run(DATASET, float(ratio), seed, scores, heads, hist, str(report), report.summary())
 
 
 def test_set(cfg: dict) -> Batch:
