@@ -14,6 +14,15 @@ to learn that only context positions hold answers.
 
 **Relevant tokens.** The positions of the answer span in the context.
 
+**Keys.** ``keys="all"`` (default): every word is a key (question, ``<sep>`` and context);
+``keys="context"``: only the context words, the candidates of the answer.
+
+**Rare words.** With ``oov_buckets=n > 0`` a word seen fewer than ``min_freq`` times in the
+training split (or not at all) becomes ``<oov:k>``, ``k`` = CRC-32 of the word mod ``n``, instead of
+``<unk>``: the same rare word gets the same id in the question and in the context, so an
+exact-match test on ids (:func:`question_match`) still finds it (two different rare words share
+an id with probability about ``1/n``).
+
 **Splits.** Train: the official train file (``qkov data fetch``) when present, else the curated
 copy rebuilt from the SQuAD explorer pages; either way restricted to the exact-span subset: the
 questions whose answer text occurs exactly once in the context, counted from the context by
@@ -33,20 +42,31 @@ from __future__ import annotations
 
 import bisect
 import os
+import zlib
 from functools import lru_cache
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from . import sources
-from .text import Example, TextDataset, count, finish, tokenize, tokenize_spans, truncate
+from .batch import Batch
+from .text import PAD_ID, Example, TextDataset, count, finish, tokenize, tokenize_spans, truncate
 
 TRAIN_FILES = ("squad/train-v1.1.json.gz", "squad/train-v1.1-from-explorer.json.gz")  # official first
 DEV_FILE = "squad/dev-v1.1.json.gz"
 SEP = "<sep>"
 WH_TYPES = ("how_many", "how_much", "what", "which", "who", "whom", "whose", "when", "where", "why", "how", "other")
 QUERY_TOKENS = tuple(f"<q:{t}>" for t in WH_TYPES)
+KEYS = ("all", "context")
+# Function words and punctuation that do not count as a match with the question: they occur in
+# almost every question and paragraph, so matching them says nothing about where the answer is.
+STOPWORDS = frozenset("""a an the of in on at to for from by with and or as is are was were be been being it its
+this that these those which what who whom whose when where why how did do does has have had not no
+there their they he she his her them than then into during about after before over under between "
+' ` , . ? ! ; : ( ) [ ] - -- s""".split())
 
 
 def question_type(words: list[str]) -> str:
@@ -148,12 +168,16 @@ def _context_spans(context: str) -> tuple[list[str], list[int], list[int]]:
 def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq: int = 2,
          n_train: int | None = None, n_test: int | None = None, seed: int = 0, exact_spans: bool = True,
          max_question: int = 24, query: str = "wh", verify: bool = True, query_is_key: bool = False,
-         source: str | None = None, **kw: Any) -> TextDataset:
+         source: str | None = None, keys: str = "all", oov_buckets: int = 0, **kw: Any) -> TextDataset:
     """SQuAD v1.1 as a :class:`TextDataset` (see the module docstring)."""
     if kw:
         raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
     if query not in ("wh", "plain"):
         raise ValueError(f"query must be 'wh' or 'plain', got {query!r}")
+    if keys not in KEYS:
+        raise ValueError(f"keys must be one of {KEYS}, got {keys!r}")
+    if isinstance(oov_buckets, bool) or not isinstance(oov_buckets, int) or oov_buckets < 0:
+        raise ValueError(f"oov_buckets must be an integer >= 0, got {oov_buckets!r}")
     report: dict[str, int] = {}
     if sources.use_hub(source):
         hub = sources.load_hub("squad")
@@ -169,8 +193,104 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq
     notes = ["SQuAD v1.1 as a copy task over positions (our reconstruction): input question <sep> context, "
              "query token = question wh-type, target = distance of the answer's first token from the query.",
              "Train: questions whose answer occurs exactly once in the context (counted from the context)."]
-    return finish("squad", train, test, class_names, report, min_freq, specials=(SEP, *QUERY_TOKENS),
-                  query_is_key=query_is_key, notes=notes)
+    buckets: tuple[str, ...] = ()
+    if oov_buckets:
+        buckets = bucket_rare_words(train, test, min_freq, oov_buckets)
+        notes.append(f"Rare words hashed into {oov_buckets} <oov:k> ids, so that exact matches of rare words survive.")
+    ds = finish("squad", train, test, class_names, report, min_freq, specials=(SEP, *QUERY_TOKENS, *buckets),
+                query_is_key=query_is_key, notes=notes)
+    if keys == "context":
+        sep_id = ds.vocab.index(SEP)
+        for split in ("train", "test"):
+            b = getattr(ds, split)
+            setattr(ds, split, Batch(b.tokens, b.key_mask & context_mask(b.tokens, sep_id), b.relevant, b.y, b.weight))
+        ds.notes.append("Keys: the context words only.")
+    return ds
+
+
+def oov_token(word: str, n_buckets: int) -> str:
+    """The bucket token ``<oov:k>`` of a rare ``word`` (``k`` = CRC-32 of its UTF-8 bytes mod ``n_buckets``)."""
+    return f"<oov:{zlib.crc32(word.encode('utf-8')) % n_buckets}>"
+
+
+def bucket_rare_words(train: list[Example], test: list[Example], min_freq: int, n_buckets: int) -> tuple[str, ...]:
+    """Replace, in place, every word of ``train`` and ``test`` seen fewer than ``min_freq`` times
+    in ``train`` by its :func:`oov_token`; returns all bucket tokens (vocabulary specials)."""
+    freq: dict[str, int] = {}
+    for ex in train:
+        for w in ex.tokens:
+            freq[w] = freq.get(w, 0) + 1
+    keep = {SEP, *QUERY_TOKENS}
+    for ex in [*train, *test]:
+        ex.tokens = [w if w in keep or freq.get(w, 0) >= min_freq else oov_token(w, n_buckets) for w in ex.tokens]
+    return tuple(f"<oov:{k}>" for k in range(n_buckets))
+
+
+def context_mask(tokens: Tensor, sep_id: int) -> Tensor:
+    """(N, T) bool: the context words of left-padded ``question <sep> context q`` rows -- after
+    the first ``<sep>``, not the ``<sep>`` itself and not the last (query) column."""
+    after = (tokens == sep_id).cumsum(1) > 0
+    out = after & (tokens != sep_id)
+    out[..., -1] = False
+    return out
+
+
+def question_mask(tokens: Tensor, sep_id: int) -> Tensor:
+    """(N, T) bool: the question words -- the non-padding positions before the first ``<sep>``."""
+    return ((tokens == sep_id).cumsum(1) == 0) & (tokens != PAD_ID)
+
+
+def question_match(tokens: Tensor, sep_id: int, ignore: Tensor | None = None) -> Tensor:
+    """(N, T) bool: context words (:func:`context_mask`) whose id equals the id of a word of the
+    same row's question (:func:`question_mask`). Ids with ``ignore[id]`` True (a (V,) bool
+    table: ``<unk>``, stopwords, punctuation) never match. Ids are lower-cased words, so the match
+    of a word and of its lower-case form are the same test. Works on (..., N, T) under vmap."""
+    q = question_mask(tokens, sep_id)
+    if ignore is not None:
+        q = q & ~ignore[tokens]
+    # (N, T, T): key i equals question word j; the question is short but padded to T, which is cheap at T <= 256
+    same = (tokens[..., :, None] == tokens[..., None, :]) & q[..., None, :]
+    return same.any(-1) & context_mask(tokens, sep_id)
+
+
+def ignore_table(vocab: list[str], words: frozenset[str] = STOPWORDS) -> Tensor:
+    """(V,) bool over the vocabulary: True for the specials ``<...>`` except the ``<oov:k>``
+    buckets (they stand for rare words and may match) and for ``words`` (default :data:`STOPWORDS`)."""
+    return torch.tensor([(w.startswith("<") and w.endswith(">") and not w.startswith("<oov:")) or w in words
+                         for w in vocab], dtype=torch.bool)
+
+
+def squad_roles(data: TextDataset | Batch, sep_id: int | None = None, ignore: Tensor | None = None,
+                split: str = "test") -> dict[str, Tensor]:
+    """Token roles for "where the attention goes": non-overlapping (N, T) bool masks over the keys
+    (``key_mask``) of a SQuAD :class:`Batch` (or ``split`` of a :class:`TextDataset`):
+
+    * ``answer`` -- the answer span (``relevant``);
+    * ``in_question`` -- other context words that occur in the question (:func:`question_match`
+      with ``ignore``; default for a dataset: :func:`ignore_table` of its vocabulary);
+    * ``question`` -- the question's own words and ``<sep>`` when they are keys (``keys="all"``);
+    * ``rest`` -- the other keys.
+
+    For :func:`qkov_lib.metrics.mass_by_role`. ``sep_id`` is needed with a :class:`Batch`."""
+    if isinstance(data, TextDataset):
+        if split not in ("train", "test"):
+            raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+        if SEP not in data.vocab:
+            raise ValueError(f"dataset {data.name!r} has no {SEP} token; squad_roles needs a SQuAD dataset")
+        sep_id = data.vocab.index(SEP) if sep_id is None else sep_id
+        ignore = ignore_table(data.vocab) if ignore is None else ignore
+        data = getattr(data, split)
+    if not isinstance(data, Batch):
+        raise TypeError(f"squad_roles needs a TextDataset or a Batch, got {type(data).__name__}")
+    if sep_id is None:
+        raise ValueError("squad_roles on a Batch needs sep_id (the id of <sep>)")
+    if not bool((data.tokens == sep_id).any(1).all()):
+        raise ValueError(f"every row needs a <sep> token (id {sep_id}); is this a SQuAD batch?")
+    keys = data.key_mask.bool()
+    answer = data.relevant.bool() & keys
+    match = question_match(data.tokens, sep_id, ignore) & keys & ~answer
+    question = keys & ~context_mask(data.tokens, sep_id)
+    return {"answer": answer, "in_question": match, "question": question, "rest": keys & ~(answer | match | question)}
 
 
 def _examples(questions: list[dict[str, Any]], n: int | None, seed: int, kw: dict[str, Any],
