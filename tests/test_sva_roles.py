@@ -254,3 +254,23 @@ def test_default_number_table_picks_the_number_with_lower_ac():
     assert row["subject share of margin, default"] == 0.25 and row["subject share of margin, marked"] == 1.0
     with pytest.raises(ValueError, match="both target numbers"):
         sr.default_number_table(bt.iloc[:2], mg)
+
+
+def test_role_facts_follow_the_numbers():
+    import pandas as pd
+
+    def frames(subject_hi, share_hi):
+        rows = []
+        for r, subj, verb in ((1.0, 0.7, 0.05), (100.0, subject_hi, 0.05 + 0.7 - subject_hi)):
+            rows.append({"condition": "all", "ratio": r, "seed": 0, "accuracy": 0.96, "AC@0.5": subj + 0.1,
+                         "subject": subj, "attractor": 0.15, "verb": verb, "last": 0.0, "rest": 0.1,
+                         "last position": 0.2})
+        default = pd.DataFrame([{"ratio": 1.0, "seed": 0, "subject share of margin, default": 0.97},
+                                {"ratio": 100.0, "seed": 0, "subject share of margin, default": share_hi}])
+        return {"condition": pd.DataFrame(rows), "default": default}
+
+    f = sr.role_facts(frames(0.35, 0.37))
+    assert f["role_subject_lo"] == "70.0 %" and f["role_subject_hi"] == "35.0 %"
+    assert "verb (+35.0 points)" in f["role_sentence"] and "leaves the subject" in f["role_sentence"]
+    g = sr.role_facts(frames(0.75, 0.99))
+    assert "still carries the prediction" in g["role_sentence"] and "nowhere" in g["role_sentence"]

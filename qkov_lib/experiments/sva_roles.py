@@ -147,6 +147,38 @@ def role_summary(frame: pd.DataFrame, condition: str | None = "all") -> pd.DataF
     return frame.groupby(["condition", "ratio"])[cols].mean()
 
 
+def role_facts(frames: Mapping[str, pd.DataFrame]) -> dict[str, str]:
+    """Numbers and sentences for the chapter's "where the attention goes" section, from
+    :func:`sgd_role_frames`: the lowest against the highest ratio, over all prefixes and on each
+    run's default number (the target number with the lower AC). The sentences follow the signs
+    of the measured changes."""
+    summ = role_summary(frames["condition"])
+    lo, hi = float(summ.index.min()), float(summ.index.max())
+    a, b = summ.loc[lo], summ.loc[hi]
+    pct = lambda x: f"{100 * x:.1f} %"  # noqa: E731
+    f = {"role_lo": f"{lo:g}", "role_hi": f"{hi:g}", **{f"role_{k}_{t}": pct(v[k]) for t, v in (("lo", a), ("hi", b))
+                                                           for k in ("accuracy", "AC@0.5", *ROLES)}}
+    f = {k.replace("@0.5", "05").replace(" ", "_"): v for k, v in f.items()}
+    if lo == hi:
+        f["role_sentence"] = f"Only ratio {lo:g} was run, so how the ratio moves the attention is not measured here."
+        return f
+    moved = {r: float(b[r] - a[r]) for r in ROLES}
+    gain = {r: d for r, d in moved.items() if r != "subject" and d > 0}
+    where = ", ".join(f"{r} ({100 * d:+.1f} points)" for r, d in sorted(gain.items(), key=lambda kv: -kv[1])) or "nowhere"
+    d = frames["default"].groupby("ratio").mean(numeric_only=True)
+    share = {t: float(d.loc[r, "subject share of margin, default"]) for t, r in (("lo", lo), ("hi", hi))}
+    f["role_sentence"] = (
+        f"From ratio {lo:g} to {hi:g}, accuracy went from {pct(a['accuracy'])} to {pct(b['accuracy'])} and AC@0.5 "
+        f"from {pct(a['AC@0.5'])} to {pct(b['AC@0.5'])}; the mass on the subject went from {pct(a['subject'])} to "
+        f"{pct(b['subject'])}, and the mass that moved went to {where}. On each run's default number (the "
+        f"target number with the lower AC) the subject's share of the logit margin went from {pct(share['lo'])} to "
+        f"{pct(share['hi'])}: " + ("the other tokens' value vectors carry the default number, so the prediction "
+                                   "stays right while the attention leaves the subject." if share["hi"] < share["lo"]
+                                   and b["subject"] < a["subject"] else
+                                   "the subject still carries the prediction at the higher ratio."))
+    return f
+
+
 # --- natural prefixes: a one-head model with a local encoder ----------------------------------
 class ContextHeadModel(nn.Module):
     """Word embedding + position from the first word + position back from the query, a residual
