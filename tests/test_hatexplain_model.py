@@ -199,3 +199,22 @@ def test_validation_split_and_test_profile_end_to_end():
     attn, _ = predict(model, ds.test)
     t = hm.role_table(attn, ds.test)
     assert t["rationale"] + t["other words"] == pytest.approx(1.0)
+
+
+def test_protocol_rows_average_seeds_per_ratio_and_need_models():
+    from types import SimpleNamespace
+
+    from qkov_lib.experiments.protocol import synthetic_demo
+    from qkov_lib.models import TokenModel
+
+    _, _, test = synthetic_demo(n=120)
+    test = Batch(test.tokens, test.key_mask, test.relevant, test.y % 3)  # 3 classes; class 1 = normal
+    runs = [SimpleNamespace(ratio=r, seed=s, model=TokenModel(12, 8, 3, 8, generator=torch.Generator().manual_seed(s)))
+            for r in (1.0, 10.0) for s in (0, 1)]
+    out = hm.protocol_rows(runs, test, 3)
+    assert list(out["ratio"]) == [1.0, 10.0]
+    assert set(out.columns) == {"ratio", "accuracy", "macro_f1", "iou_f1", "token_f1", "auprc", "comprehensiveness",
+                                "sufficiency"}
+    assert ((out["accuracy"] >= 0) & (out["accuracy"] <= 1)).all()
+    with pytest.raises(ValueError, match="kept no model"):
+        hm.protocol_rows([SimpleNamespace(ratio=1.0, seed=0, model=None)], test, 3)

@@ -239,3 +239,25 @@ def most_attended_words(attn: Tensor, batch: Batch, vocab: Sequence[str], k: int
     df["mean"] = df["total"] / df["count"]
     df = df.sort_values([by, "id"], ascending=[False, True], kind="mergesort").head(k)
     return df.set_index("word")[["total", "mean", "count", "in_rationale"]]
+
+
+def protocol_rows(runs: Sequence[Any], test: Batch, n_classes: int) -> pd.DataFrame:
+    """HateXplain's own protocol (:func:`qkov_lib.faithfulness.hatexplain_protocol`) for every
+    trained run (objects with ``ratio``, ``seed`` and ``model``, e.g.
+    :class:`~qkov_lib.experiments.realdata.RealRun`) on ``test``, with accuracy and macro-F1,
+    averaged over seeds per ratio: the ``ours`` rows of :func:`qkov_lib.published.hatexplain_table`."""
+    from ..faithfulness import hatexplain_protocol
+
+    rows = []
+    for r in runs:
+        if r.model is None:
+            raise ValueError(f"run (ratio {r.ratio:g}, seed {r.seed}) kept no model")
+        device = next(r.model.parameters()).device
+        batch = test.to(device)
+        attn, probs = predict(r.model, batch)
+        pred = probs.argmax(-1)
+        p = hatexplain_protocol(r.model, batch, attn)
+        rows.append({"ratio": float(r.ratio), "seed": r.seed, "accuracy": float((pred == batch.y).double().mean()),
+                     "macro_f1": macro_f1(pred.cpu(), batch.y.cpu(), n_classes),
+                     **{k: float(p[k]) for k in ("iou_f1", "token_f1", "auprc", "comprehensiveness", "sufficiency")}})
+    return pd.DataFrame(rows).drop(columns="seed").groupby("ratio", as_index=False).mean()

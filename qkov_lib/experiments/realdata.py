@@ -167,6 +167,7 @@ class RealRun:
     dtap: np.ndarray | None
     mass: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0))
     correct: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, dtype=bool))
+    model: torch.nn.Module | None = field(repr=False, default=None)  # the trained model, for later measurements
 
 
 class CopyModel(TokenModel):
@@ -292,7 +293,7 @@ def evaluate_run(ds: TextDataset, model: TokenModel, hist: History, ratio: float
     dtap = None
     if bool(has.any()):
         dtap = dtap_histogram(mass[has.cpu()], confidence(probs[has], test.y[has]).cpu()).numpy()
-    return RealRun(float(ratio), seed, hist, rows, dtap, mass.numpy(), (pred == test.y).cpu().numpy())
+    return RealRun(float(ratio), seed, hist, rows, dtap, mass.numpy(), (pred == test.y).cpu().numpy(), model)
 
 
 def run_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | None = None) -> list[RealRun]:
