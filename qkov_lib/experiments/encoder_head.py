@@ -1,4 +1,4 @@
-"""A HateXplain classifier that learns, with the analysed object still ONE QK/OV attention head.
+"""HateXplain: a classifier that learns, with the analysed object still ONE QK/OV attention head.
 
 :class:`EncoderHeadModel`: learned word embeddings -> an encoder -> one
 :class:`~qkov_lib.models.QKOVAttention` head read at the query (prediction) position, in any of the

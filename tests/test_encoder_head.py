@@ -7,7 +7,7 @@ import torch
 
 from qkov_lib.data.batch import Batch, left_pad
 from qkov_lib.data.hatexplain import pad_to
-from qkov_lib.experiments import hatexplain_model as hm
+from qkov_lib.experiments import encoder_head as hm
 from qkov_lib.models import PARAMETERIZATIONS, named_groups, param_groups
 from qkov_lib.data import sources
 from qkov_lib.training import TrainConfig, predict, train
