@@ -159,3 +159,16 @@ def mass_by_role(attn: Tensor, roles: dict[str, Tensor], key_mask: Tensor | None
         rest = ~covered if key_mask is None else key_mask.bool() & ~covered
         out["rest"] = float((attn * rest).sum(1).mean())
     return out
+
+
+def seed_half_width(values, level: float = 0.95) -> float:
+    """Half-width of the Student-t confidence interval (``level``) of the mean of ``values``
+    (one per seed); NaN with fewer than two values."""
+    import math
+
+    import numpy as np
+    from scipy import stats
+
+    v = np.asarray(values, dtype=float)
+    n = len(v)
+    return float(stats.t.ppf(0.5 + level / 2, n - 1) * v.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan

@@ -13,6 +13,13 @@ from typing import Any
 
 PROFILES = ("test", "cpu", "full")
 PROFILE_ENV = "QKOV_PROFILE"
+def profile_table(base: Mapping[str, Any], test: Mapping[str, Any], cpu: Mapping[str, Any],
+                  full: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A chapter's profile table: the settings ``base`` shared by every profile, updated by each
+    profile's own ``test``/``cpu``/``full`` settings."""
+    return {"test": {**base, **test}, "cpu": {**base, **cpu}, "full": {**base, **full}}
+
+
 def profile_name(profile: str | None) -> str:
     """``profile``, or ``$QKOV_PROFILE``, or ``"cpu"``; raises ValueError if unknown."""
     name = profile if profile is not None else os.environ.get(PROFILE_ENV, "cpu")

@@ -90,3 +90,15 @@ def test_mass_by_role_by_hand():
         mass_by_role(attn, {"a": subj, "b": subj})
     with pytest.raises(ValueError, match="shape"):
         mass_by_role(attn, {"a": subj[:, :2]})
+
+
+def test_seed_half_width_by_hand():
+    import math
+
+    from scipy import stats
+
+    from qkov_lib.metrics import seed_half_width
+
+    # values 1, 2, 3: mean 2, sd 1, n 3 -> t(0.975, 2) / sqrt(3)
+    assert seed_half_width([1.0, 2.0, 3.0]) == pytest.approx(stats.t.ppf(0.975, 2) / math.sqrt(3))
+    assert math.isnan(seed_half_width([1.0]))

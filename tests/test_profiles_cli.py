@@ -96,3 +96,8 @@ def test_results_files_record_the_data_files_they_read(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "_USED", {"sva/x.tsv.gz": "ab" * 32})
     doc = json.loads(results.save_results("x", {}, {}, path=tmp_path / "x.json").read_text())
     assert doc["data_files"] == {"sva/x.tsv.gz": "ab" * 32}
+
+
+def test_profile_table_overrides_the_shared_settings():
+    t = profiles.profile_table({"a": 1, "b": 2}, {"a": 0}, {}, {"b": 3})
+    assert t == {"test": {"a": 0, "b": 2}, "cpu": {"a": 1, "b": 2}, "full": {"a": 1, "b": 3}}

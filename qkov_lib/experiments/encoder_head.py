@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from ..data.batch import Batch
 from ..data.text import PAD_ID, TextDataset
 from ..metrics import macro_f1, mass_by_role
+from ..profiles import profile_table
 from ..models import QKOVAttention
 from ..runtime import seed_everything
 from ..training import History, TrainConfig, predict, train
@@ -131,12 +132,9 @@ class EncoderHeadModel(nn.Module):
 _BASE = dict(encoder="bigru", d_embed=64, d_model=64, kernel=3, dropout=0.5, parameterization="FAFO", init_scale=1e-2,
              optimizer="adamw", eta_ov=2e-3, eta_other=None, weight_decay=0.0, batch_size=64, max_len=64, min_freq=2,
              patience=4, eval_every=120, steps=2400, data_seed=0, threads=1, seeds=[0, 1, 2])
-PROFILES: dict[str, dict] = {
-    "test": {**_BASE, **dict(steps=40, eval_every=20, n_train=300, n_test=100, n_val=100, d_embed=16, d_model=16,
-                             seeds=[0])},
-    "cpu": {**_BASE, **dict(n_train=None, n_test=None, n_val=None)},
-    "full": {**_BASE, **dict(n_train=None, n_test=None, n_val=None, seeds=list(range(10)))},
-}
+PROFILES: dict[str, dict] = profile_table(
+    _BASE, dict(steps=40, eval_every=20, n_train=300, n_test=100, n_val=100, d_embed=16, d_model=16, seeds=[0]),
+    dict(n_train=None, n_test=None, n_val=None), dict(n_train=None, n_test=None, n_val=None, seeds=list(range(10))))
 
 
 def make_model(vocab_size: int, n_classes: int, cfg: Mapping[str, Any], seed: int) -> EncoderHeadModel:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from ..data.batch import Batch
 from ..knob import knob_groups
-from ..metrics import macro_f1, relevant_mass
+from ..metrics import macro_f1, relevant_mass, seed_half_width
 from .. import claims
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything
@@ -330,13 +330,6 @@ def histories_frame(runs: Sequence[Run]) -> pd.DataFrame:
                      ignore_index=True)
 
 
-def _half_width(v: pd.Series) -> float:
-    from scipy import stats
-
-    n = len(v)
-    return float(stats.t.ppf(0.975, n - 1) * v.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-
-
 def layer_table(heads: pd.DataFrame) -> pd.DataFrame:
     """Per dataset, ratio and layer (and the rollout): mean over seeds of the head-averaged
     attention on relevant tokens (``head-mean``, with its 95% half-width over seeds) and of the
@@ -346,7 +339,7 @@ def layer_table(heads: pd.DataFrame) -> pd.DataFrame:
         mean_rows = g[g["head"].isin(["mean", "-"])]
         per_seed_best = g[g["rank"] == 1].set_index("seed")["attn_relevant"]
         rows.append({"dataset": d, "ratio": r, "layer": layer,
-                     "head-mean": mean_rows["attn_relevant"].mean(), "head-mean ±": _half_width(mean_rows["attn_relevant"]),
+                     "head-mean": mean_rows["attn_relevant"].mean(), "head-mean ±": seed_half_width(mean_rows["attn_relevant"]),
                      "best head": per_seed_best.mean() if len(per_seed_best) else np.nan,
                      "AC head-mean": mean_rows["AC"].mean(), "focus head-mean": mean_rows["focus"].mean(),
                      "uniform": g["uniform"].mean()})
@@ -386,7 +379,7 @@ def changes(heads: pd.DataFrame, lo: float, hi: float, delta: float = DELTA) -> 
     for (ds, layer, rank), g in d.groupby(["dataset", "layer", "rank"]):
         m = g["change"].mean()
         rows.append({"dataset": ds, "layer": layer, "rank": int(rank), "ratio": hi, "change": m,
-                     "±": _half_width(g["change"]),
+                     "±": seed_half_width(g["change"]),
                      "sharpened": bool(m > delta and (g["change"] > 0).all()),
                      "blunted": bool(m < -delta and (g["change"] < 0).all())})
     return pd.DataFrame(rows)

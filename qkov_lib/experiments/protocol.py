@@ -31,6 +31,7 @@ from torch import nn
 
 from .. import claims
 from ..data.batch import Batch
+from ..metrics import seed_half_width
 from ..stacked import train_stacked
 from ..training import TrainConfig
 
@@ -112,13 +113,6 @@ def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy") -> dict
     return out
 
 
-def _half_width(d: np.ndarray) -> float:
-    from scipy import stats
-
-    n = len(d)
-    return float(stats.t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
-
-
 def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS) -> pd.DataFrame:
     """Per (optimizer, eta_ov, ratio): runs, trained runs, the failure rate, the mean of each
     metric over trained runs, and its change against ratio 1 paired by seed (``d_<metric>``, only
@@ -139,7 +133,7 @@ def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS) -> 
                 d = (ok.loc[both, m] - ref.loc[both, m]).to_numpy(dtype=float)
                 d = d[np.isfinite(d)]
                 row[f"d_{m}"] = float(d.mean()) if len(d) else math.nan
-                row[f"d_{m}_ci"] = _half_width(d) if len(d) else math.nan
+                row[f"d_{m}_ci"] = seed_half_width(d) if len(d) else math.nan
                 row[f"d_{m}_sig"] = bool(len(d) > 1 and abs(d.mean()) > row[f"d_{m}_ci"])
             rows.append(row)
     return pd.DataFrame(rows)

@@ -39,6 +39,7 @@ from .. import faithfulness as fa
 from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
 from ..metrics import confidence, dtap_histogram, macro_f1, relevant_mass, summarize
+from ..profiles import profile_table
 from ..models import TokenModel
 from .. import claims
 from ..results import tag_frame
@@ -53,10 +54,6 @@ ATTENTIONS = ("model", "uniform", "random")
 CHAPTERS = {"squad": "05_squad", "hatexplain": "06_hatexplain", "sva": "07_sva"}
 
 
-def _profiles(base: dict, test: dict, cpu: dict, full: dict) -> dict[str, dict]:
-    return {"test": {**base, **test}, "cpu": {**base, **cpu}, "full": {**base, **full}}
-
-
 # The grid (ratios x seeds) is trained as one stack (qkov_lib.stacked); training metrics are
 # logged on a fixed subsample of log_subsample training instances; threads = torch threads.
 _COMMON = dict(ratios=[1.0, 3.0, 10.0, 30.0, 100.0], seeds=list(range(8)), optimizer="adamw", eta_ov=1e-4,
@@ -67,7 +64,7 @@ FULL_SEEDS = list(range(10))
 
 # Profile tables: test = seconds (CI); cpu = each chapter under 15 minutes on 2 cores; full = GPU.
 PROFILES: dict[str, dict[str, dict]] = {
-    "sva": _profiles(
+    "sva": profile_table(
         dict(_COMMON, dataset="sva", max_len=16, test_frac=0.2, linzen=True, linzen_max_len=48,
              sgd=True, sgd_eta_ov=0.05),
         dict(ratios=[1.0, 10.0], seeds=[0], steps=40, n_train=400, n_test=200, n_eraser=100,
@@ -77,13 +74,13 @@ PROFILES: dict[str, dict[str, dict]] = {
         dict(seeds=FULL_SEEDS, steps=6000, n_train=None, n_test=None, n_eraser=2564,
              linzen_n_train=None, linzen_n_test=None, linzen_steps=5000, sgd_steps=12000),
     ),
-    "hatexplain": _profiles(
+    "hatexplain": profile_table(
         dict(_COMMON, dataset="hatexplain", max_len=64, plausibility=True),
         dict(ratios=[1.0, 10.0], seeds=[0], steps=40, n_train=400, n_test=200, n_eraser=100),
         dict(steps=2000, n_logs=6, n_train=None, n_test=None),
         dict(seeds=FULL_SEEDS, steps=8000, max_len=128, n_train=None, n_test=None, n_eraser=1924),
     ),
-    "squad": _profiles(
+    "squad": profile_table(
         dict(_COMMON, dataset="squad", max_len=128, query="wh", readout="copy", min_freq=3, d_model=32, eta_ov=3e-4,
              n_logs=4),
         dict(ratios=[1.0, 10.0], seeds=[0], steps=40, n_train=500, n_test=200, n_eraser=100),

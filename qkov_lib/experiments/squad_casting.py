@@ -43,7 +43,7 @@ from ..data.batch import Batch
 from ..data.text import PAD_ID, TextDataset, load_text_dataset
 from ..metrics import mass_by_role
 from ..models import QKOVAttention
-from ..profiles import profile_name
+from ..profiles import profile_name, profile_table
 from ..runtime import seed_everything, torch_threads
 from ..training import TrainConfig, predict, train
 
@@ -62,14 +62,10 @@ CASTINGS: dict[str, dict[str, Any]] = {
 }
 
 
-def _profiles(base: dict, test: dict, cpu: dict, full: dict) -> dict[str, dict]:
-    return {"test": {**base, **test}, "cpu": {**base, **cpu}, "full": {**base, **full}}
-
-
 # The best casting (dev accuracy at ratio 1 in the cpu profile). test = seconds; cpu = one run:
 # about 20 s of loading plus 35 s (idle machine) to 4 min (2 cores shared) of 1000 steps; full = a
 # GPU, all exact-span training questions and longer contexts (not yet run).
-PROFILES: dict[str, dict[str, Any]] = _profiles(
+PROFILES: dict[str, dict[str, Any]] = profile_table(
     dict(casting="match+conv", parameterization="FAFO", d_model=64, window=9, init_scale=1e-2, max_len=128,
          min_freq=10, oov_buckets=1000, keys="context", optimizer="adamw", eta_ov=1e-3, ratio=1.0,
          batch_size=64, weight_decay=0.0, seed=0, data_seed=0, threads=2),

@@ -36,6 +36,7 @@ from ..data.batch import Batch
 from ..data.sva import ROLE_CODES
 from ..data.text import PAD_ID, TextDataset, load_text_dataset
 from ..metrics import mass_by_role
+from ..profiles import profile_table
 from ..models import QKOVAttention
 from ..runtime import seed_everything
 from ..stacked import train_stacked
@@ -249,7 +250,7 @@ class ContextHeadModel(nn.Module):
 # training 4 models as one stack took 144 s on 2 cores shared with ~6 other processes (load 7-8), so
 # the cpu grid (2 models) needs about 1-2 min plus ~20 s of loading and testing on 64,750 prefixes.
 # eta_ov = 1e-3 had the lowest validation loss at ratio 1 (seed 0) among {3e-4, 1e-3, 3e-3}: 0.261, 0.197, 0.240.
-NATURAL_PROFILES: dict[str, dict[str, dict]] = realdata._profiles(
+NATURAL_PROFILES: dict[str, dict[str, dict]] = profile_table(
     dict(max_len=48, min_freq=2, data_seed=0, val_frac=0.1, d_model=64, kernel=5, layers=2, encoder="conv",
          parameterization="FAFO", init_scale=1e-2, optimizer="adamw", eta_ov=1e-3, eta_other=None, weight_decay=0.0,
          batch_size=64, log_every=100, patience=5, ratios=[1.0, 10.0], seeds=[0], threads=1),

@@ -16,7 +16,7 @@ from ..data import synthetic as syn
 from .. import claims
 from ..claims import Verdict
 from ..metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
-                       summarize)
+                       seed_half_width, summarize)
 from ..models import PARAMETERIZATIONS, SyntheticModel
 from ..results import tag_frame
 from ..runtime import pick_device, seed_everything, torch_threads
@@ -123,16 +123,12 @@ def histories_frame(runs: Iterable[Run]) -> pd.DataFrame:
 def seed_summary(frame: pd.DataFrame, by: Sequence[str], metrics: Sequence[str], level: float = 0.95) -> pd.DataFrame:
     """Mean and a Student-t confidence half-width over seeds of each metric, per ``by`` group.
     Columns ``<metric>`` and ``<metric>_ci``; the half-width is NaN with one seed."""
-    from scipy import stats
-
     def agg(g: pd.DataFrame) -> pd.Series:
         out = {}
-        n = len(g)
-        t = stats.t.ppf(0.5 + level / 2, n - 1) if n > 1 else np.nan
         for m in metrics:
             out[m] = g[m].mean()
-            out[f"{m}_ci"] = t * g[m].std(ddof=1) / np.sqrt(n) if n > 1 else np.nan
-        out["n_seeds"] = n
+            out[f"{m}_ci"] = seed_half_width(g[m], level)
+        out["n_seeds"] = len(g)
         return pd.Series(out)
 
     return frame.groupby(list(by), sort=False).apply(agg, include_groups=False).reset_index()
