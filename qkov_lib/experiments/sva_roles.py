@@ -369,6 +369,14 @@ def sgd_role_frames(ds: TextDataset, cfg: Mapping[str, Any], device: torch.devic
     sgd = realdata.sgd_config(cfg)
     grid = [(float(r), s) for r in sgd["ratios"] for s in sgd["seeds"]]
     models, _ = realdata.train_models(ds, sgd, grid, device or torch.device("cpu"), probe=False)
+    return role_frames(models, grid, ds)
+
+
+def role_frames(models: Sequence[nn.Module], grid: Sequence[tuple[float, int]], ds: TextDataset
+                ) -> dict[str, pd.DataFrame]:
+    """The role analysis of trained models at ``grid``'s ``(ratio, seed)``: ``{"condition":
+    role_frame by template condition, "target": by target number, "margin": margin_frame,
+    "default": default_number_table}``."""
     out = {"condition": role_frame(models, grid, ds, "condition"), "target": role_frame(models, grid, ds, "target"),
            "margin": margin_frame(models, grid, ds)}
     out["default"] = default_number_table(out["target"], out["margin"])
