@@ -64,14 +64,17 @@ def grid(optimizers: Sequence[str], base_rates: Mapping[str, Sequence[float]], r
 def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], train: Batch, val: Batch,
                test: Batch, config: Callable[[Cell], TrainConfig],
                measure: Callable[[nn.Module, Batch], Mapping[str, float]], max_stack: int = 64,
-               desc: str = "map") -> pd.DataFrame:
+               desc: str = "map", models_out: dict[Cell, nn.Module] | None = None,
+               threads: int | None = None) -> pd.DataFrame:
     """Train every cell and measure it: one row per cell with its settings, ``diverged``,
     ``stop_step``, the validation metrics (``val_<metric>``) and the test metrics.
 
     ``make_model(seed)`` builds a fresh model (the same initialisation for every cell of a seed,
     so ratios are compared from the same start); ``config(cell)`` its training config;
     ``measure(model, batch)`` the metrics of a trained model on a split. Cells are trained in
-    stacks of at most ``max_stack`` models that share an optimizer."""
+    stacks of at most ``max_stack`` models that share an optimizer. ``models_out``, if given,
+    receives every trained model that did not diverge, keyed by its cell (for later analyses);
+    ``threads`` sets torch's intra-op threads while training."""
     rows = []
     by_opt: dict[str, list[Cell]] = {}
     for c in cells:
@@ -81,12 +84,14 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
             chunk = group[i:i + max_stack]
             models = [make_model(c.seed) for c in chunk]
             hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
-                                  desc=f"{desc} {opt} {i // max_stack + 1}")
+                                  desc=f"{desc} {opt} {i // max_stack + 1}", progress=True, threads=threads)
             for c, m, h in zip(chunk, models, hists):
                 row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
                 if h.diverged_step is None:
                     row.update({f"val_{k}": v for k, v in measure(m, val).items()})
                     row.update(measure(m, test))
+                    if models_out is not None:
+                        models_out[c] = m
                 rows.append(row)
     return pd.DataFrame(rows)
 
