@@ -218,3 +218,5 @@ def test_protocol_rows_average_seeds_per_ratio_and_need_models():
     assert ((out["accuracy"] >= 0) & (out["accuracy"] <= 1)).all()
     with pytest.raises(ValueError, match="kept no model"):
         hm.protocol_rows([SimpleNamespace(ratio=1.0, seed=0, model=None)], test, 3)
+    empty = hm.protocol_rows([], test, 3)  # nothing trained: an empty table with the same columns
+    assert empty.empty and list(empty.columns) == list(out.columns)

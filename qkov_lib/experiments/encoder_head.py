@@ -258,4 +258,7 @@ def protocol_rows(runs: Sequence[Any], test: Batch, n_classes: int) -> pd.DataFr
         rows.append({"ratio": float(r.ratio), "seed": r.seed, "accuracy": float((pred == batch.y).double().mean()),
                      "macro_f1": macro_f1(pred.cpu(), batch.y.cpu(), n_classes),
                      **{k: float(p[k]) for k in ("iou_f1", "token_f1", "auprc", "comprehensiveness", "sufficiency")}})
-    return pd.DataFrame(rows).drop(columns="seed").groupby("ratio", as_index=False).mean()
+    cols = ["ratio", "accuracy", "macro_f1", "iou_f1", "token_f1", "auprc", "comprehensiveness", "sufficiency"]
+    if not rows:  # no trained run to measure (e.g. a map in which nothing trained)
+        return pd.DataFrame(columns=cols)
+    return pd.DataFrame(rows).drop(columns="seed").groupby("ratio", as_index=False).mean()[cols]
