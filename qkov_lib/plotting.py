@@ -80,3 +80,31 @@ def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style:
         sns.move_legend(axes.flat[n - 1], "upper left", bbox_to_anchor=(1.02, 1))
     fig.tight_layout()
     return fig
+
+
+def role_bars(frames: Mapping[str, pd.DataFrame], roles: Sequence[str], ylabel: str = "mean attention mass"):
+    """Stacked bars of the mean attention mass per token role (columns ``roles`` of each frame,
+    indexed by ratio), one panel per entry of ``frames`` (e.g. per optimizer); white face."""
+    setup()
+    frames = {k: f for k, f in frames.items() if not f.empty}
+    if not frames:
+        raise ValueError("no role table to plot (no trained model was measured)")
+    fig, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames) + 0.8, 3.4), squeeze=False, facecolor=FACE,
+                             sharey=True)
+    colours = sns.color_palette("colorblind", len(roles))
+    for ax, (name, f) in zip(axes[0], frames.items()):
+        missing = [r for r in roles if r not in f]
+        if missing:
+            raise ValueError(f"panel {name!r} has no column(s) {missing}")
+        bottom = np.zeros(len(f))
+        labels = [f"{r:g}" for r in f.index]
+        for role, c in zip(roles, colours):
+            v = f[role].to_numpy(dtype=float)
+            ax.bar(labels, v, bottom=bottom, color=c, label=role, edgecolor="white", linewidth=0.5)
+            bottom += v
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("eta_QK / eta_OV")
+        ax.set_ylabel(ylabel)
+    axes[0, -1].legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig

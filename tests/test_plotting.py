@@ -1,5 +1,6 @@
 import matplotlib
 import numpy as np
+import pytest
 import pandas as pd
 
 from qkov_lib import plotting
@@ -39,3 +40,18 @@ def test_training_curve_bands_are_the_same_in_every_build():
 
     a, b = bands(), bands()
     assert a and all(np.array_equal(x, y) for x, y in zip(a, b))  # bootstrap intervals are seeded
+
+
+def test_role_bars_stack_the_roles_per_ratio():
+    import matplotlib.pyplot as plt
+
+    f = pd.DataFrame({"subject": [0.6, 0.3], "rest": [0.4, 0.7]}, index=pd.Index([1.0, 10.0], name="ratio"))
+    fig = plotting.role_bars({"adamw": f, "sgd": f.iloc[::-1], "none": pd.DataFrame()}, ["subject", "rest"])
+    assert len(fig.axes) == 2 and fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
+    tops = sorted(p.get_y() + p.get_height() for p in fig.axes[0].patches)
+    assert tops == pytest.approx([0.3, 0.6, 1.0, 1.0])  # the two roles stack to the whole mass
+    plt.close(fig)
+    with pytest.raises(ValueError, match="no column"):
+        plotting.role_bars({"adamw": f}, ["subject", "verb"])
+    with pytest.raises(ValueError, match="no role table"):
+        plotting.role_bars({"adamw": pd.DataFrame()}, ["subject"])

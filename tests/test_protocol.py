@@ -64,6 +64,25 @@ def test_region_verdicts_flip_with_the_effect():
         P.cell_verdicts(P.phase_table(t.assign(trained=True))), {"adamw": 1e-3})["R1"][1]
 
 
+def test_r2_reads_the_highest_ratio_that_trained():
+    """Ratio 100 fails in every seed: R2 is judged at ratio 10 (not 'not tested'), and the
+    failures stay visible in the failure counts."""
+    rows = []
+    for r in (1.0, 10.0, 100.0):
+        for s in (0, 1, 2):
+            up = r > 1
+            rows.append({"optimizer": "sgd", "eta_ov": 0.3, "ratio": r, "seed": s, "diverged": r == 100.0,
+                         "val_accuracy": 0.9, "accuracy": 0.8, "macro_f1": 0.8, "attn_relevant": 0.3 + 0.2 * up,
+                         "AC@0.5": 0.2 + 0.2 * up + 0.001 * s, "ACMC@0.5": 0.2 + 0.2 * up,
+                         "sufficiency": 0.3 - 0.1 * up})
+    t = pd.DataFrame(rows)
+    t["trained"] = P.trained(t, chance=0.5)
+    cells = P.cell_verdicts(P.phase_table(t)).set_index("claim")
+    assert cells.loc["R2", "verdict"] == "reproduced"
+    f = P.failures(t).set_index("ratio")
+    assert f.loc[100.0, "failed"] == 3 and f.loc[10.0, "failed"] == 0
+
+
 def test_one_ratio_is_not_tested():
     t = _table()
     t = t[t.ratio == 1.0].assign(trained=True)

@@ -146,11 +146,13 @@ def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS) -> 
 
 def cell_verdicts(phase: pd.DataFrame) -> pd.DataFrame:
     """R1-R3 by the rules of :mod:`qkov_lib.claims` in each (optimizer, eta_ov) column of the map:
-    every ratio above 1 against ratio 1 (R1, R3), the highest ratio against ratio 1 (R2)."""
+    every ratio above 1 against ratio 1 (R1, R3), the highest ratio at which a run trained
+    against ratio 1 (R2; the failures above it are counted by :func:`failures`)."""
     rows = []
     for (opt, eta), g in phase.groupby(["optimizer", "eta_ov"], sort=False):
         hi = g[g["ratio"] > 1.0].sort_values("ratio")
-        top = hi.iloc[-1] if len(hi) else None
+        alive = hi[hi["trained_runs"] > 0]
+        top = alive.iloc[-1] if len(alive) else hi.iloc[-1] if len(hi) else None
 
         def col(m: str) -> list[float]:
             return list(hi[f"d_{m}"]) if f"d_{m}" in hi else []
