@@ -64,6 +64,14 @@ def test_region_verdicts_flip_with_the_effect():
         P.cell_verdicts(P.phase_table(t.assign(trained=True))), {"adamw": 1e-3})["R1"][1]
 
 
+def test_equal_validation_accuracy_is_broken_by_validation_loss():
+    t = pd.DataFrame({"optimizer": "adamw", "eta_ov": [1e-4, 3e-4, 1e-3], "ratio": 1.0, "seed": 0, "trained": True,
+                      "val_accuracy": [0.9, 0.97, 0.97], "val_loss": [0.2, 0.074, 0.070]})
+    assert P.select_base_rates(t) == {"adamw": 1e-3}
+    assert P.select_base_rates(t.assign(val_loss=[0.2, 0.07, 0.07])) == {"adamw": 3e-4}  # then the smaller rate
+    assert P.select_base_rates(t.drop(columns="val_loss")) == {"adamw": 3e-4}
+
+
 def test_r2_reads_the_highest_ratio_that_trained():
     """Ratio 100 fails in every seed: R2 is judged at ratio 10 (not 'not tested'), and the
     failures stay visible in the failure counts."""

@@ -70,6 +70,15 @@ def test_facts_rows_and_tables():
     assert M.verdict_frame(res).loc["R1", "verdict"] == "partly"
 
 
+def test_largest_gain_names_its_cell():
+    res = M.analyse(_table(), 0.5)
+    text = M.largest_gain_sentence(res)
+    # SGD's AC rises by 0.2 in both columns; the first (eta_ov 0.1) is named, with the tuned rate's accuracy
+    assert text.startswith("The largest AC@0.5 gain in the map is +20.0 points (sgd, eta_ov 0.1, ratio 10;")
+    assert "at the tuned eta_ov 0.3: 85.1%" in text
+    assert M.largest_gain_sentence(M.analyse(_table().drop(columns="AC@0.5"), 0.5)).startswith("No cell")
+
+
 def test_anchor_gap_and_no_trained_run():
     res = M.analyse(_table(), 0.5)
     near = M.anchor_gap(res, "adamw", 0.85, 0.84)

@@ -107,14 +107,18 @@ def trained(table: pd.DataFrame, chance: float, metric: str = "val_accuracy") ->
     return ok
 
 
-def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy") -> dict[str, float]:
+def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy", tie: str = "val_loss") -> dict[str, float]:
     """Per optimizer, the base rate whose trained runs at ratio 1 have the best mean ``metric``
-    on the validation split (the test split chooses nothing). Needs the ``trained`` column."""
+    on the validation split (the test split chooses nothing); equal means are broken by the
+    lower mean ``tie`` (validation loss), then by the smaller rate. Needs the ``trained`` column."""
     ref = table[(table["ratio"] == 1.0) & table["trained"]]
     out = {}
     for opt, g in ref.groupby("optimizer", sort=False):
-        means = g.groupby("eta_ov")[metric].mean()
-        out[opt] = float(means.idxmax())
+        cols = [metric] + ([tie] if tie in g else [])
+        means = g.groupby("eta_ov")[cols].mean().reset_index()
+        means[metric] = means[metric].round(12)  # equal accuracies computed in a different order
+        order = means.sort_values([metric, *cols[1:], "eta_ov"], ascending=[False, *[True] * (len(cols) - 1), True])
+        out[opt] = float(order["eta_ov"].iloc[0])
     return out
 
 

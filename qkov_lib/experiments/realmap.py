@@ -217,7 +217,7 @@ def chapter_map(name: str, profile: str | None, data_dir=None, device: torch.dev
     cfg = resolve(PROFILES[name], profile, **overrides)
     ds, val = load_splits(name, cfg, data_dir)
     result = run_map(ds, val, cfg, device, desc=f"{name} map")
-    facts = map_facts(result) | {"map_n_val": f"{len(val):,}",
+    facts = map_facts(result) | {"map_n_val": f"{len(val):,}", "map_gain": largest_gain_sentence(result),
                                  "trained_margin": claims.threshold_text("TRAINED_MARGIN")}
     return result, ds, cfg, facts
 
@@ -295,6 +295,27 @@ def map_facts(result: MapResult) -> dict[str, str]:
         f[f"map_rule_{cid}"] = claims.RULE_TEXT[cid]
     f["map_rule_tuned"] = claims.TUNED_RULE
     return f
+
+
+def largest_gain_sentence(result: MapResult, metric: str = "AC@0.5") -> str:
+    """Where in the map ``metric`` (a fraction) rises most against ratio 1, and how well the
+    ratio-1 runs of that column predict compared with the tuned base rate of its optimizer:
+    the sentence that says whether sharpening comes where training at ratio 1 was slow."""
+    p = result.phase
+    col = f"d_{metric}"
+    if col not in p or not p[col].notna().any():
+        return f"No cell of the map has a {metric} change to report."
+    best = p.loc[p[col].idxmax()]
+    opt, eta = best["optimizer"], best["eta_ov"]
+    ref = p[(p["optimizer"] == opt) & (p["eta_ov"] == eta) & (p["ratio"] == 1.0)]["accuracy"]
+    out = (f"The largest {metric} gain in the map is {100 * best[col]:+.1f} points ({opt}, eta_ov {eta:g}, ratio "
+           f"{best['ratio']:g}; accuracy {100 * best['d_accuracy']:+.1f} points), in a column whose ratio-1 runs reach "
+           f"{100 * float(ref.mean()):.1f}% test accuracy")
+    tuned = result.selected.get(opt)
+    if tuned is not None:
+        t = p[(p["optimizer"] == opt) & (p["eta_ov"] == tuned) & (p["ratio"] == 1.0)]["accuracy"]
+        out += f" (at the tuned eta_ov {tuned:g}: {100 * float(t.mean()):.1f}%)"
+    return out + "."
 
 
 def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
@@ -411,4 +432,4 @@ def test_attention(model: nn.Module, data: Batch) -> torch.Tensor:
 
 __all__ = ["roles_by_ratio", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
            "chance", "analyse", "run_map", "chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
-           "claims_rows", "verdict_frame", "anchor_table", "runs_at"]
+           "claims_rows", "largest_gain_sentence", "verdict_frame", "anchor_table", "runs_at"]
