@@ -54,6 +54,11 @@ def test_failures_are_counted_not_averaged():
     assert facts["map_failed"] == "4" and facts["map_runs"] == str(len(res.table))
     ph = res.phase.set_index(["optimizer", "eta_ov", "ratio"])
     assert ph.loc[("sgd", 0.1, 10.0), "trained_runs"] == 1
+    # when every run at the top ratio fails, the changes are read at the highest ratio that trained
+    r2 = M.analyse(_table(fail=3), 0.5)
+    assert M.tuned_changes(r2, "sgd")["ratio"] == 1.0 and M.tuned_changes(r2, "adamw")["ratio"] == 10.0
+    ours = M.claims_rows(r2, "sva")[0]["ours"]
+    assert "nan" not in ours and "sgd (eta_ov 0.3, chosen on validation): no run above ratio 1 trained" in ours
 
 
 def test_facts_rows_and_tables():

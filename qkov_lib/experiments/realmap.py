@@ -320,12 +320,14 @@ def largest_gain_sentence(result: MapResult, metric: str = "AC@0.5") -> str:
 
 def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
     """At the tuned base rate of ``optimizer``: the paired change (against ratio 1) at the highest
-    ratio of accuracy, AC@0.5, attention on the relevant tokens and sufficiency (NaN if absent)."""
+    ratio at which a run trained (as R2 reads it) of accuracy, AC@0.5, attention on the relevant
+    tokens and sufficiency (NaN if absent)."""
     p = result.phase
     if optimizer not in result.selected:
         return {}
     g = p[(p["optimizer"] == optimizer) & (p["eta_ov"] == result.selected[optimizer])].sort_values("ratio")
-    top = g.iloc[-1]
+    alive = g[g["trained_runs"] > 0]
+    top = alive.iloc[-1] if len(alive) else g.iloc[-1]
     return {m: float(top.get(f"d_{m}", math.nan)) for m in ("accuracy", "AC@0.5", "attn_relevant", "sufficiency")} | {
         "ratio": float(top["ratio"])}
 
@@ -342,6 +344,9 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
         parts = []
         for opt, eta in result.selected.items():
             d = tuned_changes(result, opt)
+            if d["ratio"] == 1.0:
+                parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): no run above ratio 1 trained")
+                continue
             parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): at ratio {d['ratio']:g} vs 1, accuracy "
                          f"{100 * d['accuracy']:+.1f} points, AC@0.5 {100 * d['AC@0.5']:+.1f} points, attention on "
                          f"relevant tokens {d['attn_relevant']:+.3f}, sufficiency {d['sufficiency']:+.3f}")
