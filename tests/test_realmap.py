@@ -165,3 +165,25 @@ def test_tiny_sva_map_end_to_end_is_deterministic():
     if "adamw" in a.selected:
         assert runs and all(math.isfinite(float(next(r.model.parameters()).detach().sum())) for r in runs)
     assert np.isfinite(a.chance) and 0.4 < a.chance < 0.7  # two balanced-ish numbers
+
+
+def test_compare_castings_trains_each_casting_like_a_map_cell(tmp_path):
+    """On a three-question SQuAD fixture: one row per casting, the options of the casting, and the
+    wh-only and question-aware castings are different models (different dev attention)."""
+    from test_squad_casting import _write  # the fixture file writer
+
+    from qkov_lib.data.text import load_text_dataset
+    from qkov_lib.experiments import squad_casting as sc
+
+    _write(tmp_path)
+    ds = load_text_dataset("squad", tmp_path, max_len=24, min_freq=5, verify=False, keys="context", oov_buckets=50)
+    cfg = {**profiles.resolve(M.PROFILES["squad"], "test"), "d_model": 8, "adamw_steps": 4, "eval_every": 2,
+           "batch_size": 2}
+    out = M.compare_castings(ds, ds.test, cfg, 1e-2, names=["wh", "match+conv", "match+conv/position"])
+    assert list(out.index) == ["wh", "match+conv", "match+conv/position"]
+    assert list(out["readout"]) == ["tied", "tied", "position"] and list(out["encoder"]) == ["none", "conv", "conv"]
+    assert out["dev_accuracy"].between(0, 1).all() and all(s is None or s <= 4 for s in out["stop_step"])
+    assert out.loc["wh", "mass_answer"] != out.loc["match+conv", "mass_answer"]
+    with pytest.raises(ValueError, match="unknown casting"):
+        M.compare_castings(ds, ds.test, cfg, 1e-2, names=["bert"])
+    assert sc.CASTINGS["wh"]["query"] == "wh"

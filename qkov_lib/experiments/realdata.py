@@ -84,7 +84,7 @@ PROFILES: dict[str, dict[str, dict]] = {
         dict(_COMMON, dataset="squad", max_len=128, query="wh", readout="copy", min_freq=3, d_model=32, eta_ov=3e-4,
              n_logs=4),
         dict(ratios=[1.0, 10.0], seeds=[0], steps=40, n_train=500, n_test=200, n_eraser=100),
-        dict(steps=2000, n_train=12000, n_test=1000),
+        dict(steps=2000, n_train=12000, n_test=1000, seeds=[0, 1, 2, 3]),
         dict(seeds=FULL_SEEDS, steps=30000, d_model=64, max_len=256, n_train=None, n_test=None, n_eraser=10570,
              n_logs=8),
     ),

@@ -50,7 +50,7 @@ _COMMON = dict(optimizers=["adamw", "sgd"], ratios=RATIOS, map_seeds=[0, 1, 2], 
 
 # test = seconds (CI); cpu = the map within the chapter's 15-minute budget on 2 cores (one chapter
 # runs at a time, so the map uses both); full = GPU. Measured cpu maps (2 cores shared by two maps):
-# SVA 120 runs in 97 s; SQuAD 40 runs in 440 s.
+# SVA 120 runs in 97 s; SQuAD 40 runs in 440 s; HateXplain 80 runs in 920 s (2400-step budget).
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "sva": profile_table(
         dict(_COMMON, model="token", d_model=64, max_len=16, min_freq=2, test_frac=0.2, readout="class",
@@ -75,7 +75,7 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
              oov_buckets=1000, keys="context", adamw_steps=800, sgd_steps=800, eval_every=100, patience=3),
         dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=20,
              sgd_steps=20, eval_every=10, n_train=300, n_test=100, n_eraser=50),
-        dict(map_seeds=[0], n_train=8000, n_test=2000, threads=2),
+        dict(map_seeds=[0, 1], n_train=8000, n_test=2000, threads=2),
         dict(map_seeds=[0, 1, 2, 3, 4], d_model=128, window=9, max_len=256, n_train=None, n_test=None, n_eraser=2000,
              adamw_steps=30000, sgd_steps=30000, eval_every=500, patience=5),
     ),
@@ -142,7 +142,7 @@ def cell_config(cfg: Mapping[str, Any], cell: protocol.Cell) -> TrainConfig:
 def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float] = MAP_FRACS) -> dict[str, float]:
     """Accuracy, macro-F1, loss, mean attention on the relevant tokens, AC@0.5 and ACMC@0.5
     (instances with relevant tokens) and ERASER sufficiency (AOPC over ``fracs``, lower is
-    better) on ``n_eraser`` evenly spaced instances of ``data``."""
+    better) on ``n_eraser`` evenly spaced instances of ``data`` (none when 0)."""
     attn, probs = predict(model, data)
     pred = probs.argmax(-1)
     out = {"accuracy": float((pred == data.y).double().mean()),
@@ -152,8 +152,9 @@ def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float]
     if bool(has.any()):
         s = summarize(attn[has], probs[has], data.relevant[has], data.y[has], [0.5])
         out.update({k: s[k] for k in ("attn_relevant", "AC@0.5", "ACMC@0.5")})
-    idx = realdata.spread(len(data), n_eraser).to(attn.device)
-    out["sufficiency"] = float(fa.faithfulness(model, data.index(idx), attn[idx], fracs)["sufficiency"])
+    if n_eraser > 0:
+        idx = realdata.spread(len(data), n_eraser).to(attn.device)
+        out["sufficiency"] = float(fa.faithfulness(model, data.index(idx), attn[idx], fracs)["sufficiency"])
     return out
 
 
@@ -167,7 +168,8 @@ class MapResult:
     """A trained protocol map: ``table`` (one row per run, with ``trained``), ``selected``
     (validation-chosen base rate per optimizer), ``phase`` (:func:`.protocol.phase_table`),
     ``cells`` (per-column verdicts), ``regions`` (per claim: tuned-rate verdict and region),
-    ``chance`` (validation majority rate) and the trained ``models`` keyed by cell."""
+    ``chance`` (validation majority rate), the trained ``models`` keyed by cell and the
+    validation split ``val`` they were stopped on."""
 
     table: pd.DataFrame
     selected: dict[str, float]
@@ -176,6 +178,7 @@ class MapResult:
     regions: dict[str, tuple[claims.Verdict, str]]
     chance: float
     models: dict[protocol.Cell, nn.Module] = field(repr=False, default_factory=dict)
+    val: Batch | None = field(repr=False, default=None)
 
 
 def analyse(table: pd.DataFrame, chance_rate: float,
@@ -202,7 +205,32 @@ def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.d
         cells, lambda s: make_model(ds, cfg, s).to(device), ds.train.to(device), val.to(device), ds.test.to(device),
         lambda c: cell_config(cfg, c), lambda m, b: measure(m, b, cfg["n_eraser"]), desc=desc or ds.name,
         models_out=models, threads=cfg.get("threads"))
-    return analyse(table, chance(val), models)
+    result = analyse(table, chance(val), models)
+    result.val = val
+    return result
+
+
+def compare_castings(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], eta_ov: float,
+                     names: Sequence[str] | None = None, seed: int = 0) -> pd.DataFrame:
+    """Every SQuAD casting of :data:`.squad_casting.CASTINGS` (or ``names``) trained like a map cell
+    (AdamW at ``eta_ov``, ratio 1, early stopping on ``val``) from seed ``seed``: one row per
+    casting with its options, validation and dev (test) accuracy, the stopping step and the mean
+    attention mass per token role on the dev split."""
+    rows = []
+    cell = protocol.Cell("adamw", float(eta_ov), 1.0, int(seed))
+    for name in names or list(squad_casting.CASTINGS):
+        c = {**cfg, "casting": name}
+        models: dict[protocol.Cell, nn.Module] = {}
+        t = protocol.train_grid([cell], lambda s: squad_casting.make_model(ds, c, s), ds.train, val, ds.test,
+                                lambda x: cell_config(c, x), lambda m, b: measure(m, b, 0), desc=name,
+                                models_out=models, threads=cfg.get("threads")).iloc[0]
+        opts = {"readout": "tied", **squad_casting.CASTINGS[name]}
+        row = {"casting": name, **opts, "diverged": bool(t["diverged"]), "stop_step": t["stop_step"],
+               "val_accuracy": t.get("val_accuracy", math.nan), "dev_accuracy": t.get("accuracy", math.nan)}
+        if cell in models:
+            row.update({f"mass_{k}": v for k, v in squad_casting.attention_by_role(models[cell], ds).items()})
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("casting")
 
 
 def chapter_map(name: str, profile: str | None, data_dir=None, device: torch.device | None = None,
@@ -436,5 +464,5 @@ def test_attention(model: nn.Module, data: Batch) -> torch.Tensor:
 
 
 __all__ = ["roles_by_ratio", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
-           "chance", "analyse", "run_map", "chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
+           "chance", "analyse", "run_map", "compare_castings", "chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
            "claims_rows", "largest_gain_sentence", "verdict_frame", "anchor_table", "runs_at"]

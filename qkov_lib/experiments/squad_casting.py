@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import pandas as pd
 import torch
 from torch import Tensor, nn
 
@@ -244,13 +243,6 @@ def run_casting(ds: TextDataset, cfg: Mapping[str, Any]) -> dict[str, Any]:
                 "train_accuracy": accuracy(model, ds.train.index(slice(0, 2000))), "dev_accuracy": dev,
                 "dev_accuracy_all_read": dev * len(ds.test) / n_read, "train_loss": hist.final.get("loss"),
                 "seconds": seconds, **roles}
-
-
-def compare_castings(ds: TextDataset, cfg: Mapping[str, Any], names: Sequence[str] | None = None) -> pd.DataFrame:
-    """:func:`run_casting` for each casting in ``names`` (default: all of :data:`CASTINGS`) with
-    everything else of ``cfg`` fixed; one row per casting, indexed by its name."""
-    rows = [run_casting(ds, {**cfg, "casting": name}) for name in (names or list(CASTINGS))]
-    return pd.DataFrame(rows).set_index("casting")
 
 
 def main(argv: list[str] | None = None) -> None:
