@@ -168,6 +168,10 @@ def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     sva = table[table["dataset"] == "sva"]
     assert list(sva["verdict"]) == ["reproduced"] * 3
     assert all("[cpu profile, 3 seed(s)]" in o for o in sva["ours"])
+    # a chapter that ran the protocol map reports the map's seeds, not the fixed grid's
+    results.save_results("sva", cfg, {"claims": rows, "map_settings": {"map_seeds": [0, 1]}}, path=tmp_path / "sva.json")
+    assert all("[cpu profile, 2 seed(s)]" in o for o in exp.r_table(tmp_path).query("dataset == 'sva'")["ours"])
+    results.save_results("sva", cfg, {"claims": rows}, path=tmp_path / "sva.json")
     missing = table[table["dataset"] == "squad"]
     assert list(missing["verdict"]) == ["not run"] * 3 and "not run" in missing["ours"].iloc[0]
     assert {k: v for k, (v, _) in exp.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",

@@ -94,6 +94,7 @@ def test_anchor_gap_and_no_trained_run():
     assert all(v.verdict == "not tested" for v, _ in dead.regions.values())
     assert M.anchor_gap(dead, "adamw", 0.8, 0.8)["anchor_within"].startswith("not tested")
     assert M.anchor_table(dead).empty
+    assert "did not train): no base rate trained at ratio 1. Reproduced in" in M.claims_rows(dead, "squad")[0]["ours"]
 
 
 def test_role_sentence_reads_the_direction():

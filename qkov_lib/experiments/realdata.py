@@ -560,7 +560,9 @@ def r_table(results_dir: str | Path | None = None, datasets: Sequence[str] = ("s
                              "profile": params.get("profile")})
                 continue
             c = found[0]
-            prof = f"{params.get('profile')} profile, {len(params.get('seeds', []))} seed(s)"
+            # the verdict comes from the chapter's protocol map when it ran one, with its own seeds
+            seeds = (doc.get("metrics", {}).get("map_settings") or {}).get("map_seeds") or params.get("seeds", [])
+            prof = f"{params.get('profile')} profile, {len(seeds)} seed(s)"
             rows.append({**base, "ours": f"{c['ours']} [{prof}]", "verdict": c["verdict"], "rule": c.get("rule", ""),
                          "reason": c.get("reason", ""), "profile": params.get("profile")})
     return pd.DataFrame(rows)

@@ -379,8 +379,8 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
                          f"{100 * d['accuracy']:+.1f} points, AC@0.5 {100 * d['AC@0.5']:+.1f} points, attention on "
                          f"relevant tokens {d['attn_relevant']:+.3f}, sufficiency {d['sufficiency']:+.3f}")
         ours = (f"{dataset}, base-rate x ratio map ({len(result.table)} runs, "
-                f"{int((~result.table['trained']).sum())} did not train): " + "; ".join(parts) +
-                f". Reproduced in: {region}")
+                f"{int((~result.table['trained']).sum())} did not train): "
+                + ("; ".join(parts) or "no base rate trained at ratio 1") + f". Reproduced in: {region}")
         rows.append(claims.claim(cid, claims.CLAIMS[cid], ours, v, ch))
     return rows
 
