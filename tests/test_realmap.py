@@ -188,3 +188,12 @@ def test_compare_castings_trains_each_casting_like_a_map_cell(tmp_path):
     with pytest.raises(ValueError, match="unknown casting"):
         M.compare_castings(ds, ds.test, cfg, 1e-2, names=["bert"])
     assert sc.CASTINGS["wh"]["query"] == "wh"
+
+
+def test_command_line_runs_a_map_and_rejects_bad_values(capsys):
+    M.main(["sva", "--profile", "test", "-p", "optimizers", '["adamw"]', "-p", "adamw_rates", "[0.003]",
+            "-p", "ratios", "[1, 10]"])
+    out = capsys.readouterr().out
+    assert "adamw   0.003" in out and "R1" in out and "sgd" not in out.split("claim")[0]
+    with pytest.raises(TypeError, match="map_seeds"):
+        M.main(["sva", "--profile", "test", "-p", "map_seeds", '"zero"'])
