@@ -129,6 +129,15 @@ def macro_f1(pred: torch.Tensor, y: torch.Tensor, n_classes: int | None = None) 
     return float(f1[present].mean())
 
 
+def prediction_metrics(probs: Tensor, y: Tensor, n_classes: int | None = None) -> dict[str, float]:
+    """Accuracy, macro-F1 (:func:`macro_f1`) and mean cross-entropy (nats) of class
+    probabilities ``probs`` (N, C) against labels ``y`` (N,)."""
+    pred = probs.argmax(-1)
+    return {"accuracy": float((pred == y).double().mean()),
+            "macro_f1": macro_f1(pred.cpu(), y.cpu(), n_classes if n_classes is not None else probs.shape[-1]),
+            "loss": float(-confidence(probs, y).clamp_min(1e-300).log().mean())}
+
+
 def dtap_distance(h1, h2) -> float:
     """Total-variation distance between two DTAP histograms given as fractions (0 = equal, 1 = disjoint)."""
     import numpy as np

@@ -1,8 +1,10 @@
+import math
+
 import pytest
 import torch
 
 from qkov_lib.metrics import (ac, acmc, circuit_scalars, confidence, dtap_histogram, focus_prediction_table,
-                              relevant_mass, summarize)
+                              prediction_metrics, relevant_mass, summarize)
 
 # Three instances, four positions. Relevant positions: {1}, {0, 2}, {3}.
 ATTN = torch.tensor([[0.1, 0.6, 0.2, 0.1],
@@ -102,3 +104,14 @@ def test_seed_half_width_by_hand():
     # values 1, 2, 3: mean 2, sd 1, n 3 -> t(0.975, 2) / sqrt(3)
     assert seed_half_width([1.0, 2.0, 3.0]) == pytest.approx(stats.t.ppf(0.975, 2) / math.sqrt(3))
     assert math.isnan(seed_half_width([1.0]))
+
+
+def test_prediction_metrics_on_a_hand_worked_case():
+    # predictions 0, 1, 1 against labels 0, 1, 0: accuracy 2/3; F1 class 0 = 2/3, class 1 = 2/3
+    probs = torch.tensor([[0.8, 0.2], [0.25, 0.75], [0.4, 0.6]], dtype=torch.float64)
+    y = torch.tensor([0, 1, 0])
+    m = prediction_metrics(probs, y)
+    assert m["accuracy"] == pytest.approx(2 / 3) and m["macro_f1"] == pytest.approx(2 / 3)
+    assert m["loss"] == pytest.approx(-(math.log(0.8) + math.log(0.75) + math.log(0.4)) / 3)
+    # a class that never occurs nor is predicted does not enter macro-F1, whatever n_classes says
+    assert prediction_metrics(probs, y, n_classes=5)["macro_f1"] == pytest.approx(2 / 3)

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from ..data.batch import Batch
 from ..data.text import PAD_ID, TextDataset
-from ..metrics import macro_f1, mass_by_role
+from ..metrics import mass_by_role, prediction_metrics
 from ..profiles import profile_table
 from ..models import QKOVAttention
 from ..runtime import seed_everything
@@ -167,10 +167,7 @@ def trim_padding(batch: Batch) -> Batch:
 def split_metrics(model: nn.Module, data: Batch) -> dict[str, float]:
     """Accuracy, macro-F1 and mean cross-entropy of ``model`` on ``data`` (e.g. the test split)."""
     _, probs = predict(model, data)
-    pred = probs.argmax(-1)
-    nll = -torch.log(probs.gather(1, data.y[:, None]).clamp_min(1e-300)).mean()
-    return {"accuracy": float((pred == data.y).double().mean()), "macro_f1": macro_f1(pred, data.y, probs.shape[1]),
-            "loss": float(nll)}
+    return prediction_metrics(probs, data.y)
 
 
 def run_one(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], ratio: float = 1.0,
@@ -253,10 +250,9 @@ def protocol_rows(runs: Sequence[Any], test: Batch, n_classes: int) -> pd.DataFr
         device = next(r.model.parameters()).device
         batch = test.to(device)
         attn, probs = predict(r.model, batch)
-        pred = probs.argmax(-1)
         p = hatexplain_protocol(r.model, batch, attn)
-        rows.append({"ratio": float(r.ratio), "seed": r.seed, "accuracy": float((pred == batch.y).double().mean()),
-                     "macro_f1": macro_f1(pred.cpu(), batch.y.cpu(), n_classes),
+        m = prediction_metrics(probs, batch.y, n_classes)
+        rows.append({"ratio": float(r.ratio), "seed": r.seed, "accuracy": m["accuracy"], "macro_f1": m["macro_f1"],
                      **{k: float(p[k]) for k in ("iou_f1", "token_f1", "auprc", "comprehensiveness", "sufficiency")}})
     cols = ["ratio", "accuracy", "macro_f1", "iou_f1", "token_f1", "auprc", "comprehensiveness", "sufficiency"]
     if not rows:  # no trained run to measure (e.g. a map in which nothing trained)

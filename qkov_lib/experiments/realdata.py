@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 from .. import faithfulness as fa
 from ..data.batch import Batch
 from ..data.text import TextDataset, load_text_dataset
-from ..metrics import confidence, dtap_histogram, macro_f1, relevant_mass, summarize
+from ..metrics import confidence, dtap_histogram, prediction_metrics, relevant_mass, summarize
 from ..profiles import profile_table
 from ..models import TokenModel
 from .. import claims
@@ -274,10 +274,7 @@ def evaluate_run(ds: TextDataset, model: TokenModel, hist: History, ratio: float
     test = ds.test.to(device)
     attn, probs = predict(model, test)
     pred = probs.argmax(-1)
-    base = {"ratio": float(ratio), "seed": seed,
-            "accuracy": float((pred == test.y).double().mean()),
-            "macro_f1": macro_f1(pred.cpu(), test.y.cpu(), ds.n_classes),
-            "loss": float(-confidence(probs, test.y).clamp_min(1e-300).log().mean())}
+    base = {"ratio": float(ratio), "seed": seed, **prediction_metrics(probs, test.y, ds.n_classes)}
     gen = torch.Generator().manual_seed(20_000 + seed)
     rows = []
     for kind in ATTENTIONS:

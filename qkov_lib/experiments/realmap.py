@@ -30,7 +30,7 @@ from .. import claims
 from .. import faithfulness as fa
 from ..data.batch import Batch
 from ..data.text import TextDataset
-from ..metrics import macro_f1, seed_half_width, summarize
+from ..metrics import prediction_metrics, seed_half_width, summarize
 from ..profiles import profile_table
 from ..training import TrainConfig, predict
 from . import encoder_head, protocol, realdata, squad_casting
@@ -147,10 +147,7 @@ def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float]
     (instances with relevant tokens) and ERASER sufficiency (AOPC over ``fracs``, lower is
     better) on ``n_eraser`` evenly spaced instances of ``data`` (none when 0)."""
     attn, probs = predict(model, data)
-    pred = probs.argmax(-1)
-    out = {"accuracy": float((pred == data.y).double().mean()),
-           "macro_f1": macro_f1(pred.cpu(), data.y.cpu(), probs.shape[1]),
-           "loss": float(-torch.log(probs.gather(1, data.y[:, None]).clamp_min(1e-300)).mean())}
+    out = prediction_metrics(probs, data.y)
     has = data.relevant.any(1)
     if bool(has.any()):
         s = summarize(attn[has], probs[has], data.relevant[has], data.y[has], [0.5])
