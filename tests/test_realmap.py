@@ -65,11 +65,14 @@ def test_facts_rows_and_tables():
     res = M.analyse(_table(), 0.5)
     facts = M.map_facts(res)
     assert facts["map_adamw_eta"] == "0.001" and facts["map_sgd_eta"] == "0.3"
-    assert facts["map_adamw_test_accuracy"].startswith("85.1 ±")  # seeds 0.850, 0.851, 0.852
+    assert facts["map_adamw_test_accuracy"].startswith("85.1% ±")  # seeds 0.850, 0.851, 0.852
     assert facts["map_rule_tuned"] == claims.TUNED_RULE
     rows = M.claims_rows(res, "sva")
     assert [r["id"] for r in rows] == ["R1", "R2", "R3"] and rows[0]["chapter"] == "07_sva"
     assert "adamw (eta_ov 0.001, chosen on validation): at ratio 10 vs 1, accuracy -10.0 points" in rows[0]["ours"]
+    ref = M.tuned_runs(res, "adamw", ratio=1.0)
+    assert len(ref) == 3 and set(ref["ratio"]) == {1.0} and set(ref["eta_ov"]) == {1e-3}
+    assert len(M.tuned_runs(res, "adamw")) == 6 and M.plot_roles(res, {}, ["answer"]) is None
     sel = M.selection_table(res)
     assert sel[sel["chosen"]]["eta_ov"].tolist() == [1e-3, 0.3]
     assert M.verdict_frame(res).loc["R1", "verdict"] == "partly"
@@ -93,7 +96,6 @@ def test_anchor_gap_and_no_trained_run():
     assert dead.selected == {} and M.map_facts(dead)["map_adamw_eta"].startswith("none")
     assert all(v.verdict == "not tested" for v, _ in dead.regions.values())
     assert M.anchor_gap(dead, "adamw", 0.8, 0.8)["anchor_within"].startswith("not tested")
-    assert M.anchor_table(dead).empty
     assert "did not train): no base rate trained at ratio 1. Reproduced in" in M.claims_rows(dead, "squad")[0]["ours"]
 
 
@@ -104,6 +106,7 @@ def test_role_sentence_reads_the_direction():
     flat = f.assign(answer=[0.2, 0.2 + claims.SHARPER / 2])
     assert "stays about level" in M.role_sentence(flat, "answer", "the answer")
     assert M.role_sentence(pd.DataFrame(), "answer", "the answer").startswith("No trained model")
+    assert M.role_sentence(None, "answer", "the answer").startswith("No trained model")
 
 
 def test_bad_settings_fail_clearly():
@@ -163,8 +166,8 @@ def test_tiny_sva_map_end_to_end_is_deterministic():
     pd.testing.assert_frame_equal(a.table[cols], b.table[cols])
     assert a.table["trained"].dtype == bool and set(a.regions) == {"R1", "R2", "R3"}
     runs = M.runs_at(a, "adamw")
-    if "adamw" in a.selected:
-        assert runs and all(math.isfinite(float(next(r.model.parameters()).detach().sum())) for r in runs)
+    assert "adamw" in a.selected  # the tiny SVA map trains under AdamW (validation accuracy ~ 0.88)
+    assert runs and all(math.isfinite(float(next(r.model.parameters()).detach().sum())) for r in runs)
     assert np.isfinite(a.chance) and 0.4 < a.chance < 0.7  # two balanced-ish numbers
 
 
@@ -174,7 +177,6 @@ def test_compare_castings_trains_each_casting_like_a_map_cell(tmp_path):
     from test_squad_casting import _write  # the fixture file writer
 
     from qkov_lib.data.text import load_text_dataset
-    from qkov_lib.experiments import squad_casting as sc
 
     _write(tmp_path)
     ds = load_text_dataset("squad", tmp_path, max_len=24, min_freq=5, verify=False, keys="context", oov_buckets=50)
@@ -187,7 +189,6 @@ def test_compare_castings_trains_each_casting_like_a_map_cell(tmp_path):
     assert out.loc["wh", "mass_answer"] != out.loc["match+conv", "mass_answer"]
     with pytest.raises(ValueError, match="unknown casting"):
         M.compare_castings(ds, ds.test, cfg, 1e-2, names=["bert"])
-    assert sc.CASTINGS["wh"]["query"] == "wh"
 
 
 def test_command_line_runs_a_map_and_rejects_bad_values(capsys):

@@ -254,8 +254,7 @@ def anchor_gap(result: MapResult, optimizer: str, accuracy: float, f1: float, wi
     """How far the tuned ``optimizer`` runs at ratio 1 are from a published model's test
     ``accuracy`` and macro-``f1`` (fractions): the two gaps in points and whether both lie
     within ``within``."""
-    ref = tuned_runs(result, optimizer)
-    ref = ref[ref["ratio"] == 1.0]
+    ref = tuned_runs(result, optimizer, ratio=1.0)
     if not len(ref):
         return {"anchor_gap_accuracy": "n/a", "anchor_gap_macro_f1": "n/a", "anchor_within": "not tested (no run trained)"}
     ga, gf = float(ref["accuracy"].mean()) - accuracy, float(ref["macro_f1"].mean()) - f1
@@ -265,14 +264,10 @@ def anchor_gap(result: MapResult, optimizer: str, accuracy: float, f1: float, wi
 
 
 # --- what the chapter quotes ------------------------------------------------------------------
-def _pm(values: Sequence[float], pct: bool = True) -> str:
+def _pm(values: Sequence[float]) -> str:
+    """Seed mean ± 95% half-width of fractions, in percent (:func:`.realdata.pm`)."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    if not len(v):
-        return "n/a"
-    k = 100.0 if pct else 1.0
-    h = seed_half_width(v) if len(v) > 1 else math.nan
-    unit = "%" if pct else ""
-    return f"{k * v.mean():.1f}{unit}" if not math.isfinite(h) else f"{k * v.mean():.1f} ± {k * h:.1f}{unit}"
+    return realdata.pm(float(v.mean()), seed_half_width(v)) if len(v) else "n/a"
 
 
 def selection_table(result: MapResult) -> pd.DataFrame:
@@ -296,12 +291,16 @@ def failure_frame(result: MapResult) -> pd.DataFrame:
     return f.pivot(index=["optimizer", "eta_ov"], columns="ratio", values="cell")
 
 
-def tuned_runs(result: MapResult, optimizer: str) -> pd.DataFrame:
-    """The trained runs at the validation-chosen base rate of ``optimizer`` (empty if none)."""
+def tuned_runs(result: MapResult, optimizer: str, ratio: float | None = None) -> pd.DataFrame:
+    """The trained runs at the validation-chosen base rate of ``optimizer`` (only those at
+    ``ratio`` if given; empty if none)."""
     if optimizer not in result.selected:
         return result.table.iloc[0:0]
     t = result.table
-    return t[(t["optimizer"] == optimizer) & (t["eta_ov"] == result.selected[optimizer]) & t["trained"]]
+    keep = (t["optimizer"] == optimizer) & (t["eta_ov"] == result.selected[optimizer]) & t["trained"]
+    if ratio is not None:
+        keep &= t["ratio"] == float(ratio)
+    return t[keep]
 
 
 def map_facts(result: MapResult) -> dict[str, str]:
@@ -312,12 +311,11 @@ def map_facts(result: MapResult) -> dict[str, str]:
     f: dict[str, str] = {"map_runs": str(len(t)), "map_failed": str(int((~t["trained"]).sum())),
                          "map_diverged": str(int(t["diverged"].sum())), "map_chance": f"{100 * result.chance:.1f}%"}
     for opt in dict.fromkeys(t["optimizer"]):
-        ref = tuned_runs(result, opt)
-        ref = ref[ref["ratio"] == 1.0]
+        ref = tuned_runs(result, opt, ratio=1.0)
         f[f"map_{opt}_eta"] = f"{result.selected[opt]:g}" if opt in result.selected else "none (no run trained)"
         for split, pre in (("val", "val_"), ("test", "")):
             for m in ("accuracy", "macro_f1"):
-                f[f"map_{opt}_{split}_{m}"] = _pm(list(ref[pre + m])) if len(ref) else "n/a"
+                f[f"map_{opt}_{split}_{m}"] = _pm(list(ref[pre + m]))
     for cid, (v, region) in result.regions.items():
         f[f"map_verdict_{cid}"], f[f"map_reason_{cid}"], f[f"map_region_{cid}"] = v.verdict, v.reason, region
         f[f"map_rule_{cid}"] = claims.RULE_TEXT[cid]
@@ -392,20 +390,6 @@ def verdict_frame(result: MapResult) -> pd.DataFrame:
                          for cid, (v, region) in result.regions.items()]).set_index("claim")
 
 
-def anchor_table(result: MapResult, anchors: Sequence[Mapping[str, Any]] = ()) -> pd.DataFrame:
-    """Test accuracy and macro-F1 at ratio 1 at each optimizer's tuned base rate (fractions, mean
-    over seeds), above published ``anchors`` rows (``model``, ``accuracy``, ``macro_f1``, ``source``)."""
-    rows = []
-    for opt, eta in result.selected.items():
-        ref = tuned_runs(result, opt)
-        ref = ref[ref["ratio"] == 1.0]
-        rows.append({"model": f"ours, {opt}, eta_ov {eta:g}, ratio 1 ({len(ref)} seeds)",
-                     "accuracy": float(ref["accuracy"].mean()), "macro_f1": float(ref["macro_f1"].mean()),
-                     "source": "this build"})
-    rows += [{k: a.get(k) for k in ("model", "accuracy", "macro_f1", "source")} for a in anchors]
-    return pd.DataFrame(rows, columns=["model", "accuracy", "macro_f1", "source"]).set_index("model")
-
-
 def runs_at(result: MapResult, optimizer: str) -> list[Any]:
     """The trained models at the tuned base rate of ``optimizer`` as objects with ``ratio``,
     ``seed`` and ``model`` (what :func:`.encoder_head.protocol_rows` reads)."""
@@ -427,11 +411,27 @@ def roles_by_ratio(result: MapResult, optimizer: str, roles: Callable[[nn.Module
     return pd.DataFrame(rows).drop(columns="seed").groupby("ratio").mean()
 
 
-def role_sentence(frame: pd.DataFrame, role: str, label: str, uniform: str | None = None) -> str:
+def roles_by_optimizer(result: MapResult, roles: Callable[[nn.Module], Mapping[str, float]]
+                       ) -> dict[str, pd.DataFrame]:
+    """:func:`roles_by_ratio` for every optimizer that has a tuned base rate."""
+    return {opt: roles_by_ratio(result, opt, roles) for opt in result.selected}
+
+
+def plot_roles(result: MapResult, frames: Mapping[str, pd.DataFrame], roles: Sequence[str]):
+    """:func:`qkov_lib.plotting.role_bars` of :func:`roles_by_optimizer`, one panel per optimizer
+    titled with its tuned base rate; None when no optimizer has one."""
+    from ..plotting import role_bars
+
+    if not frames:
+        return None
+    return role_bars({f"{o} (eta_ov {result.selected[o]:g})": f for o, f in frames.items()}, roles)
+
+
+def role_sentence(frame: pd.DataFrame | None, role: str, label: str, uniform: str | None = None) -> str:
     """One sentence on how the mean mass on ``role`` (a column of :func:`roles_by_ratio`) moves
     from the lowest to the highest ratio: it rises or falls when the change is at least
     :data:`qkov_lib.claims.SHARPER`, else it stays; ``uniform`` names a reference column."""
-    if frame.empty or role not in frame:
+    if frame is None or frame.empty or role not in frame:
         return f"No trained model was left to measure the attention on {label}."
     lo, hi = frame.index.min(), frame.index.max()
     a, b = float(frame.loc[lo, role]), float(frame.loc[hi, role])
@@ -490,9 +490,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(verdict_frame(result).to_string())
 
 
-__all__ = ["main", "roles_by_ratio", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
+__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
            "chance", "analyse", "run_map", "compare_castings", "chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
-           "claims_rows", "largest_gain_sentence", "verdict_frame", "anchor_table", "runs_at"]
+           "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
 
 
 if __name__ == "__main__":
