@@ -102,6 +102,13 @@ class Headline:
 SQUAD_AC_HEADLINE = Headline("SQuAD v1.1", "AC", 0.12, 0.43, True, SOURCES["paper_summary"])
 
 
+def headline_glue() -> dict[str, str]:
+    """The paper's SQuAD AC headline as the text a chapter glues: ``paper_ac_before`` and
+    ``paper_ac_after`` in whole percent."""
+    h = SQUAD_AC_HEADLINE
+    return {"paper_ac_before": f"{100 * h.before:.0f}%", "paper_ac_after": f"{100 * h.after:.0f}%"}
+
+
 def published_row(model: str) -> PublishedRow:
     """The :data:`HATEXPLAIN_ROWS` entry of ``model``; KeyError naming the known models."""
     for r in HATEXPLAIN_ROWS:

@@ -871,6 +871,7 @@ def test_published_anchors_of_the_issue_and_the_headline():
     h = published.SQUAD_AC_HEADLINE
     assert (h.metric, h.before, h.after, h.approximate) == ("AC", 0.12, 0.43, True)
     assert h.source == "Vashisht & Ramaswamy 2026, as summarised"
+    assert published.headline_glue() == {"paper_ac_before": "12%", "paper_ac_after": "43%"}
 
 
 def test_hatexplain_table_places_our_rows_below_the_published_ones():
