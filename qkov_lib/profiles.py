@@ -3,16 +3,85 @@
 Every chapter's ``parameters`` cell holds plain literals (``profile = None``, overrides set to
 ``None``); :func:`resolve` turns them into a validated settings dict from the chapter's
 profile table, so a papermill parameter of the wrong type fails with a clear message.
+
+Values are checked twice, both before anything trains: :func:`check_value` knows the shared
+parameter names by their meaning (a parameterization is one of FAFO/CAFO/FACO/CACO, a rate or a
+ratio is a finite number > 0, a seed an integer >= 0, a step or size count an integer >= 1, a
+fraction lies in (0, 1)) and needs no profile table, so ``qkov run`` and ``qkov sweep`` apply it
+to ``-p``/``-g`` values before a kernel starts; :func:`resolve` applies it to every resolved
+setting, and checks the type of each override against the profile's value.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
 PROFILES = ("test", "cpu", "full")
 PROFILE_ENV = "QKOV_PROFILE"
+
+#: Allowed values of the categorical parameters the chapters share (a list-valued parameter of
+#: the same meaning, e.g. ``parameterizations``, takes a non-empty list of them).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "parameterization": ("FAFO", "CAFO", "FACO", "CACO"),
+    "parameterizations": ("FAFO", "CAFO", "FACO", "CACO"),
+    "optimizer": ("gd", "sgd", "adamw"),
+    "optimizers": ("adamw", "sgd"),
+    "embedding": ("onehot", "gaussian"),
+    "dataset": ("sva", "hatexplain", "squad"),
+    "datasets": ("sva", "hatexplain", "squad"),
+}
+# Numeric parameters by name (each element of a list is checked): (pattern, test, what it must be).
+_NUMERIC: tuple[tuple[re.Pattern, Any, str], ...] = tuple((re.compile(p), f, w) for p, f, w in (
+    (r"(^|_)(ratios?|rates|etas_convergence)$|^eta_|_eta_ov$|^matched_loss$|^t_max$|^init_scale$|^q0|^w0$",
+     lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
+    (r"(^|_)seeds?$", lambda v: float(v).is_integer() and v >= 0, "an integer >= 0"),
+    (r"(^|_)steps$|^n_(?!val$)|^d_|^dim_|^max_len|_max_len$|^batch_size$|^eval_every$|^log_every$|^patience$"
+     r"|^kernel$|^window$|^min_freq$|^threads$|^layers$|^oov_buckets$|^check_points$|^log_subsample$",
+     lambda v: float(v).is_integer() and v >= 1, "an integer >= 1"),
+    (r"_frac$", lambda v: 0 < v < 1, "a number in (0, 1)"),
+    (r"^weight_decay$|^dropout$", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+))
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_value(name: str, value: Any) -> None:
+    """Raise ValueError when ``value`` is not an allowed value of parameter ``name`` by its
+    meaning (:data:`CHOICES` and the numeric rules above); None and names without a rule pass.
+    Types against a profile's defaults are :func:`resolve`'s job."""
+    if value is None:
+        return
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if name in CHOICES:
+        allowed = CHOICES[name]
+        bad = [v for v in items if not isinstance(v, str) or v.upper() not in {a.upper() for a in allowed}]
+        if bad or not items:
+            raise ValueError(f"parameter {name!r}: {', '.join(map(repr, bad)) or 'an empty list'} "
+                             f"{'is' if len(bad) <= 1 else 'are'} not allowed; expected "
+                             f"{'a non-empty list of ' if name.endswith('s') else 'one of '}{', '.join(allowed)}")
+        return
+    for pattern, ok, what in _NUMERIC:
+        if pattern.search(name):
+            for v in items:
+                if v is not None and not _number(v):
+                    raise ValueError(f"parameter {name!r}: {v!r} is not a number; {name!r} must be "
+                                     f"{'a non-empty list of values, each ' if name.endswith('s') else ''}{what}")
+                if v is not None and not ok(v):
+                    each = "each value of " if isinstance(value, (list, tuple)) else ""
+                    raise ValueError(f"parameter {name!r}: {v!r} is not allowed; {each}{name!r} must be {what}")
+            return
+
+
+def check_values(values: Mapping[str, Any]) -> None:
+    """:func:`check_value` for every item of ``values`` (e.g. the ``-p`` overrides of a run)."""
+    for name, value in values.items():
+        check_value(name, value)
 def profile_table(base: Mapping[str, Any], test: Mapping[str, Any], cpu: Mapping[str, Any],
                   full: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """A chapter's profile table: the settings ``base`` shared by every profile, updated by each
@@ -54,7 +123,8 @@ def _type_name(default: Any) -> str:
 def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overrides: Any) -> dict[str, Any]:
     """Settings of ``profile`` from a chapter's profile ``table``, updated with the overrides
     that are not None. Each override must have the type of the profile's value (ints pass as
-    floats, lists as tuples); a wrong type or unknown name raises TypeError/ValueError."""
+    floats, lists as tuples) and every setting an allowed value (:func:`check_value`); a wrong
+    type raises TypeError, an unknown name or a value out of range ValueError."""
     name = profile_name(profile)
     base = dict(table[name])
     for key, value in overrides.items():
@@ -68,6 +138,7 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
                 " (with papermill, pass lists as YAML: -y 'ratios: [1, 10]')"
             )
         base[key] = list(value) if isinstance(value, tuple) else value
+    check_values(base)
     return {"profile": name, **base}
 
 

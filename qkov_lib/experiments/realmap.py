@@ -233,20 +233,35 @@ def compare_castings(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], eta_ov
     return pd.DataFrame(rows).set_index("casting")
 
 
-def chapter_map(name: str, profile: str | None, data_dir=None, device: torch.device | None = None,
-                **overrides: Any) -> tuple[MapResult, TextDataset, dict[str, Any], dict[str, str]]:
-    """What a dataset chapter runs: resolve the map profile of ``name`` with the chapter's
-    ``overrides`` (None = profile value; wrong types raise), load the splits, train and analyse
-    the map. Returns ``(result, dataset, config, facts)``; ``facts`` are :func:`map_facts` plus
-    the validation size and the trained-run margin."""
+def map_config(name: str, profile: str | None, **overrides: Any) -> dict[str, Any]:
+    """The map settings of dataset ``name``: its ``profile`` of :data:`PROFILES` with the chapter's
+    ``overrides`` (None = profile value). Every value is checked here (types, names, ranges:
+    :func:`qkov_lib.profiles.resolve`), so a chapter calls this in its settings cell, before
+    anything trains."""
     from ..profiles import resolve
 
     check_dataset(name)
-    cfg = resolve(PROFILES[name], profile, **overrides)
+    return resolve(PROFILES[name], profile, **overrides)
+
+
+def run_chapter_map(name: str, cfg: Mapping[str, Any], data_dir=None, device: torch.device | None = None,
+                    ) -> tuple[MapResult, TextDataset, dict[str, str]]:
+    """What a dataset chapter runs with the settings of :func:`map_config`: load the splits,
+    train and analyse the map. Returns ``(result, dataset, facts)``; ``facts`` are
+    :func:`map_facts` plus the validation size and the trained-run margin."""
+    check_dataset(name)
     ds, val = load_splits(name, cfg, data_dir)
     result = run_map(ds, val, cfg, device, desc=f"{name} map")
     facts = map_facts(result) | {"map_n_val": f"{len(val):,}", "map_gain": largest_gain_sentence(result),
                                  "trained_margin": claims.threshold_text("TRAINED_MARGIN")}
+    return result, ds, facts
+
+
+def chapter_map(name: str, profile: str | None, data_dir=None, device: torch.device | None = None,
+                **overrides: Any) -> tuple[MapResult, TextDataset, dict[str, Any], dict[str, str]]:
+    """:func:`map_config` then :func:`run_chapter_map`: ``(result, dataset, config, facts)``."""
+    cfg = map_config(name, profile, **overrides)
+    result, ds, facts = run_chapter_map(name, cfg, data_dir, device)
     return result, ds, cfg, facts
 
 
@@ -491,7 +506,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 __all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
-           "chance", "analyse", "run_map", "compare_castings", "chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
+           "chance", "analyse", "run_map", "compare_castings", "chapter_map", "map_config", "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
            "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
 
 
