@@ -476,3 +476,98 @@ def test_capped_words_counts_empty_and_cut():
     assert capped_words("a b", 5, "right", report, "test", "post") == ["a", "b"]
     assert report == {"train_skipped_empty_prefix": 1, "train_truncated_prefix_over_cap": 1,
                       "test_truncated_post_over_cap": 1}
+
+
+# --- integrity of a real data folder: the preflight and verify on broken copies ----------------
+@pytest.fixture
+def real_copy(tmp_path, monkeypatch):
+    """A writable copy of the real data folder (the files the chapters read and the raw pickles)."""
+    import shutil
+
+    if REAL is None:
+        pytest.skip(WHY)
+    monkeypatch.delenv(sources.ALLOW_ENV, raising=False)
+    dest = tmp_path / "data"
+    shutil.copytree(REAL, dest)
+    for p in dest.rglob("*"):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return dest
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_truncated_file_stops_the_preflight_before_any_chapter(real_copy):
+    """``make data-check`` as the Makefile runs it, with ``-S`` so that no installed package is
+    importable: the standard library alone finds the truncated file and stops, naming it."""
+    import subprocess
+    import sys
+
+    bad = real_copy / hatexplain.SPLIT_FILES["test"]
+    bad.write_bytes(bad.read_bytes()[:1000])
+    before = _tree(real_copy)
+    script = sources.REPO_ROOT / "qkov_lib" / "data" / "sources.py"
+    env = {"PATH": "/usr/bin:/bin", sources.DATA_ENV: str(real_copy)}
+    for how in ("--probe", "--fetch"):
+        r = subprocess.run([sys.executable, "-S", str(script), "check", how], capture_output=True, text=True, env=env,
+                           timeout=120)
+        assert r.returncode == 1, r.stderr
+        assert f"  - {bad}: not a readable gzip file" in r.stderr and r.stderr.count("fail their check") == 1
+        assert "qkov data fetch" in r.stderr and "QKOV_DATA_DIR" in r.stderr and r.stdout == ""
+    assert _tree(real_copy) == before                   # nothing deleted, fetched or rewritten
+
+
+def test_verify_lists_every_problem_and_fails(real_copy, capsys):
+    test_file, val_file = real_copy / hatexplain.SPLIT_FILES["test"], real_copy / hatexplain.SPLIT_FILES["val"]
+    test_file.write_bytes(test_file.read_bytes()[:1000])                      # truncated
+    val_file.write_bytes(gzip.compress(b'{"id": "x"}\n'))                    # another file
+    (real_copy / sva.ML_FILE).unlink()                                        # missing
+    (real_copy / "sva" / "blimp_subject_verb_agreement.jsonl.gz").unlink()    # optional: fine
+    assert sources.main(["verify", "--data-dir", str(real_copy)]) == 1
+    err = capsys.readouterr().err
+    assert "3 problem(s)" in err and "blimp" not in err
+    assert f"  - {test_file}: not a readable gzip file" in err
+    assert f"  - checksum mismatch for {val_file}" in err and f"  - {sva.ML_FILE}: missing" in err
+    status = sources.verify_all(real_copy)
+    assert status["sva/blimp_subject_verb_agreement.jsonl.gz"] == "missing (optional)"
+    assert len(sources.problems(status)) == 3
+
+
+def test_verify_of_an_empty_folder_fails(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert sources.main(["verify", "--data-dir", str(tmp_path / "empty")]) == 1
+    err = capsys.readouterr().err
+    groups = sources.required_files()
+    assert f"{len(groups)} problem(s)" in err
+    assert all(f"  - {g[0]}: missing" in err for g in groups) and "optional" not in err
+
+
+def test_unchecksummed_train_file_beside_the_csv_is_refused(real_copy, monkeypatch):
+    """A 300-post ``hatexplain_train.jsonl.gz`` made from the validation split, beside the
+    checksummed train CSV: refused with a message naming it (never preferred to the CSV); with
+    the opt-in it is read, and its 300 posts are not the 15,383 of the manifest."""
+    val = gzip.decompress((real_copy / hatexplain.SPLIT_FILES["val"]).read_bytes()).splitlines(keepends=True)
+    fake = real_copy / hatexplain.TRAIN_JSONL
+    fake.write_bytes(gzip.compress(b"".join(val[:300])))
+    name = r"hatexplain_train.jsonl.gz has no checksum in the manifest"
+    with pytest.raises(sources.UnverifiedError, match=name + r".*loaders read hatexplain/hatexplain_train_no_rationales"):
+        load_text_dataset("hatexplain", real_copy)
+    with pytest.raises(sources.DataUnavailable, match=name):
+        sources.preflight(real_copy, fetch=True)
+    assert sources.main(["verify", "--data-dir", str(real_copy)]) == 1
+    monkeypatch.setenv(sources.ALLOW_ENV, "1")
+    assert sources.preflight(real_copy, fetch=True) == {}
+    with pytest.raises(sources.RecordCountError, match=r"hatexplain_train.jsonl.gz: 300 posts, expected 15383"):
+        load_text_dataset("hatexplain", real_copy)
+
+
+def test_wrong_record_count_of_a_checksummed_file(real_copy, tmp_path, monkeypatch):
+    """The count check on read, for a file that passes its checksum: a manifest expecting one
+    prefix fewer (e.g. a mirror's) stops the loader with both counts."""
+    doc = json.loads(sources.MANIFEST_PATH.read_text())
+    doc["files"][sva.LINZEN_TRAIN_FILE]["records"]["prefixes"] = 15_771
+    (tmp_path / "m.json").write_text(json.dumps(doc))
+    monkeypatch.setenv(sources.MANIFEST_ENV, str(tmp_path / "m.json"))
+    with pytest.raises(sources.RecordCountError, match=r"linzen2016_numpred.val.tsv.gz: 15772 prefixes, expected 15771"):
+        load_text_dataset("sva_linzen", real_copy)

@@ -3,7 +3,10 @@ each official format -- a few SQuAD paragraphs, a few HateXplain posts with the 
 few Linzen lines in an rnn_agr_simple.tar.gz, one Marvin & Linzen template pickle -- and a
 manifest written by the test points at it ($QKOV_DATA_MANIFEST). Checked: fetch -> verify ->
 load; a checksum mismatch refused before anything is written; an interrupted download never
-used, then resumed; the one message when the servers cannot be reached; the preflight."""
+used, then resumed; the one message when the servers cannot be reached; the preflight; the
+provenance record of a built file without a published checksum, the refusal of such a file
+without one (and its use only with QKOV_ALLOW_UNVERIFIED=1, marked in used_files) and the
+record counts checked on read."""
 
 import gzip
 import hashlib
@@ -262,8 +265,13 @@ def test_fetch_verify_load(site):
     assert all(used[rel] == sha((dest / rel).read_bytes()) for rel in used)
 
     before = len(server.log)
-    assert set(fetch(dest).values()) == {"present (content_sha256 verified)", "present (no checksum in the manifest)"}
+    assert set(fetch(dest).values()) == {"present (content_sha256 verified)", "present (provenance verified)"}
     assert len(server.log) == before                      # nothing downloaded again
+    assert v[hatexplain.TRAIN_JSONL] == "provenance"     # no checksum in the manifest: its provenance record
+    rec = json.loads(sources.provenance_path(dest / hatexplain.TRAIN_JSONL).read_text())
+    assert rec["sha256"] == sha((dest / hatexplain.TRAIN_JSONL).read_bytes()) and rec["lines"] == 2
+    assert rec["inputs"] == {"hatexplain/dataset.json": sha(HX_DATASET), "hatexplain/post_id_divisions.json": sha(HX_DIVISIONS)}
+    assert sources.problems(v) == []
 
 
 def test_fetch_only_one_dataset_and_bad_names(site):
@@ -437,3 +445,89 @@ def test_real_manifest_fetches_the_real_originals(server, tmp_path, monkeypatch)
     for rel in wanted:
         assert sources.verify_file(dest / rel, rel) in ("sha256", "content_sha256"), rel
     assert "no published checksum; accepted" in status["raw/linzen2016/rnn_agr_simple.tar.gz"]
+
+
+# --- files without a published checksum: provenance record, refusal, opt-in, record counts ------
+TRAIN_CSV_TEXT = "text,majority_label,severity,labels,annotator_ids,targets\nyou vermin,0,High,\"0, 0, 2\",\"1, 2, 3\",Other\n"
+
+
+@pytest.fixture
+def hx_site(site, tmp_path, monkeypatch):
+    """``site`` with the HateXplain files fetched and a checksummed curated train CSV beside them."""
+    server, dest = site
+    csv = gzip.compress(TRAIN_CSV_TEXT.encode(), mtime=0)
+    monkeypatch.setenv(sources.MANIFEST_ENV, str(write_manifest(
+        tmp_path / "m-hx.json", server.url, **{hatexplain.TRAIN_CSV: {"sha256": sha(csv)},
+                                               hatexplain.TRAIN_JSONL: {"records": {"posts": 2}}})))
+    fetch(dest, only=["hatexplain"])
+    (dest / hatexplain.TRAIN_CSV).write_bytes(csv)
+    monkeypatch.delenv(sources.ALLOW_ENV, raising=False)
+    return server, dest
+
+
+def test_provenance_record_vouches_only_for_the_file_fetch_built(hx_site):
+    _, dest = hx_site
+    path, rec_path = dest / hatexplain.TRAIN_JSONL, sources.provenance_path(dest / hatexplain.TRAIN_JSONL)
+    assert sources.verify_file(path, hatexplain.TRAIN_JSONL) == "provenance"
+    rec = json.loads(rec_path.read_text())
+    rec_path.write_text(json.dumps({**rec, "inputs": {**rec["inputs"], "hatexplain/dataset.json": "0" * 64}}))
+    with pytest.raises(sources.UnverifiedError, match="from hatexplain/dataset.json with sha256 0{64}, not the published"):
+        sources.verify_file(path, hatexplain.TRAIN_JSONL)
+    rec_path.write_text(json.dumps(rec))
+    path.write_bytes(gzip.compress(b'{"id": "x"}\n' * 2))   # changed after fetch built it
+    with pytest.raises(sources.UnverifiedError, match="the file changed after `qkov data fetch` built it"):
+        sources.verify_file(path, hatexplain.TRAIN_JSONL)
+    rec_path.unlink()
+    with pytest.raises(sources.UnverifiedError, match="has no provenance record hatexplain_train.jsonl.gz.provenance.json"):
+        sources.verify_file(path, hatexplain.TRAIN_JSONL)
+
+
+def test_unverified_file_is_refused_beside_a_checksummed_one_and_used_only_when_asked(hx_site, monkeypatch, tmp_path, capsys):
+    from qkov_lib import results
+
+    server, dest = hx_site
+    other = gzip.compress(b"".join(json.dumps({"id": f"v{i}", "annotators": {"label": [1, 1, 1]}, "rationales": [],
+                                               "post_tokens": ["val", "post"]}).encode() + b"\n" for i in range(2)))
+    (dest / hatexplain.TRAIN_JSONL).write_bytes(other)      # e.g. made from another split: no record vouches for it
+    sources.provenance_path(dest / hatexplain.TRAIN_JSONL).unlink()
+    want = (r"hatexplain_train.jsonl.gz has no checksum in the manifest and has no provenance record .*so it is not "
+            r"used; once it is deleted the loaders read hatexplain/hatexplain_train_no_rationales.csv.gz")
+    with pytest.raises(sources.UnverifiedError, match=want):
+        load_text_dataset("hatexplain", dest, max_len=10, min_freq=1)
+    with pytest.raises(sources.DataUnavailable, match=want + r"(.|\n)*QKOV_ALLOW_UNVERIFIED=1"):
+        sources.preflight(dest, fetch=True)
+    before = len(server.log)
+    assert sources.main(["check", "--fetch", "--data-dir", str(dest)]) == 1
+    assert len(server.log) == before                       # stopped before fetching what is missing (squad, sva)
+    err = capsys.readouterr().err
+    assert err.count("hatexplain_train.jsonl.gz has no checksum") == 1 and "Nothing was run" in err
+    assert sources.main(["verify", "--data-dir", str(dest)]) == 1
+    err = capsys.readouterr().err
+    assert "hatexplain_train.jsonl.gz has no checksum" in err and f"  - {squad.DEV_FILE}: missing" in err
+
+    monkeypatch.setenv(sources.ALLOW_ENV, "1")              # asked for: used, and the results file says so
+    sources.clear_used()
+    ds = load_text_dataset("hatexplain", dest, max_len=10, min_freq=1)
+    assert ds.report["train_read"] == 2 and ds.train_info["id"] == ["v0", "v1"]
+    used = sources.used_files()[hatexplain.TRAIN_JSONL]
+    assert used == f"{sha(other)} ({sources.UNVERIFIED_ALLOWED})" and "QKOV_ALLOW_UNVERIFIED=1" in used
+    doc = json.loads(results.save_results("x", {}, {}, path=tmp_path / "r.json").read_text())
+    assert "unverified" in doc["data_files"][hatexplain.TRAIN_JSONL]
+    assert sources.check_needed(dest)[hatexplain.TRAIN_JSONL] == sources.UNVERIFIED_ALLOWED
+    with pytest.raises(sources.DataUnavailable, match="are missing") as err:   # only the squad and sva files now
+        sources.preflight(dest, probe_network=False)
+    assert "hatexplain" not in str(err.value)
+    monkeypatch.setenv(sources.ALLOW_ENV, "yes")
+    with pytest.raises(ValueError, match="QKOV_ALLOW_UNVERIFIED must be 1"):
+        load_text_dataset("hatexplain", dest, max_len=10, min_freq=1)
+
+
+def test_record_count_is_checked_on_read(hx_site, monkeypatch, tmp_path):
+    server, dest = hx_site
+    assert len(load_text_dataset("hatexplain", dest, max_len=10, min_freq=1).train) == 2   # 2 posts, as the manifest says
+    monkeypatch.setenv(sources.MANIFEST_ENV, str(write_manifest(
+        tmp_path / "m-count.json", server.url, **{hatexplain.TRAIN_JSONL: {"records": {"posts": 3}}})))
+    with pytest.raises(sources.RecordCountError,
+                       match=r"data file hatexplain/hatexplain_train.jsonl.gz: 2 posts, expected 3 \(manifest records\)"):
+        load_text_dataset("hatexplain", dest, max_len=10, min_freq=1)
+    assert len(load_text_dataset("hatexplain", dest, max_len=10, min_freq=1, verify=False).train) == 2

@@ -13,7 +13,10 @@ until the files converted from it match their manifest checksums; only then is i
 the converters build (:mod:`qkov_lib.data.convert`) are checked the same way before they are
 written: against the manifest's content sha256, or, where none is published (the HateXplain
 train split, built from a checksummed download), against the expected number of lines, with a
-warning that prints the file's sha256.
+warning that prints the file's sha256. Such a file gets a provenance record beside it
+(``<file>.provenance.json``: its sha256 and the sha256 of each download it was built from,
+:func:`~qkov_lib.data.sources.provenance_record`), which is what lets
+:func:`~qkov_lib.data.sources.verify_file` accept it later.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import http.client
+import json
 import os
 import socket
 import sys
@@ -294,10 +298,14 @@ def fetch(dest: str | os.PathLike, only: Iterable[str] | None = None, overwrite:
                                 "has one either; refused (pass allow_unverified=True to accept it)")
         for rel, content in built.items():
             if rel in todo or overwrite or not (dest / rel).is_file():
-                write_atomic(dest / rel, stored_bytes(content, rel))
+                stored = stored_bytes(content, rel)
+                write_atomic(dest / rel, stored)
                 status[rel] = f"built by {name} ({checks[rel]})"
                 if checks[rel].startswith("no published checksum"):
-                    print(f"qkov data: WARNING: {rel}: {checks[rel]}; built from {', '.join(inputs)}", file=sys.stderr)
+                    record = sources.provenance_record(rel, stored, content, name, inputs)
+                    write_atomic(sources.provenance_path(dest / rel), json.dumps(record, indent=1).encode() + b"\n")
+                    print(f"qkov data: WARNING: {rel}: {checks[rel]}; built from {', '.join(inputs)}; provenance "
+                          f"recorded in {sources.provenance_path(rel).name}", file=sys.stderr)
         for did in unverified_inputs:
             place(pending.pop(did), dest / dls[did]["path"], dls[did]["store"])
             status[dls[did]["path"]] = "downloaded (no published checksum; accepted: the files built from it match the manifest)"
@@ -306,7 +314,7 @@ def fetch(dest: str | os.PathLike, only: Iterable[str] | None = None, overwrite:
 
 def _verified(how: str) -> str:
     """Status words for a result of :func:`sources.verify_file`."""
-    return "no checksum in the manifest" if how == "no checksum" else f"{how} verified"
+    return how if how == sources.UNVERIFIED_ALLOWED else f"{how} verified"
 
 
 def _inputs(name: str) -> list[str]:

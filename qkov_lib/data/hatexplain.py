@@ -5,7 +5,12 @@
 * Train: the official train split -- ``hatexplain_train.jsonl.gz`` (converted by ``qkov data
   fetch`` from the authors' ``dataset.json``; it has rationales, which training does not use)
   when present, else the curated ``hatexplain_train_no_rationales.csv.gz`` (texts and annotator
-  labels). Both give the same posts and labels. ``train_split="val"`` trains on the official
+  labels). Both give the same posts and labels. The manifest has no checksum for the converted
+  file, so it is read only with the provenance record ``fetch`` writes beside it (or with
+  ``QKOV_ALLOW_UNVERIFIED=1``); any other copy is refused with an error naming it, never
+  silently preferred to the checksummed CSV (:func:`qkov_lib.data.sources.verify_file`).
+* Counts: the number of posts read from each file is checked against the manifest
+  (:func:`qkov_lib.data.sources.check_records`). ``train_split="val"`` trains on the official
   validation split instead.
 * Test: the official test split (``hatexplain_test.jsonl.gz``). Relevant tokens are the union
   of the annotators' token rationales, on posts whose majority label is not normal. A
@@ -143,6 +148,7 @@ def _train_test_examples(data_dir, max_len: int, train_split: str, verify: bool,
         train_ex = post_examples(_jsonl(TRAIN_JSONL, data_dir, verify), max_len, report, "train", False)
     else:
         rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
+        sources.check_records(TRAIN_CSV, {"posts": len(rows)}, verify)
         train_ex = csv_examples(rows, max_len, report)
     return train_ex, test_ex
 
@@ -180,11 +186,18 @@ def load_with_val(data_dir: str | os.PathLike | None = None, max_len: int = 96, 
     return ds, val
 
 
-def _jsonl(rel: str, data_dir, verify: bool):
-    return sources.load_rows("json", sources.data_file(rel, data_dir, verify))
+def _jsonl(rel: str, data_dir, verify: bool) -> list[dict[str, Any]]:
+    """The posts of the JSON-lines split file ``rel``, their number checked against the
+    manifest when ``verify`` (:func:`sources.check_records`)."""
+    rows = sources.load_rows("json", sources.data_file(rel, data_dir, verify))
+    sources.check_records(rel, {"posts": len(rows)}, verify)
+    return rows
 
 
 def official_split_sizes(data_dir: str | os.PathLike | None = None, verify: bool = True) -> dict[str, int]:
-    """Number of post ids per split in the official ``post_id_divisions.json``."""
+    """Number of post ids per split in the official ``post_id_divisions.json`` (checked against
+    the manifest's counts when ``verify``)."""
     doc = json.loads(sources.data_file(DIVISIONS, data_dir, verify).read_text())
-    return {k: len(v) for k, v in doc.items()}
+    sizes = {k: len(v) for k, v in doc.items()}
+    sources.check_records(DIVISIONS, sizes, verify)
+    return sizes

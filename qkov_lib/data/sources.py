@@ -10,18 +10,32 @@
   the stored file and of its gunzipped content, and how :mod:`qkov_lib.data.fetch` builds it
   from the downloads).
 * **Checksums.** :func:`verify_file` accepts a file whose sha256 or gunzipped content matches
-  the manifest; anything else raises :class:`ChecksumError`. :func:`used_files` is the sha256 of
-  every data file the loaders opened in this process (for the results files).
-* **Preflight.** :func:`preflight` lists the files the chapters need that are missing, and either
-  fetches them or stops with one message naming them and the two ways out. ``make book`` runs it
-  before anything else; it needs only the standard library, so it also runs as
-  ``python3 qkov_lib/data/sources.py check --probe`` before the virtual environment exists.
+  the manifest; anything else raises :class:`ChecksumError`. A file the manifest has no checksum
+  for (the HateXplain train split converted by ``qkov data fetch``) is accepted only with its
+  **provenance record** ``<file>.provenance.json``, written by :mod:`qkov_lib.data.fetch` beside
+  the file it builds: the built file's sha256 and the sha256 of each official download it was
+  built from, which must be the manifest's published ones. Any other such file raises
+  :class:`UnverifiedError` and is never read -- not even when a checksummed alternative of its
+  group is there -- unless ``QKOV_ALLOW_UNVERIFIED=1`` is set: then it is used, and
+  :func:`used_files` (the ``data_files`` of every results file) says so next to its sha256.
+  sha256 results are cached per (path, size, mtime) within one process only.
+* **Record counts.** The loaders count the records they parse (posts, questions, prefixes,
+  pairs) and :func:`check_records` compares them with the manifest's ``records``; a different
+  count raises :class:`RecordCountError` naming the file, the expected and the found count.
+* **Preflight.** :func:`preflight` checks the sha256 of the file the loaders read of every group
+  the chapters need (:func:`check_needed`) and lists the missing ones, then fetches what is
+  missing or stops with one message naming every bad or missing file and the ways out.
+  ``make book`` runs it before anything else; it needs only the standard library, so it also
+  runs as ``python3 qkov_lib/data/sources.py check --probe`` before the virtual environment
+  exists. ``verify`` checks every file of the folder and exits with status 1 when a needed
+  file is missing or any file fails, after listing all of them.
 * **Reading.** :func:`load_files` reads local files through the ``datasets`` library with a
   cache outside the repository (``QKOV_CACHE_DIR``, else ``~/.cache/qkov/datasets``); it works
   with ``HF_DATASETS_OFFLINE=1``. A corrupt JSON line becomes a ValueError naming file and line.
 
 Command line (also ``qkov data ...``): ``python -m qkov_lib.data.sources
-{check [--fetch|--probe] | fetch [--dest DIR] | verify | list}``.
+{check [--fetch|--probe] | fetch [--dest DIR] | verify | list}``; exit status 1 with the message
+on stderr when something is missing, fails its check or cannot be fetched.
 """
 
 from __future__ import annotations
@@ -33,9 +47,11 @@ import json
 import os
 import socket
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 from collections.abc import Iterable, Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -45,21 +61,39 @@ DATA_ENV = "QKOV_DATA_DIR"
 CACHE_ENV = "QKOV_CACHE_DIR"
 SOURCE_ENV = "QKOV_DATA_SOURCE"
 MANIFEST_ENV = "QKOV_DATA_MANIFEST"
+ALLOW_ENV = "QKOV_ALLOW_UNVERIFIED"  # "1": use data files that have no checksum (marked in used_files)
+PROVENANCE_SUFFIX = ".provenance.json"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 MANIFEST_PATH = Path(__file__).with_name("manifest.json")
 FETCH_HINT = "qkov data fetch"  # the same as `python -m qkov_lib.data.sources fetch`
+BAD_FILE_FIX = (f"delete it and run `{FETCH_HINT}` (or `make data`) to download and build it again, or set "
+                f"{DATA_ENV} to a folder that holds a good copy")
 # Public Hugging Face hub names, for users with internet (source="hub"); SVA has none.
 HUB_NAMES = {"squad": "rajpurkar/squad", "hatexplain": "Hate-speech-CNERG/hatexplain"}
 
 
 class ChecksumError(ValueError):
-    """A data file's or a download's sha256 does not match the manifest."""
+    """A data file's or a download's sha256 does not match the manifest. ``reason`` is what is
+    wrong; the message adds ``fix`` (what to do) when given."""
+
+    def __init__(self, reason: str, fix: str = ""):
+        super().__init__(f"{reason}; {fix}" if fix else reason)
+        self.reason = reason
+
+
+class UnverifiedError(ChecksumError):
+    """A data file the manifest has no checksum for, without a valid provenance record from
+    ``qkov data fetch``; used only with ``QKOV_ALLOW_UNVERIFIED=1``."""
+
+
+class RecordCountError(ValueError):
+    """A loader parsed a different number of records from a data file than the manifest gives."""
 
 
 class DataUnavailable(RuntimeError):
-    """Data files the chapters need are missing and cannot be fetched here; the message says
-    which and what to do."""
+    """Data files the chapters need are missing and cannot be fetched here, or are there but
+    fail their check; the message says which and what to do."""
 
 
 # --- manifest ---------------------------------------------------------------------------------
@@ -163,22 +197,122 @@ def check_sha256(path: str | os.PathLike, what: str, sha256: str | None, content
     if str(path).endswith(".gz"):
         try:
             content = sha256_file(path, gunzip=True)
-        except (OSError, EOFError) as err:
-            raise ChecksumError(f"{path}: not a readable gzip file ({err}); expected the file of {what}") from err
+        except (OSError, EOFError, zlib.error) as err:
+            raise ChecksumError(f"{path}: not a readable gzip file ({err}); expected the file of {what}",
+                                BAD_FILE_FIX) from err
     if content_sha256 and content == content_sha256:
         return "content_sha256"
     raise ChecksumError(
         f"checksum mismatch for {path}: sha256 {got} does not match {what} (expected {sha256} for the file or "
-        f"{content_sha256} for its content); the file is corrupt or a different version -- delete it and "
-        f"build it again with `{FETCH_HINT}`"
-    )
+        f"{content_sha256} for its content); the file is corrupt or a different version", BAD_FILE_FIX)
+
+
+def allow_unverified() -> bool:
+    """Whether ``$QKOV_ALLOW_UNVERIFIED`` is ``1`` (unset, empty or ``0``: no); ValueError for
+    any other value."""
+    v = os.environ.get(ALLOW_ENV, "").strip()
+    if v not in ("", "0", "1"):
+        raise ValueError(f"${ALLOW_ENV} must be 1 (use data files without a checksum) or 0/unset, got {v!r}")
+    return v == "1"
+
+
+UNVERIFIED_ALLOWED = f"unverified: no checksum in the manifest, used because ${ALLOW_ENV}=1"
+
+
+def provenance_path(path: str | os.PathLike) -> Path:
+    """Where :mod:`qkov_lib.data.fetch` records how it built ``path``: ``<path>.provenance.json``."""
+    return Path(str(path) + PROVENANCE_SUFFIX)
+
+
+def provenance_record(rel: str, stored: bytes, content: bytes, converter: str,
+                      inputs: Mapping[str, bytes]) -> dict[str, Any]:
+    """The provenance record of a file that ``qkov data fetch`` built: the manifest path, the
+    sha256 of the stored bytes and of the content, its line count, the converter and the sha256
+    of each download (``{download id: bytes as served}``) it was built from."""
+    return {"file": rel, "sha256": hashlib.sha256(stored).hexdigest(),
+            "content_sha256": hashlib.sha256(content).hexdigest(), "lines": content.count(b"\n"),
+            "built_by": f"qkov data fetch ({converter} converter)",
+            "inputs": {did: hashlib.sha256(b).hexdigest() for did, b in inputs.items()}}
+
+
+def provenance_problem(path: str | os.PathLike, rel: str) -> str | None:
+    """None if ``path`` (manifest file ``rel``) has a provenance record that vouches for it:
+    the record names ``rel``, gives the file's sha256 and the manifest's published sha256 for
+    every download of ``rel``'s build (and the manifest's line count, if it has one); else
+    what is wrong, as a phrase."""
+    rec_path = provenance_path(path)
+    if not rec_path.is_file():
+        return f"has no provenance record {rec_path.name} from `{FETCH_HINT}`"
+    try:
+        rec = json.loads(rec_path.read_text())
+        if not isinstance(rec, dict) or not isinstance(rec.get("inputs"), dict):
+            raise ValueError("not an object with 'inputs'")
+    except (OSError, ValueError) as err:
+        return f"has an unreadable provenance record {rec_path.name} ({err})"
+    e = manifest()[rel]
+    got = sha256_file(path)
+    if rec.get("file") != rel or rec.get("sha256") != got:
+        return (f"has sha256 {got}, but its provenance record {rec_path.name} is for {rec.get('file')!r} with sha256 "
+                f"{rec.get('sha256')} (the file changed after `{FETCH_HINT}` built it)")
+    want = ((e.get("build") or {}).get("inputs")) or []
+    if not want:
+        return "is not built from downloads (the manifest gives no converter inputs), so no provenance record can vouch for it"
+    for did in want:
+        published = downloads().get(did, {}).get("sha256")
+        if not published:
+            return f"was built from {did}, which has no published sha256"
+        if rec["inputs"].get(did) != published:
+            return (f"was built, says {rec_path.name}, from {did} with sha256 {rec['inputs'].get(did)}, not the published "
+                    f"{published}")
+    if e.get("lines") is not None and rec.get("lines") != e["lines"]:
+        return f"has {rec.get('lines')} lines by its provenance record, expected {e['lines']} (manifest)"
+    return None
 
 
 def verify_file(path: str | os.PathLike, rel: str) -> str:
-    """Check ``path`` against the manifest file entry ``rel`` (see :func:`check_sha256`);
-    KeyError if ``rel`` is not in the manifest."""
+    """Check ``path`` against the manifest file entry ``rel``: ``"sha256"`` or
+    ``"content_sha256"`` (see :func:`check_sha256`); for an entry without checksums
+    ``"provenance"`` (a valid :func:`provenance_problem` record) or, with
+    ``QKOV_ALLOW_UNVERIFIED=1``, :data:`UNVERIFIED_ALLOWED`. Raises :class:`ChecksumError` on a
+    mismatch, :class:`UnverifiedError` for an unvouched file, KeyError if ``rel`` is not in the
+    manifest."""
     e = manifest()[rel]
-    return check_sha256(path, f"the manifest entry {rel!r}", e.get("sha256"), e.get("content_sha256"))
+    if e.get("sha256") or e.get("content_sha256"):
+        return check_sha256(path, f"the manifest entry {rel!r}", e.get("sha256"), e.get("content_sha256"))
+    why = provenance_problem(path, rel)
+    if why is None:
+        return "provenance"
+    if allow_unverified():
+        return UNVERIFIED_ALLOWED
+    root = Path(path).parents[len(Path(rel).parts) - 1]
+    others = [r for r in group_members(rel) if r != rel and (root / r).is_file()]
+    instead = f"; once it is deleted the loaders read {' or '.join(others)}" if others else ""
+    raise UnverifiedError(
+        f"{path} has no checksum in the manifest and {why}, so it is not used{instead}",
+        f"delete it and run `{FETCH_HINT}`, which builds it from the checksummed official downloads with a "
+        f"provenance record; or set {ALLOW_ENV}=1 to use it anyway (the results files then mark it unverified)")
+
+
+def file_status(path: str | os.PathLike, rel: str) -> str:
+    """:func:`verify_file`, with a failure as ``"FAILED: <reason>"`` instead of an exception."""
+    try:
+        return verify_file(path, rel)
+    except ChecksumError as err:
+        return f"FAILED: {err.reason}"
+
+
+def check_records(rel: str, found: Mapping[str, int], verify: bool = True) -> None:
+    """Compare the record counts a loader parsed from data file ``rel`` (``{kind: count}``,
+    e.g. ``{"posts": 15383}``) with the manifest's ``records`` of ``rel``; kinds the manifest
+    does not list are not checked, nor is anything with ``verify=False``. Raises
+    :class:`RecordCountError` naming the file, the expected and the found counts."""
+    if not verify or rel not in manifest():
+        return
+    want = manifest()[rel].get("records") or {}
+    bad = [f"{n} {kind}, expected {want[kind]}" for kind, n in found.items() if kind in want and n != want[kind]]
+    if bad:
+        raise RecordCountError(f"data file {rel}: {'; '.join(bad)} (manifest records); the file is truncated, padded "
+                               f"or a different version -- {BAD_FILE_FIX}")
 
 
 _USED: dict[str, str] = {}
@@ -186,7 +320,9 @@ _USED: dict[str, str] = {}
 
 def used_files() -> dict[str, str]:
     """``{path relative to the data folder: sha256 of the file}`` of every data file opened
-    through :func:`data_file` (and ``hub:NAME`` fingerprints) in this process, for the results files."""
+    through :func:`data_file` (and ``hub:NAME`` fingerprints) in this process, for the results
+    files. A file used without a checksum (``QKOV_ALLOW_UNVERIFIED=1``) has
+    ``"<sha256> (<UNVERIFIED_ALLOWED>)"``."""
     return dict(sorted(_USED.items()))
 
 
@@ -197,8 +333,9 @@ def clear_used() -> None:
 
 def data_file(rel: str, data_dir: str | os.PathLike | None = None, verify: bool = True) -> Path:
     """The path of data file ``rel`` (e.g. ``"sva/linzen2016_numpred.val.tsv.gz"``) in the data
-    folder, checked against the manifest when ``verify``, and recorded for :func:`used_files`.
-    Raises FileNotFoundError naming the file and ``QKOV_DATA_DIR`` if it is missing."""
+    folder, checked against the manifest when ``verify`` (:func:`verify_file`: ChecksumError,
+    UnverifiedError), and recorded for :func:`used_files`. Raises FileNotFoundError naming the
+    file and ``QKOV_DATA_DIR`` if it is missing."""
     root = resolve_data_dir(data_dir)
     path = root / rel
     if not path.is_file():
@@ -206,9 +343,8 @@ def data_file(rel: str, data_dir: str | os.PathLike | None = None, verify: bool 
             f"data file {rel!r} not found in {root} (the data directory comes from data_dir or ${DATA_ENV}); "
             f"build it with `{FETCH_HINT}` or point {DATA_ENV} at the folder that holds it"
         )
-    if verify and rel in manifest():
-        verify_file(path, rel)
-    _USED[rel] = sha256_file(path)
+    how = verify_file(path, rel) if verify and rel in manifest() else None
+    _USED[rel] = sha256_file(path) + (f" ({how})" if how == UNVERIFIED_ALLOWED else "")
     return path
 
 
@@ -219,15 +355,17 @@ def first_present(rels: Iterable[str], data_dir: str | os.PathLike | None = None
 
 
 def verify_all(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
-    """Verify every manifest file and every kept download present in the data folder:
-    ``{path: "sha256" | "content_sha256" | "no checksum" | "missing" | "missing (optional)" |
-    "missing (alternative present)"}``; raises :class:`ChecksumError` on the first mismatch."""
+    """Verify every manifest file and every kept download present in the data folder, all of
+    them whatever fails: ``{path: status}``, a status of :func:`file_status` (``"sha256"``,
+    ``"content_sha256"``, ``"provenance"``, ``"FAILED: <reason>"``, ...), ``"no checksum"``
+    (a kept download without a published one), ``"missing"``, ``"missing (optional)"`` or
+    ``"missing (alternative present)"``. :func:`problems` picks out what is wrong."""
     root = resolve_data_dir(data_dir)
     present = {rel for rel in manifest() if (root / rel).is_file()}
     out = {}
     for rel, e in manifest().items():
         if rel in present:
-            out[rel] = verify_file(root / rel, rel)
+            out[rel] = file_status(root / rel, rel)
         elif e.get("optional"):
             out[rel] = "missing (optional)"
         elif any(m in present for m in group_members(rel)):
@@ -237,7 +375,24 @@ def verify_all(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
     for did, d in downloads().items():
         path = root / d["path"]
         if d["path"] not in out and path.is_file():
-            out[d["path"]] = check_sha256(path, f"the download {did!r}", None, d.get("sha256"))
+            try:
+                out[d["path"]] = check_sha256(path, f"the download {did!r}", None, d.get("sha256"))
+            except ChecksumError as err:
+                out[d["path"]] = f"FAILED: {err.reason}"
+    return out
+
+
+def problems(status: Mapping[str, str]) -> list[str]:
+    """What makes ``verify`` fail in a :func:`verify_all` result, one line each: every
+    ``FAILED`` check (its reason, which names the file) and every needed group of
+    alternatives with no member there."""
+    out = []
+    for rel, s in status.items():
+        if s.startswith("FAILED"):
+            out.append(s.removeprefix("FAILED: "))
+        elif s == "missing" and group_members(rel)[0] == rel:
+            others = group_members(rel)[1:]
+            out.append(f"{rel}: missing" + (f" (and so are its alternatives {', '.join(others)})" if others else ""))
     return out
 
 
@@ -258,6 +413,20 @@ def required_files() -> list[list[str]]:
         members = group_members(rel)
         seen.update(members)
         out.append(members)
+    return out
+
+
+def check_needed(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """``{path: status of file_status}`` of the file the loaders read of each group of
+    :func:`required_files` (its first member present; the loaders pick it the same way),
+    groups with no member present left out. Only sha256 checks (cached per file): about 0.03 s
+    for the 16 MB of the real folder."""
+    root, _ = data_dir_location(data_dir)
+    out = {}
+    for g in required_files():
+        rel = next((r for r in g if (root / r).is_file()), None)
+        if rel is not None:
+            out[rel] = file_status(root / rel, rel)
     return out
 
 
@@ -322,17 +491,40 @@ def unavailable_message(missing: list[list[str]], root: Path, origin: str, down:
     return "\n".join(lines)
 
 
+def invalid_message(bad: Mapping[str, str], missing: list[list[str]], root: Path, origin: str) -> str:
+    """The one message of a preflight stopped by files that fail their check (``{path:
+    FAILED status}``), with the missing ones, and what to do."""
+    lines = [f"qkov: {len(bad)} data file(s) the chapters read in {root} (data folder from {origin}) fail their check:"]
+    lines += [f"  - {s.removeprefix('FAILED: ')}" for s in bad.values()]  # each reason names its file
+    if missing:
+        lines.append("and these are missing: " + "; ".join(" or ".join(g) for g in missing) + ".")
+    lines += ["Nothing was run. What to do:",
+              f"  1. delete each file named and run `{FETCH_HINT}` (or `make data`): it downloads the official releases, "
+              "checks their sha256 and builds the files again;",
+              f"  2. or set {DATA_ENV} to a folder with good copies, e.g. `make book {DATA_ENV}=/path/to/data`."]
+    if any("no checksum in the manifest" in s for s in bad.values()):
+        lines.append(f"  A file without a checksum can be used anyway with {ALLOW_ENV}=1; the results files then mark it "
+                     "unverified.")
+    return "\n".join(lines)
+
+
 def preflight(data_dir: str | os.PathLike | None = None, fetch: bool = False, probe_network: bool = True,
               timeout: float = 5.0, **fetch_kw: Any) -> dict[str, str]:
-    """Make sure the files the chapters need are in the data folder before any chapter runs.
+    """Make sure the files the chapters need are in the data folder, and sound, before any chapter runs.
 
-    Returns ``{path: status}`` of the files it fetched (empty when nothing was missing). With
-    files missing: ``fetch=True`` downloads and builds them (if every host needed answers
-    :func:`probe`); ``fetch=False, probe_network=True`` only checks that they could be fetched;
-    otherwise, or when a host is unreachable, raises :class:`DataUnavailable` with one message
-    listing the missing files and the two ways out (``QKOV_DATA_DIR``, ``qkov data fetch``)."""
+    First the sha256 of every needed file that is there (:func:`check_needed`): if any fails,
+    raises :class:`DataUnavailable` with one message naming each bad file (and the missing
+    ones) and what to do; nothing is deleted or fetched. Returns ``{path: status}`` of the
+    files it fetched (empty when nothing was missing). With files missing: ``fetch=True``
+    downloads and builds them (if every host needed answers :func:`probe`);
+    ``fetch=False, probe_network=True`` only checks that they could be fetched; otherwise, or
+    when a host is unreachable, raises :class:`DataUnavailable` with one message listing the
+    missing files and the two ways out (``QKOV_DATA_DIR``, ``qkov data fetch``)."""
     root, origin = data_dir_location(data_dir)
     missing = missing_files(root)
+    bad = {rel: s for rel, s in check_needed(root).items() if s.startswith("FAILED")}
+    if bad:
+        raise DataUnavailable(invalid_message(bad, missing, root, origin))
     if not missing:
         return {}
     targets = [build_target(g) for g in missing]
@@ -452,7 +644,8 @@ def use_hub(source: str | None) -> bool:
 # --- command line ---------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     """``python -m qkov_lib.data.sources`` / ``qkov data``: check, fetch, verify, list. Returns
-    the exit status (1 with one message on stderr when data is missing and cannot be fetched)."""
+    the exit status: 1, with one message on stderr, when data is missing and cannot be fetched, or
+    fails its check (``check``: the files the chapters read; ``verify``: every file)."""
     ap = argparse.ArgumentParser(prog="qkov data", description="The real-data files: check, fetch, verify, list.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="are the files the chapters need there? (make book runs this first)")
@@ -465,16 +658,23 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--only", nargs="*", default=None, help="file paths or dataset names (squad, hatexplain, sva, sva_linzen)")
     f.add_argument("--overwrite", action="store_true", help="rebuild files that are already there")
     f.add_argument("--no-progress", action="store_true", help="no progress bars")
-    v = sub.add_parser("verify", help="check the files of a data folder against the manifest")
+    v = sub.add_parser("verify", help="check every file of a data folder against the manifest (status 1 if any fails "
+                                      "or a needed one is missing)")
     v.add_argument("--data-dir", default=None)
     sub.add_parser("list", help="print the manifest: files, sources, licences")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "check":
+            t0 = time.perf_counter()
             status = preflight(args.data_dir, fetch=args.fetch, probe_network=args.probe or args.fetch)
             root = data_dir_location(args.data_dir)[0]
+            checked = check_needed(root)  # cached: no second read of the files
+            for rel, s in checked.items():
+                if s == UNVERIFIED_ALLOWED:
+                    print(f"data: WARNING: {rel}: {s}", file=sys.stderr)
             if not status:
-                print(f"data: every file the chapters need is in {root}")
+                print(f"data: every file the chapters need is in {root}; {len(checked)} checked against the "
+                      f"manifest in {time.perf_counter() - t0:.2f} s")
             elif args.fetch:
                 print(f"data: the missing files were fetched and built in {root}")
             else:
@@ -485,6 +685,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"data folder: {data_dir_location(args.dest)[0]}")
         elif args.cmd == "verify":
             status = verify_all(args.data_dir)
+            bad = problems(status)
+            if bad:
+                for rel, s in status.items():
+                    print(f"{rel}: {s}")
+                print(f"qkov data verify: {len(bad)} problem(s) in {resolve_data_dir(args.data_dir)}:\n"
+                      + "\n".join(f"  - {b}" for b in bad)
+                      + f"\nWhat to do: delete each file that failed, then run `{FETCH_HINT}` (or `make data`) to "
+                        f"download and build what is missing; or set {DATA_ENV} to a folder with good copies.",
+                      file=sys.stderr)
+                return 1
         else:
             status = {rel: f"{e.get('license')} | {e.get('source')}" for rel, e in manifest().items()}
             status.update({f"download {d}": f"{e['url']} | sha256 {e.get('sha256') or 'none published'}"

@@ -183,9 +183,7 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq
         hub = sources.load_hub("squad")
         train_q, test_q = (map(hub_question, hub[split].to_list()) for split in ("train", "validation"))
     else:
-        train_path = _train_path(data_dir, verify)
-        train_q = flatten(sources.load_rows("json", train_path, field="data"))
-        test_q = flatten(sources.load_rows("json", sources.data_file(DEV_FILE, data_dir, verify), field="data"))
+        train_q, test_q = (_questions(rel, data_dir, verify) for rel in (_train_file(data_dir), DEV_FILE))
     args = dict(max_len=max_len, max_question=max_question, query=query, report=report)
     train = _examples(list(train_q), n_train, seed, dict(split="train", exact_spans=exact_spans, **args), report)
     test = _examples(list(test_q), n_test, seed + 1, dict(split="test", exact_spans=False, **args), report)
@@ -314,10 +312,19 @@ def _examples(questions: list[dict[str, Any]], n: int | None, seed: int, kw: dic
     return out
 
 
-def _train_path(data_dir, verify: bool):
+def _questions(rel: str, data_dir, verify: bool) -> list[dict[str, Any]]:
+    """The flattened questions of the SQuAD file ``rel``, their number checked against the
+    manifest when ``verify`` (:func:`sources.check_records`)."""
+    questions = list(flatten(sources.load_rows("json", sources.data_file(rel, data_dir, verify), field="data")))
+    sources.check_records(rel, {"questions": len(questions)}, verify)
+    return questions
+
+
+def _train_file(data_dir) -> str:
+    """The SQuAD train file the loader reads: the first of :data:`TRAIN_FILES` present."""
     rel = sources.first_present(TRAIN_FILES, data_dir)
     if rel is not None:
-        return sources.data_file(rel, data_dir, verify)
+        return rel
     root = sources.resolve_data_dir(data_dir)
     raise FileNotFoundError(f"no SQuAD train file in {root} (looked for {', '.join(TRAIN_FILES)}; the data directory "
                             f"comes from data_dir or ${sources.DATA_ENV}); download with `{sources.FETCH_HINT}`")

@@ -167,8 +167,8 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 16, min_freq:
          verify: bool = True, query_is_key: bool = False, **kw: Any) -> TextDataset:
     """Marvin & Linzen SVA as a :class:`TextDataset` (see the module docstring)."""
     _no_extra(kw)
-    path = sources.data_file(ML_FILE, data_dir, verify)
-    rows = sources.load_rows("json", path)
+    rows = sources.load_rows("json", sources.data_file(ML_FILE, data_dir, verify))
+    sources.check_records(ML_FILE, {"pairs": len(rows)}, verify)
     report: dict[str, int] = {}
     exs = marvin_linzen_examples(rows, max_len, report)
     train, test = split_examples(exs, test_frac, seed)
@@ -207,6 +207,8 @@ def load_linzen(data_dir: str | os.PathLike | None = None, max_len: int = 48, mi
     train_rows = sources.load_rows("csv", sources.data_file(LINZEN_TRAIN_FILE, data_dir, verify),
                                    column_names=["label", "prefix"], **tsv)
     test_rows = sources.load_rows("csv", sources.data_file(LINZEN_TEST_FILE, data_dir, verify), **tsv)
+    sources.check_records(LINZEN_TRAIN_FILE, {"prefixes": len(train_rows)}, verify)
+    sources.check_records(LINZEN_TEST_FILE, {"prefixes": len(test_rows)}, verify)
     report: dict[str, int] = {}
     train = subsample(linzen_examples(train_rows, max_len, report, "train"), n_train, seed)
     test = subsample(linzen_examples(test_rows, max_len, report, "test"), n_test, seed + 1)
