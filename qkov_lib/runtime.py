@@ -1,13 +1,15 @@
-"""Where and how a run executes: device, torch threads, seeds, library versions, git commit, wall time."""
+"""Where and how a run executes: device, torch threads, seeds, library versions, git commit, wall time,
+and whether a tensor is batched by ``torch.func.vmap``."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import platform
 import random
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,3 +86,28 @@ class Timer:
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
+
+
+@functools.cache
+def _batched_check() -> Callable[[torch.Tensor], bool] | None:
+    """torch's own test for a ``torch.func.vmap`` batched tensor (the private
+    ``torch._C._functorch.is_batchedtensor``; torch has no public one), if it exists here and
+    tells a plain tensor (False) from one inside ``vmap`` (True); None otherwise."""
+    try:
+        check = torch._C._functorch.is_batchedtensor
+        inside: list[bool] = []
+        torch.func.vmap(lambda t: inside.append(bool(check(t))) or t)(torch.zeros(2))
+        outside = bool(check(torch.zeros(2)))
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return check if inside == [True] and not outside else None
+
+
+def is_batched(x: torch.Tensor) -> bool | None:
+    """Whether ``x`` is a batched tensor inside ``torch.func.vmap`` (a stacked forward): True or
+    False, or None when this torch cannot tell (callers then do what is safe both ways, e.g.
+    skip a per-row check that vmap cannot run)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(x).__name__}")
+    check = _batched_check()
+    return None if check is None else bool(check(x))

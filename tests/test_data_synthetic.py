@@ -29,7 +29,7 @@ def test_sample_is_deterministic_under_seed():
     task = syn.SyntheticTask()
     a = syn.sample(task, 50, torch.Generator().manual_seed(7))
     b = syn.sample(task, 50, torch.Generator().manual_seed(7))
-    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.y, b.y)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.y, b.y)  # integers
 
 
 def test_population_weights_and_size():

@@ -99,7 +99,7 @@ def test_most_attended_words_by_hand():
     assert list(df.index) == ["w6", "w5", "w7"]
     assert df.loc["w6", "total"] == pytest.approx(1.4) and df.loc["w6", "mean"] == pytest.approx(0.7)
     assert df.loc["w5", "count"] == 2 and df.loc["w5", "in_rationale"] == pytest.approx(0.5)
-    assert df.loc["w7", "in_rationale"] == 0.0
+    assert df.loc["w7", "in_rationale"] == 0.0  # exact: 0 of 1 occurrence
     assert list(hm.most_attended_words(attn, b, vocab, k=1, by="mean").index) == ["w6"]
 
 
@@ -117,7 +117,7 @@ def test_training_is_deterministic_under_a_seed_and_learns():
 
     (m1, h1), (m2, h2) = run(), run()
     for (n, p), q in zip(m1.named_parameters(), m2.parameters()):
-        assert torch.equal(p, q), n
+        assert torch.equal(p, q), n  # exact: the same code on the same seeds twice
     assert h1.final["accuracy"] > 0.9  # a first-word rule is learnable
 
 
@@ -126,7 +126,7 @@ def test_dropout_only_in_gradient_passes():
     b = batch(SEQS)
     with torch.no_grad():
         a1, a2 = m(b.tokens, b.key_mask)[0], m(b.tokens, b.key_mask)[0]
-    assert torch.equal(a1, a2)
+    assert torch.equal(a1, a2)  # exact: no dropout under no_grad, so the same forward twice
     g1, g2 = m(b.tokens, b.key_mask)[0], m(b.tokens, b.key_mask)[0]
     assert not torch.equal(g1, g2)
 

@@ -141,6 +141,7 @@ def test_deterministic():
     for _ in range(2):
         ms = [_model("FAFO", s) for _, s in GRID]
         runs.append((engine.train_batched(ms, data, cfgs), ms))
+    # exact: the same code on the same seeds and thread count twice
     for h1, h2 in zip(runs[0][0], runs[1][0]):
         assert h1.frame().equals(h2.frame())
     for a, b in zip(runs[0][1], runs[1][1]):
@@ -259,7 +260,7 @@ def test_sweep_cells_equal_the_synthetic_chapter_runs():
         fa, fb = ref.history.frame(), r.history.frame()
         torch.testing.assert_close(torch.tensor(fb[fa.columns].to_numpy()), torch.tensor(fa.to_numpy()),
                                    rtol=1e-9, atol=1e-11)
-        assert r.test["diverged"] == 0.0
+        assert r.test["diverged"] == 0.0  # a 0/1 flag
 
 
 def test_sweep_helpers():
@@ -274,7 +275,7 @@ def test_sweep_helpers():
     assert sweep.weak_attention_confident(h) == pytest.approx(0.25)
     g = torch.zeros(10, 10).numpy()
     g[9, 9] = 1.0
-    assert sweep.dtap_distance(h, g) == pytest.approx(0.25) and sweep.dtap_distance(g, g) == 0.0
+    assert sweep.dtap_distance(h, g) == pytest.approx(0.25) and sweep.dtap_distance(g, g) == 0.0  # exact: |x - x| = 0
     with pytest.raises(ValueError, match="unknown settings"):
         sweep.variant_cfg(sweep.PROFILES["test"], {"name": "x", "n_comon": [2]})
 

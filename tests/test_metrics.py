@@ -24,11 +24,11 @@ def test_ac_acmc_by_hand():
     a, c = torch.tensor([0.6, 0.8, 0.1]), torch.tensor([0.8, 0.55, 0.3])
     assert ac(a, 0.5) == pytest.approx(2 / 3)
     assert ac(a, 0.7) == pytest.approx(1 / 3)
-    assert ac(a, 0.9) == 0.0
+    assert ac(a, 0.9) == 0.0                          # exact: 0 of 3 rows
     assert acmc(a, c, 0.5) == pytest.approx(2 / 3)    # (0.6, 0.8) and (0.8, 0.55)
     assert acmc(a, c, 0.7) == pytest.approx(0.0)      # 0.8 attention but 0.55 confidence
     assert acmc(a, c, 0.5, 0.6) == pytest.approx(1 / 3)
-    assert ac(torch.tensor([0.5]), 0.5) == 1.0        # threshold is inclusive
+    assert ac(torch.tensor([0.5]), 0.5) == 1.0        # threshold is inclusive (exact: 1 of 1 row)
     with pytest.raises(ValueError, match="threshold"):
         ac(a, 1.5)
 

@@ -42,7 +42,7 @@ def test_same_seed_same_initial_model_and_global_rng_untouched():
     state = torch.random.get_rng_state()
     a, b = small_model(), small_model()
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # exact: same seed, same code
 
 
 def test_query_readout_ignores_left_padding_and_masks_padding():
@@ -61,6 +61,7 @@ def test_query_readout_ignores_left_padding_and_masks_padding():
     real = b.tokens != task.pad_id
     for m, mw in zip(maps, maps_w):
         q, qw = m[:, :, -1], mw[:, :, -1]
+        # exact zeros: padded keys get exp(finfo.min - max) = 0
         assert torch.allclose(q, qw[..., 3:], atol=1e-6) and float(qw[..., :3].abs().max()) == 0.0
         assert float((q * ~real[:, None]).abs().max()) == 0.0  # no attention on padding
         assert torch.allclose(q.sum(-1), torch.ones_like(q.sum(-1)))
@@ -102,6 +103,7 @@ def test_training_learns_is_deterministic_and_facts(runs):
         d, L = CFG["d_model"], CFG["n_layers"]
         assert r.knob_summary.loc["qk", "numel"] == L * (2 * d * d + 2 * d)  # Q and K rows of every layer, + biases
     again = pythia.train_one(CFG, 10.0, 0)
+    # exact: run_grid calls this same train_one, with the same seed, test set and threads
     assert again.test == runs[1].test and again.heads.equals(runs[1].heads)
     table = pythia.summary_table(runs)
     assert list(table["layer"].unique()) == [1, 2, "rollout"] and set(table["ratio"]) == {1.0, 10.0}

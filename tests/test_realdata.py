@@ -21,7 +21,7 @@ def test_macro_f1_by_hand():
     # class 0: tp 1, 2 true, 2 predicted -> 0.5; class 1: tp 2, 2 true, 3 pred -> 0.8; class 2: 0
     assert metrics.macro_f1(pred, y, 3) == pytest.approx((0.5 + 0.8 + 0.0) / 3)
     # a class absent from both y and pred is left out
-    assert metrics.macro_f1(torch.tensor([0, 1]), torch.tensor([0, 1]), 5) == 1.0
+    assert metrics.macro_f1(torch.tensor([0, 1]), torch.tensor([0, 1]), 5) == 1.0  # exact: every count matches
     with pytest.raises(ValueError):
         metrics.macro_f1(torch.tensor([0]), torch.tensor([0, 1]))
 
@@ -51,7 +51,7 @@ def test_copy_model_reads_out_candidates_by_distance():
         if col in (5, 6, 7):                             # the context words are the only candidates
             assert logits[0, d] == pytest.approx(float(x[0, col] @ out), rel=1e-5)
         else:
-            assert logits[0, d] == -1e4
+            assert logits[0, d] == -1e4  # exact: the fill value of non-candidates
     # removing a key (ERASER removal) removes it from the candidates too
     km2 = km.clone()
     km2[0, 6] = False
@@ -89,13 +89,14 @@ def test_train_one_rows_baselines_and_determinism():
         for k in ra:
             if isinstance(ra[k], float) and math.isnan(ra[k]):
                 assert math.isnan(rb[k])
-            else:
+            else:  # exact: the same code on the same seed and thread count twice
                 assert ra[k] == rb[k], k
     model, uniform = a.rows[0], a.rows[1]
     for k in ("accuracy", "AC@0.5", "ACMC@0.9", "comprehensiveness", "sufficiency", "token_f1", "iou_f1", "auprc",
               "FTPT"):
         assert k in model and not math.isnan(model[k]), k
-    assert uniform["accuracy"] == model["accuracy"]            # the same model: only attention changes
+    # the same model: only attention changes (exact: a ratio of counts of the same predictions)
+    assert uniform["accuracy"] == model["accuracy"]
     # uniform attention puts 1/n on the single relevant token of an n-word sequence
     km, rel = ds.test.key_mask, ds.test.relevant
     assert uniform["attn_relevant"] == pytest.approx(float((rel.sum(1) / km.sum(1)).mean()), rel=1e-6)

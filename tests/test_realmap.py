@@ -151,6 +151,7 @@ def test_measure_on_hand_made_attention():
     key = torch.tensor([[True, True, False], [True, True, False]])
     rel = tokens == 1
     out = M.measure(Fixed(), Batch(tokens, key, rel, torch.tensor([1, 1])), n_eraser=2)
+    # exact: accuracy, AC and ACMC are fractions of rows, here 2 of 2
     assert out["accuracy"] == 1.0 and out["attn_relevant"] == pytest.approx(1.0)
     assert out["AC@0.5"] == 1.0 and out["ACMC@0.5"] == 1.0
 

@@ -77,7 +77,8 @@ def test_roles_by_hand_and_mass_by_role():
     assert torch.equal(total.bool(), b.key_mask) and int(total.max()) == 1       # a partition of the keys
     attn = b.key_mask.double() / b.key_mask.sum(1, keepdim=True)
     m = metrics.mass_by_role(attn, r, b.key_mask)
-    assert m["answer"] == pytest.approx((2 / 11 + 1 / 8) / 2)  # 11 and 8 keys and sum(m.values()) == pytest.approx(1.0)
+    assert m["answer"] == pytest.approx((2 / 11 + 1 / 8) / 2)  # 11 and 8 keys
+    assert sum(m.values()) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="sep_id"):
         squad.squad_roles(b)
     with pytest.raises(ValueError, match="<sep>"):
@@ -106,7 +107,7 @@ def test_forward_shapes_and_copy_readout(casting):
             if col >= 0 and ctx[i, col]:
                 assert logits[i, d] == pytest.approx(float(r[i, col] @ out[i]), rel=1e-4, abs=1e-5)
             else:
-                assert logits[i, d] == -1e4                 # only context words are candidates
+                assert logits[i, d] == -1e4                 # only context words are candidates (exact: the fill value)
 
 
 @pytest.mark.parametrize("casting", ["wh", "question", "mean+match+conv", "match+conv", "match+conv/position"])
@@ -153,7 +154,7 @@ def test_training_is_deterministic_under_a_seed():
         m = model("match+conv", seed=7)
         train(m, b, cfg)
         runs.append(torch.cat([p.detach().flatten() for p in m.parameters()]))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[1])  # exact: the same code on the same seeds twice
     assert not torch.equal(runs[0], torch.cat([p.detach().flatten() for p in model("match+conv", seed=7).parameters()]))
 
 

@@ -135,6 +135,7 @@ def test_context_model_shapes_and_left_padding_invariance():
         assert lo6.shape == (2, 2) and a6.shape == (2, 6) and a11.shape == (2, 11)
         torch.testing.assert_close(lo6, lo11, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(a6, a11[:, 5:], rtol=1e-5, atol=1e-6)
+        # exact: softmax gives masked keys exp(-inf) = 0
         assert float(a11[:, :5].abs().sum()) == 0.0 and float(a6[:, -1].abs().sum()) == 0.0
 
 
@@ -150,6 +151,7 @@ def test_context_model_depends_on_neighbours_only_through_the_encoder():
 
 def test_context_model_is_deterministic_and_checks_input():
     b = _batch([3, 5])
+    # exact: the same seed and the same forward twice
     torch.testing.assert_close(_model(1)(b.tokens, b.key_mask), _model(1)(b.tokens, b.key_mask), rtol=0, atol=0)
     assert not torch.equal(_model(1)(b.tokens, b.key_mask)[0], _model(2)(b.tokens, b.key_mask)[0])
     with pytest.raises(ValueError, match="exceeds the model's max_len"):
@@ -221,7 +223,7 @@ def test_natural_grid_runs_and_is_deterministic():
     a, b = sr.natural_grid(ds, cfg), sr.natural_grid(ds, cfg)
     assert list(a["n_attractors"].unique()) == ["all", "1", "2", "3"]
     assert a["n"][a["n_attractors"] == "all"].eq(40).all() and set(a["ratio"]) == {1.0, 10.0}
-    assert a.equals(b)
+    assert a.equals(b)  # exact: the same code on the same seeds and thread count twice
     with pytest.raises(ValueError, match="has no n_attractors"):
         sr.attractor_accuracy(sr.make_natural_model(ds, cfg, 0), type(ds)(**{**ds.__dict__, "test_info": {}}))
 
@@ -251,6 +253,7 @@ def test_default_number_table_picks_the_number_with_lower_ac():
                        {"ratio": 1.0, "seed": 0, "target": "plural", "subject": 3.0, "margin": 3.0}])
     row = sr.default_number_table(bt, mg).iloc[0]
     assert row["default"] == "singular" and row["AC marked"] == 0.9 and row["verb default"] == 0.7
+    # exact: copied inputs and the binary fractions 1/4 and 3/3
     assert row["subject share of margin, default"] == 0.25 and row["subject share of margin, marked"] == 1.0
     with pytest.raises(ValueError, match="both target numbers"):
         sr.default_number_table(bt.iloc[:2], mg)

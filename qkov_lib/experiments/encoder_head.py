@@ -47,7 +47,7 @@ from ..data.text import PAD_ID, TextDataset
 from ..metrics import mass_by_role, prediction_metrics
 from ..profiles import profile_table
 from ..models import QKOVAttention
-from ..runtime import seed_everything
+from ..runtime import is_batched, seed_everything
 from ..training import History, TrainConfig, predict, train
 
 ENCODERS: tuple[str, ...] = ("bigru", "conv")
@@ -90,7 +90,7 @@ class EncoderHeadModel(nn.Module):
         # only in gradient passes: the stacked trainer evaluates under no_grad without eval()
         if self.dropout == 0.0 or not (self.training and torch.is_grad_enabled()):
             return x
-        if torch._C._functorch.is_batchedtensor(x):  # a stacked (vmapped) forward: per-model masks are not set up
+        if is_batched(x):  # a stacked (vmapped) forward: no per-model masks (None: vmap refuses it)
             raise ValueError("dropout > 0 cannot be trained in a stack of models (vmap); use dropout=0 or train one model")
         return nn.functional.dropout(x, self.dropout, True)
 
