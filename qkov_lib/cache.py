@@ -5,7 +5,10 @@ re-reads only the sources whose files changed. Neither sees the library the cell
 ``QKOV_PROFILE`` the kernels inherit. This module adds that missing part of the key:
 
 - :func:`library_hash` hashes the library's ``.py`` files; :func:`cache_key` combines it with the
-  ``QKOV_*`` environment (profile included) and the Python/torch/numpy versions.
+  ``QKOV_*`` environment (profile included), the sha256 of every data file of the manifest found
+  in the data folder, the data manifest and ``requirements.txt`` themselves, the Python version
+  and the installed version of every library pinned in ``requirements.txt`` (torch and numpy
+  always) -- see :func:`key_parts`.
 - A Sphinx extension (``sphinx: extra_extensions: [qkov_lib.cache]`` in ``_config.yml``):
 
   * registers the key as a config value that forces a full re-read when it changes, so an
@@ -36,6 +39,7 @@ from typing import Any
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_ROOT = PACKAGE_DIR.parent
+REQUIREMENTS = REPO_ROOT / "requirements.txt"
 KEY_ENV_EXCLUDE = ("QKOV_RESULTS_DIR",)  # where results go does not change what they are
 MODES = ("force", "cache", "executed")
 
@@ -64,20 +68,75 @@ def _version(pkg: str) -> str:
         return "not installed"
 
 
-def key_parts(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+def pinned_packages(requirements: str | os.PathLike = REQUIREMENTS) -> list[str]:
+    """Names (as written) of the libraries pinned in a requirements file, in file order; a
+    missing file gives ``[]``. Comments, options (``-r``, ``--index-url``) and blank lines are
+    skipped; a line that is not a requirement raises ValueError naming it."""
+    from packaging.requirements import InvalidRequirement, Requirement  # installed with matplotlib
+
+    path = Path(requirements)
+    if not path.is_file():
+        return []
+    names = []
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        try:
+            names.append(Requirement(line).name)
+        except InvalidRequirement as e:
+            raise ValueError(f"{path}: cannot read the requirement {line!r}: {e}") from e
+    return names
+
+
+def data_hashes(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
+    """``{path relative to the data folder: sha256}`` of every manifest file present in the data
+    folder (:func:`qkov_lib.data.sources.resolve_data_dir`; ``{}`` when there is none)."""
+    from .data import sources
+
+    try:
+        root = sources.resolve_data_dir(data_dir)
+    except FileNotFoundError:
+        return {}
+    return {rel: sources.sha256_file(root / rel) for rel in sorted(sources.manifest()) if (root / rel).is_file()}
+
+
+def _file_sha256(path: str | os.PathLike) -> str | None:
+    from .data import sources
+
+    return sources.sha256_file(path) if Path(path).is_file() else None
+
+
+def key_parts(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
+              requirements: str | os.PathLike = REQUIREMENTS) -> dict[str, Any]:
     """What the cache key is made of: the library hash, the ``QKOV_*`` variables (profile
-    defaulting to ``cpu`` as in :func:`qkov_lib.profiles.profile_name`) and library versions."""
+    defaulting to ``cpu`` as in :func:`qkov_lib.profiles.profile_name`), the sha256 of the data
+    files (:func:`data_hashes` of ``$QKOV_DATA_DIR`` in ``environ``), of the data manifest
+    (``$QKOV_DATA_MANIFEST`` or the packaged one) and of ``requirements``, the Python version and
+    the installed version of torch, numpy and every library pinned in ``requirements``."""
+    from .data import sources
+
     env = os.environ if environ is None else environ
     qkov_env = {k: v for k, v in sorted(env.items()) if k.startswith("QKOV_") and k not in KEY_ENV_EXCLUDE}
     qkov_env.setdefault("QKOV_PROFILE", "cpu")
-    return {"library": library_hash(package_dir), "env": qkov_env, "python": platform.python_version(),
-            "torch": _version("torch"), "numpy": _version("numpy")}
+    packages = sorted({"torch", "numpy", *(n.lower() for n in pinned_packages(requirements))})
+    return {"library": library_hash(package_dir), "env": qkov_env,
+            "data": data_hashes(env.get(sources.DATA_ENV) or None),
+            "manifest": _file_sha256(env.get(sources.MANIFEST_ENV) or sources.MANIFEST_PATH),
+            "requirements": _file_sha256(requirements), "python": platform.python_version(),
+            "packages": {n: _version(n) for n in packages}}
 
 
-def cache_key(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None) -> str:
-    """16 hex digits identifying the library state and settings that chapter outputs depend on."""
-    blob = json.dumps(key_parts(package_dir, environ), sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+def cache_key(package_dir: str | os.PathLike | None = None, environ: Mapping[str, str] | None = None,
+              requirements: str | os.PathLike = REQUIREMENTS) -> str:
+    """16 hex digits identifying the library state, data, pinned libraries and settings that
+    chapter outputs depend on (:func:`key_parts`)."""
+    return key_of(key_parts(package_dir, environ, requirements))
+
+
+def key_of(parts: Mapping[str, Any]) -> str:
+    """16 hex digits of the sha256 of ``parts`` (a :func:`key_parts` dict) as sorted JSON."""
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def keyed_dirs(base: str | os.PathLike, key: str) -> tuple[Path, Path]:
@@ -108,9 +167,11 @@ def _config_inited(app, config) -> None:
 
     log = logging.getLogger(__name__)
     lib = config.qkov_library_dir or None
-    key = cache_key(lib)
+    parts = key_parts(lib)
+    key = key_of(parts)
     config.qkov_cache_key = key
-    log.info(f"[qkov] cache key {key} (library {library_hash(lib)[:12]}, profile {os.environ.get('QKOV_PROFILE', 'cpu')})")
+    log.info(f"[qkov] cache key {key} (library {parts['library'][:12]}, {len(parts['data'])} data files, "
+             f"profile {parts['env']['QKOV_PROFILE']})")
     if config.nb_execution_mode != "cache":
         return
     base = Path(config.nb_execution_cache_path or Path(app.outdir).parent / ".jupyter_cache")

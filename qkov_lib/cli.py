@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import os
 import sys
@@ -10,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .results import default_results_path
+from .results import default_results_path, failed_path, mark_failed
 from .runtime import REPO_ROOT
 
 
@@ -63,11 +64,99 @@ def check_parameters(src: Path, parameters: Mapping[str, Any]) -> None:
                          f"of {src.name}; valid names: {', '.join(sorted(known))}")
 
 
+def _qkov_names(tree: ast.Module, names: dict[str, Any]) -> None:
+    """Bind the ``qkov_lib`` imports of a cell (``from qkov_lib.x import y as z``) in ``names``."""
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "qkov_lib":
+            for a in node.names:
+                try:
+                    names[a.asname or a.name] = importlib.import_module(f"{node.module}.{a.name}")
+                except ImportError:
+                    names[a.asname or a.name] = getattr(importlib.import_module(node.module), a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "qkov_lib" and a.asname:
+                    names[a.asname] = importlib.import_module(a.name)
+
+
+def _lookup(node: ast.expr, names: Mapping[str, Any]) -> Any:
+    """The value of ``name``, ``name.attr`` or ``name[constant]`` chains over ``names``."""
+    if isinstance(node, ast.Name):
+        return names[node.id]
+    if isinstance(node, ast.Attribute):
+        return getattr(_lookup(node.value, names), node.attr)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        return _lookup(node.value, names)[node.slice.value]
+    raise ValueError(f"not a plain reference: {ast.unparse(node)}")
+
+
+def settings_call(path: str | os.PathLike) -> tuple[Mapping[str, Mapping[str, Any]], str | None, dict[str, str]] | None:
+    """How a chapter turns its parameters into settings, read from its first
+    ``profiles.resolve(TABLE, profile, key=parameter, ...)`` call without running it: (the
+    profile table, the name of the parameter passed as the profile, ``{keyword: parameter
+    name}``). None when the chapter has no such call in that form."""
+    import jupytext
+
+    from . import profiles
+
+    names: dict[str, Any] = {}
+    for cell in jupytext.read(Path(path)).cells:
+        if cell.cell_type != "code":
+            continue
+        try:  # IPython magics and shell lines are not Python
+            tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+        except SyntaxError:
+            continue
+        _qkov_names(tree, names)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and len(node.args) == 2):
+                continue
+            try:
+                if _lookup(node.func, names) is not profiles.resolve:
+                    continue
+                table = _lookup(node.args[0], names)
+            except (KeyError, AttributeError, IndexError, TypeError, ValueError):
+                continue
+            prof = node.args[1].id if isinstance(node.args[1], ast.Name) else None
+            return table, prof, {k.arg: k.value.id for k in node.keywords if k.arg and isinstance(k.value, ast.Name)}
+    return None
+
+
+def check_settings(src: str | os.PathLike, parameters: Mapping[str, Any],
+                   call: tuple[Mapping[str, Mapping[str, Any]], str | None, dict[str, str]] | None = None) -> None:
+    """Check ``parameters`` the way the chapter's own ``profiles.resolve`` call will (see
+    :func:`settings_call`), before a kernel starts: raise ValueError with the chapter's message
+    for a value of the wrong type or out of range; a scalar where the profile holds a list is
+    named as such. Chapters without such a call pass (their kernel checks)."""
+    from . import profiles
+
+    profiles.check_values(parameters)  # by meaning, for every parameter (map settings too)
+    call = settings_call(src) if call is None else call
+    if call is None:
+        return
+    table, prof, kw = call
+    overrides = {k: parameters[v] for k, v in kw.items() if v in parameters and parameters[v] is not None}
+    defaults = table.get(profiles.profile_name(parameters.get(prof) if prof else None), {})
+    for k, v in overrides.items():
+        if isinstance(defaults.get(k), (list, tuple)) and not isinstance(v, (list, tuple)):
+            raise ValueError(f"parameter {kw[k]!r} of {Path(src).name} takes a list "
+                             f"(e.g. {json.dumps(list(defaults[k]))}), got {type(v).__name__} {v!r}")
+    try:
+        profiles.resolve(table, parameters.get(prof) if prof else None, **overrides)
+    except (TypeError, ValueError) as e:
+        raise ValueError(str(e)) from e
+
+
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
                 name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
     """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
     ``parameters`` tag), inject ``parameters`` plus ``results_path``, and write
-    ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths."""
+    ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths.
+
+    Parameter names are checked first (:func:`check_parameters`; values are checked by the
+    chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). An earlier ``<name>.json`` is removed before the run; when the run fails, a results file it
+    wrote becomes ``<name>.failed.json`` (:func:`qkov_lib.results.mark_failed`) and the error
+    is raised."""
     import jupytext
     import papermill as pm
 
@@ -83,10 +172,15 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
     jupytext.write(nb, nb_in)
     nb_out, results = out_dir / f"{name}.ipynb", out_dir / f"{name}.json"
+    for old in (results, failed_path(results)):  # an earlier run's numbers are not this notebook's
+        old.unlink(missing_ok=True)
     params = {**(parameters or {}), "results_path": str(results.resolve())}
     try:
         pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
                             progress_bar=progress, kernel_name="python3")
+    except BaseException as exc:
+        mark_failed(results, f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', exc)}")
+        raise
     finally:
         nb_in.unlink(missing_ok=True)
     return nb_out, results
@@ -149,11 +243,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         params = {k: _parse_value(v) for k, v in args.param}
         try:
-            check_parameters(chapter_path(args.chapter), params)
+            src = chapter_path(args.chapter)
+            check_parameters(src, params)
+            check_settings(src, params)
         except (ValueError, FileNotFoundError) as e:
             print(f"qkov run: {e}", file=sys.stderr)
             return 2
-        nb, res = run_chapter(args.chapter, args.out, params, name=args.name, progress=True)
+        try:
+            nb, res = run_chapter(src, args.out, params, name=args.name, progress=True)
+        except Exception as e:  # noqa: BLE001 -- a failing chapter: one message, not a traceback
+            name = args.name or src.stem.split("_", 1)[-1]
+            err = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
+            marked = failed_path(Path(args.out) / f"{name}.json")
+            print(f"qkov run: {src.name} failed: {err}\nnotebook with the error: {Path(args.out) / f'{name}.ipynb'}"
+                  + (f"\nresults of the failed run: {marked}" if marked.exists() else "\nno results file written"),
+                  file=sys.stderr)
+            return 1
         print(f"notebook: {nb}\nresults:  {res}")
         return 0
     if args.cmd == "sweep":
@@ -167,8 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
     if args.cmd == "cache":
         if args.action == "key":
-            print(qcache.cache_key())
-            print(json.dumps(qcache.key_parts(), indent=1))
+            parts = qcache.key_parts()
+            print(qcache.key_of(parts))
+            print(json.dumps(parts, indent=1))
         else:
             for d in qcache.clear(REPO_ROOT):
                 print(f"removed {d}")

@@ -135,7 +135,7 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
         if base[key] is not None and not _type_ok(value, base[key]):
             raise TypeError(
                 f"parameter {key!r} must be {_type_name(base[key])}, got {type(value).__name__} {value!r}"
-                " (with papermill, pass lists as YAML: -y 'ratios: [1, 10]')"
+                " (a list on the command line: qkov run -p ratios '[1, 10]', papermill -y 'ratios: [1, 10]')"
             )
         base[key] = list(value) if isinstance(value, tuple) else value
     check_values(base)

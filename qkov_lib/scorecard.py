@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from . import claims
+from . import claims, results
 
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
@@ -27,13 +28,20 @@ BADGES = {"reproduced": "bdg-success", "partly": "bdg-warning", "not reproduced"
 
 def load_results(results_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
     """``(path, document)`` of every results file in ``results_dir`` that reports claims
-    (``metrics["claims"]`` is a list), sorted by file name. A missing folder gives ``[]``."""
+    (``metrics["claims"]`` is a list), sorted by file name. A missing folder gives ``[]``.
+    Results of a failed run (``<name>.failed.json`` or ``"status": "failed"``, see
+    :func:`qkov_lib.results.mark_failed`) are left out, each with a line on stderr."""
     folder = Path(results_dir)
     out = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             doc = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            continue
+        if results.is_failed(path, doc):
+            why = doc.get("error") if isinstance(doc, Mapping) else None
+            print(f"scorecard: ignoring {path}: written by a run that failed" + (f" ({why})" if why else ""),
+                  file=sys.stderr)
             continue
         metrics = doc.get("metrics") if isinstance(doc, Mapping) else None
         if isinstance(metrics, Mapping) and isinstance(metrics.get("claims"), list):

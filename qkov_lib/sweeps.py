@@ -12,6 +12,12 @@ Layout of a sweep folder ``OUT``::
     OUT/records/<run_id>.json   one record per run: status, error, parameters, timings
     OUT/results.{json,csv,parquet}   the table, one row per run of the current grid
     OUT/submitit/               logs of submitit jobs (Slurm or its local executor)
+    OUT/.sweep.lock             held (``flock``) while a sweep writes to OUT: a second one stops
+
+Paths in records are relative to OUT, so a moved sweep folder still resumes. The pool workers
+of ``-j N`` end with the sweep process (SIGTERM, Ctrl-C, or SIGKILL of the parent), their
+kernels with them. Bad input (workers < 1, an empty grid axis, a grid axis whose values are not
+values of the parameter, unknown names) raises :class:`SweepError` before any kernel starts.
 
 Executors: ``local`` (in-process for one worker, else a process pool of N workers),
 ``slurm`` and ``submitit-local`` (the same submitit code path; the latter runs the jobs as local
@@ -28,7 +34,9 @@ import math
 import os
 import platform
 import re
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -40,10 +48,20 @@ from typing import Any
 import pandas as pd
 
 from .cli import chapter_parameters
+from .results import replace_atomically, write_json
 
 EXECUTORS = ("local", "slurm", "submitit-local")
 RESERVED = ("results_path",)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+LOCK_NAME = ".sweep.lock"
+
+
+class SweepError(ValueError):
+    """A sweep that cannot start (bad grid, parameters, workers or executor); nothing ran."""
+
+
+class SweepBusy(SweepError):
+    """Another process is sweeping into the same folder (it holds the folder's lock)."""
 
 
 # ----------------------------------------------------------------------------- grid
@@ -117,11 +135,6 @@ def _record_path(out_dir: str | Path, rid: str) -> Path:
     return Path(out_dir) / "records" / f"{rid}.json"
 
 
-def _write_json(path: Path, doc: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, allow_nan=True, default=str))
-    tmp.replace(path)  # atomic: readers never see half a record
 
 
 @contextlib.contextmanager
@@ -163,13 +176,13 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
     record: dict[str, Any] = {
         "run_id": spec.run_id, "chapter": spec.name, "params": dict(spec.params),
         "host": platform.node(), "started_at": started.isoformat(timespec="seconds"),
-        "notebook": str(out / "runs" / f"{spec.run_id}.ipynb"),
-        "results_file": str(out / "runs" / f"{spec.run_id}.json"),
+        "notebook": f"runs/{spec.run_id}.ipynb",  # relative to the sweep folder: it can move
+        "results_file": f"runs/{spec.run_id}.json",
     }
     try:
         with _thread_env(spec.threads):
             cli.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
-        doc = json.loads(Path(record["results_file"]).read_text())
+        doc = json.loads((out / record["results_file"]).read_text())
         record.update(status="ok", error=None, traceback=None)
         record["resolved_params"] = doc.get("params", {})
         for key in ("metrics", "versions", "git_commit", "device", "wall_time_s"):
@@ -181,7 +194,7 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
                       device=str(runtime.pick_device()), wall_time_s=None)
     record["run_time_s"] = time.perf_counter() - t0
     record["finished_at"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    _write_json(_record_path(out, spec.run_id), record)
+    write_json(_record_path(out, spec.run_id), record)
     return record
 
 
@@ -191,7 +204,7 @@ def _failed_record(spec: RunSpec, exc: BaseException) -> dict[str, Any]:
     record = {"run_id": spec.run_id, "chapter": spec.name, "params": dict(spec.params), "status": "failed",
               "error": err, "traceback": tb, "resolved_params": None, "metrics": None,
               "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    _write_json(_record_path(spec.out_dir, spec.run_id), record)
+    write_json(_record_path(spec.out_dir, spec.run_id), record)
     return record
 
 
@@ -214,7 +227,7 @@ def _flatten(prefix: str, obj: Any, out: dict[str, Any]) -> None:
         for k, v in obj.items():
             _flatten(f"{prefix}.{k}", v, out)
     elif isinstance(obj, (list, tuple)):
-        out[prefix] = json.dumps(obj, default=str, allow_nan=True)
+        out[prefix] = json.dumps(obj, default=str)
     else:
         out[prefix] = obj
 
@@ -282,23 +295,100 @@ def _arrow_safe(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def write_table(records: Sequence[Mapping[str, Any]], out_dir: str | Path) -> dict[str, Path]:
-    """Write ``results.json`` (the full records), ``results.csv`` and, when pyarrow is
-    installed, ``results.parquet`` (the flat table). Returns the paths written."""
+    """Write ``results.json`` (the full records, strict JSON), ``results.csv`` and, when pyarrow
+    is installed, ``results.parquet`` (the flat table), each atomically (a reader never sees half
+    a file). Returns the paths written."""
     out = Path(out_dir)
     paths = {"json": out / "results.json", "csv": out / "results.csv"}
-    _write_json(paths["json"], list(records))
+    write_json(paths["json"], list(records))
     table = results_table(records)
-    table.to_csv(paths["csv"], index=False)
+    replace_atomically(paths["csv"], lambda tmp: table.to_csv(tmp, index=False))
     try:
         import pyarrow  # noqa: F401
     except ImportError:
         return paths
-    paths["parquet"] = out / "results.parquet"
-    _arrow_safe(table).to_parquet(paths["parquet"], index=False)
+    paths["parquet"] = replace_atomically(out / "results.parquet",
+                                          lambda tmp: _arrow_safe(table).to_parquet(tmp, index=False))
     return paths
 
 
 # ----------------------------------------------------------------------------- executors
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _worker_init(parent: int) -> None:
+    """First thing in each pool worker: it dies with the sweep process ``parent``. On Linux the
+    kernel sends it SIGKILL when the parent exits (``prctl(PR_SET_PDEATHSIG)``), elsewhere a
+    daemon thread checks once a second. Ctrl-C is the parent's to handle (it kills the workers),
+    SIGTERM ends the worker at once; a worker's kernel exits within a second of its worker
+    (ipykernel's parent poller)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's SIGTERM -> SystemExit
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    else:
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """While inside (main thread only): SIGTERM raises SystemExit(143) instead of ending the
+    process at once, so the sweep's clean-up (killing its workers) runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def folder_lock(out_dir: str | os.PathLike) -> Iterator[Path]:
+    """Hold an exclusive ``flock`` on ``<out_dir>/.sweep.lock`` (with this process's PID in it)
+    while inside; raise :class:`SweepBusy` at once if another process holds it. The lock goes
+    with the last process holding the file open, however it ends."""
+    import fcntl
+
+    path = Path(out_dir) / LOCK_NAME
+    f = open(path, "a+")  # noqa: SIM115 -- held open for the whole sweep
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise SweepBusy(f"another sweep (pid {holder}) is writing to {out_dir}; wait for it to end "
+                        f"or give another --out") from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield path
+    finally:
+        f.close()
+
+
+def _kill_workers(pool: Any) -> None:
+    """SIGKILL the worker processes of a ProcessPoolExecutor (no public call before Python 3.14)."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError):
+            proc.kill()
 
 
 def _submitit_executor(kind: str, out_dir: Path, name: str, workers: int, params: Mapping[str, Any]):
@@ -328,7 +418,9 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
          params: Mapping[str, Any] | None = None, profile: str | None = None) -> tuple[Path, list[dict[str, Any]]]:
     """The chapter source and the parameter dict of every run (fixed ``params`` updated with one
     grid point, and the profile made explicit so that a run's ID pins it). Unknown parameter
-    names raise ValueError before anything runs."""
+    names, a grid axis whose values are not values of its parameter (``-g ratios '[1, 10]'`` for
+    a list-valued ``ratios``: ``'[[1], [10]]'``) and values the chapter's ``profiles.resolve``
+    would reject (:func:`qkov_lib.cli.check_settings`) raise ValueError before anything runs."""
     from . import cli, profiles
 
     src = cli.chapter_path(chapter).resolve()
@@ -342,11 +434,21 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
             raise ValueError(f"{name!r} is set by the sweep itself; do not pass it")
         if name not in known:
             raise ValueError(f"unknown parameter {name!r} of {src.name}; it takes {', '.join(sorted(known))}")
+    call = cli.settings_call(src)
+    table, prof, kw = call or ({}, None, {})
+    param_kw = {v: k for k, v in kw.items()}
     runs = []
     for point in points:
         p = {**fixed, **point}
         if "profile" in known and p.get("profile") is None:
             p["profile"] = profiles.profile_name(profile)
+        defaults = table.get(profiles.profile_name(p.get(prof) if prof else None), {})
+        for axis, value in point.items():
+            if isinstance(defaults.get(param_kw.get(axis)), (list, tuple)) and not isinstance(value, (list, tuple, type(None))):
+                values = [q[axis] for q in points if axis in q]
+                raise ValueError(f"grid axis {axis!r}: each grid value is one run's {axis!r}, which is a list; "
+                                 f"give a list of lists, e.g. -g {axis} '{json.dumps([[v] for v in values])}'")
+        cli.check_settings(src, p, call)
         runs.append(p)
     return src, runs
 
@@ -360,93 +462,106 @@ def sweep(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequen
     the results table to ``out_dir``. Runs that already succeeded there are skipped (unless
     ``force``); failed ones are retried unless ``retry_failed=False``. ``executor`` is one of
     ``local`` (``workers`` processes), ``slurm`` or ``submitit-local``; ``executor_params`` go to
-    submitit's ``update_parameters`` (``timeout_min``, ``gpus_per_node``, ``slurm_partition``, ...)."""
+    submitit's ``update_parameters`` (``timeout_min``, ``gpus_per_node``, ``slurm_partition``, ...).
+
+    Raises :class:`SweepError` before any kernel starts for bad input (see :func:`plan`;
+    ``workers``/``threads`` < 1), :class:`SweepBusy` when another sweep holds ``out_dir``'s lock."""
     from tqdm.auto import tqdm
 
-    if executor not in EXECUTORS:
-        raise ValueError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}")
-    if not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers must be a positive integer, got {workers!r}")
     t0 = time.perf_counter()
-    src, run_params = plan(chapter, grid, params, profile)
-    name = chapter_name(src)
+    try:
+        if executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}; expected one of {', '.join(EXECUTORS)}")
+        for what, n in (("workers", workers), ("threads", 1 if threads is None else threads)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise ValueError(f"{what} must be a positive integer, got {n!r}")
+        src, run_params = plan(chapter, grid, params, profile)
+    except (TypeError, ValueError, FileNotFoundError) as e:
+        raise SweepError(str(e)) from e
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if threads is None and executor == "local" and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, (os.cpu_count() or 1) // workers)
-    specs = [RunSpec(str(src), name, run_id(name, p), p, str(out), threads) for p in run_params]
-    _write_json(out / "sweep.json", {"chapter": name, "source": str(src), "params": dict(params or {}),
-                                     "grid": grid, "runs": [s.run_id for s in specs]})
+    with folder_lock(out), _sigterm_as_exit():
+        name = chapter_name(src)
+        if threads is None and executor == "local" and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+            threads = max(1, (os.cpu_count() or 1) // workers)
+        specs = [RunSpec(str(src), name, run_id(name, p), p, str(out), threads) for p in run_params]
+        write_json(out / "sweep.json", {"chapter": name, "source": str(src), "params": dict(params or {}),
+                                         "grid": grid, "runs": [s.run_id for s in specs]})
 
-    def todo(s: RunSpec) -> bool:
-        if force:
-            return True
-        rec = load_record(out, s.run_id)
-        if rec is None:
-            return True
-        if rec.get("status") == "ok":
-            return not Path(rec.get("results_file", "")).exists()
-        return retry_failed
+        def todo(s: RunSpec) -> bool:
+            if force:
+                return True
+            rec = load_record(out, s.run_id)
+            if rec is None:
+                return True
+            if rec.get("status") == "ok":
+                done = rec.get("results_file")  # relative to the sweep folder (absolute in old records)
+                return not (done and (out / done).is_file())
+            return retry_failed
 
-    pending = [s for s in specs if todo(s)]
-    skipped = len(specs) - len(pending)
-    bar = tqdm(total=len(specs), initial=skipped, desc=f"sweep {name}", unit="run", disable=not progress)
-    n_failed = 0
+        pending = [s for s in specs if todo(s)]
+        skipped = len(specs) - len(pending)
+        bar = tqdm(total=len(specs), initial=skipped, desc=f"sweep {name}", unit="run", disable=not progress)
+        n_failed = 0
 
-    def finish(rec: dict[str, Any]) -> None:
-        nonlocal n_failed
-        n_failed += rec.get("status") != "ok"
-        bar.update(1)
-        bar.set_postfix(failed=n_failed, refresh=False)
+        def finish(rec: dict[str, Any]) -> None:
+            nonlocal n_failed
+            n_failed += rec.get("status") != "ok"
+            bar.update(1)
+            bar.set_postfix(failed=n_failed, refresh=False)
 
-    if pending and executor == "local" and workers == 1:
-        for s in pending:
-            finish(execute_run(s))
-    elif pending:
-        handles: list[tuple[RunSpec, Any]] = []
-        pool = None
-        if executor == "local":
-            import multiprocessing as mp
-            from concurrent.futures import ProcessPoolExecutor
+        if pending and executor == "local" and workers == 1:
+            for s in pending:
+                finish(execute_run(s))
+        elif pending:
+            pool = None
+            try:
+                if executor == "local":
+                    import multiprocessing as mp
+                    from concurrent.futures import ProcessPoolExecutor
 
-            ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
-            handles = [(s, pool.submit(execute_run, s)) for s in pending]
-            poll = poll_s or 0.2
-        else:
-            ex = _submitit_executor(executor, out, name, workers, executor_params or {})
-            jobs = []
-            with ex.batch():
-                for s in pending:
-                    jobs.append(ex.submit(execute_run, s))
-            handles = list(zip(pending, jobs))
-            poll = poll_s or (1.0 if executor == "submitit-local" else 15.0)
-        try:
-            while handles:
-                still = []
-                for s, h in handles:
-                    if not h.done():
-                        still.append((s, h))
-                        continue
-                    try:
-                        rec = h.result()
-                    except Exception as exc:  # noqa: BLE001 -- worker/job died: record it, go on
-                        rec = _failed_record(s, exc)
-                    finish(rec)
-                handles = still
-                if handles:
-                    time.sleep(poll)
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-    bar.close()
+                    ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
+                    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                               initargs=(os.getpid(),))
+                    handles = [(s, pool.submit(execute_run, s)) for s in pending]
+                    poll = poll_s or 0.2
+                else:
+                    ex = _submitit_executor(executor, out, name, workers, executor_params or {})
+                    jobs = []
+                    with ex.batch():
+                        for s in pending:
+                            jobs.append(ex.submit(execute_run, s))
+                    handles = list(zip(pending, jobs))
+                    poll = poll_s or (1.0 if executor == "submitit-local" else 15.0)
+                while handles:
+                    still = []
+                    for s, h in handles:
+                        if not h.done():
+                            still.append((s, h))
+                            continue
+                        try:
+                            rec = h.result()
+                        except Exception as exc:  # noqa: BLE001 -- worker/job died: record it, go on
+                            rec = _failed_record(s, exc)
+                        finish(rec)
+                    handles = still
+                    if handles:
+                        time.sleep(poll)
+            except BaseException:  # Ctrl-C, SIGTERM, an error: no run goes on without us
+                if pool is not None:
+                    _kill_workers(pool)
+                raise
+            finally:
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
 
-    records = [load_record(out, s.run_id) or _failed_record(s, RuntimeError("no record was written")) for s in specs]
-    paths = write_table(records, out)
-    table = results_table(records)
-    failed = int((table["status"] != "ok").sum()) if len(table) else 0
-    return SweepResult(table, executed=len(pending), skipped=skipped, failed=failed, paths=paths,
-                       wall_time_s=time.perf_counter() - t0)
+        records = [load_record(out, s.run_id) or _failed_record(s, RuntimeError("no record was written")) for s in specs]
+        paths = write_table(records, out)
+        table = results_table(records)
+        failed = int((table["status"] != "ok").sum()) if len(table) else 0
+        return SweepResult(table, executed=len(pending), skipped=skipped, failed=failed, paths=paths,
+                           wall_time_s=time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -514,11 +629,23 @@ def _parse(text: str) -> Any:
 
 
 def from_args(args) -> int:
-    """Run a sweep from parsed command-line arguments; exit status 1 when a run failed."""
-    cfg = load_config(args.config) if args.config else {}
+    """Run a sweep from parsed command-line arguments; exit status 1 when a run failed, 2 with a
+    one-line message when the sweep cannot start (nothing ran)."""
+    try:
+        return _from_args(args)
+    except (SweepError, FileNotFoundError) as e:
+        print(f"qkov sweep: {e}", file=sys.stderr)
+        return 2
+
+
+def _from_args(args) -> int:
+    try:
+        cfg = load_config(args.config) if args.config else {}
+    except ValueError as e:
+        raise SweepError(str(e)) from e
     chapter = args.chapter or cfg.get("chapter")
     if not chapter:
-        raise SystemExit("qkov sweep: give a chapter (positional or `chapter:` in --config)")
+        raise SweepError("give a chapter (positional or `chapter:` in --config)")
     grid = dict(cfg.get("grid") or {})
     for k, v in args.grid:
         grid[k] = _parse(v)
@@ -532,7 +659,8 @@ def from_args(args) -> int:
     src = Path(str(chapter))
     out = args.out or cfg.get("out") or f"runs/sweep-{chapter_name(src) if src.suffix else src.name}"
     res = sweep(chapter, grid, out, params=params, profile=args.profile or cfg.get("profile"), executor=executor,
-                workers=args.workers or cfg.get("workers", 1), threads=args.threads or cfg.get("threads"),
+                workers=cfg.get("workers", 1) if args.workers is None else args.workers,
+                threads=cfg.get("threads") if args.threads is None else args.threads,
                 force=args.force, retry_failed=not args.no_retry_failed, executor_params=ex_params)
     print(f"{len(res.table)} runs: {res.executed} executed, {res.skipped} skipped (finished before), "
           f"{res.failed} failed; {res.wall_time_s:.1f} s")
@@ -545,4 +673,5 @@ def from_args(args) -> int:
 
 
 __all__ = ["expand_grid", "run_id", "RunSpec", "execute_run", "record_row", "results_table",
-           "metric_frame", "write_table", "plan", "sweep", "SweepResult", "load_config"]
+           "metric_frame", "write_table", "plan", "sweep", "SweepResult", "SweepError", "SweepBusy",
+           "folder_lock", "load_config"]

@@ -156,3 +156,56 @@ def test_cache_mode_keys_outputs_and_results_on_the_library(tmp_path: Path):
     (lib / "a.py").write_text("X = 1\n")  # back to the first state: its cache is still there
     n_chapter, n_card, html = _build(tmp_path, src)
     assert (n_chapter, n_card) == (2, 3) and "LIB SAYS X = 1" in html  # cached chapter, fresh scorecard
+
+
+def test_cache_key_covers_data_manifest_requirements_and_pinned_versions(tmp_path: Path, monkeypatch):
+    import hashlib
+    import shutil as sh
+
+    from qkov_lib.data import sources
+
+    lib = _lib(tmp_path)
+    rel = "sva/marvin_linzen2018_agreement.jsonl.gz"  # an entry of the packaged manifest
+    data = tmp_path / "data"
+    (data / "sva").mkdir(parents=True)
+    (data / rel).write_bytes(b"0123456789" * 20)
+    (data / "notes.txt").write_text("not a manifest file")
+    manifest = tmp_path / "manifest.json"
+    sh.copy(sources.MANIFEST_PATH, manifest)
+    req = tmp_path / "requirements.txt"
+    req.write_text("# pins\nnumpy==2.4.6\n-r other.txt\nPyYAML==6.0.4   # yaml\n\n")
+    env = {"QKOV_DATA_DIR": str(data), "QKOV_DATA_MANIFEST": str(manifest)}
+
+    def key() -> str:
+        return cache.cache_key(lib, env, req)
+
+    parts = cache.key_parts(lib, env, req)
+    assert parts["data"] == {rel: hashlib.sha256(b"0123456789" * 20).hexdigest()}
+    assert set(parts["packages"]) == {"numpy", "pyyaml", "torch"}
+    assert parts["manifest"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    k0 = key()
+    assert key() == k0  # nothing changed, same key
+    (data / rel).write_bytes(b"0123456789" * 10)  # truncated data file
+    k1 = key()
+    assert k1 != k0
+    manifest.write_text(manifest.read_text() + "\n")
+    k2 = key()
+    assert k2 != k1
+    req.write_text(req.read_text() + "scipy==1.17.1\n")
+    k3 = key()
+    assert k3 != k2 and "scipy" in cache.key_parts(lib, env, req)["packages"]
+    real = cache._version
+    monkeypatch.setattr(cache, "_version", lambda p: "0.0-other" if p == "pyyaml" else real(p))
+    assert key() != k3
+    monkeypatch.setattr(cache, "_version", real)
+    assert key() == k3
+    assert cache.key_parts(lib, {"QKOV_DATA_DIR": str(tmp_path / "nope")}, req)["data"] == {}
+
+
+def test_pinned_packages_reads_requirements(tmp_path: Path):
+    assert "torch" in cache.pinned_packages() and "pyarrow" in cache.pinned_packages()  # the repository's file
+    assert cache.pinned_packages(tmp_path / "missing.txt") == []
+    bad = tmp_path / "bad.txt"
+    bad.write_text("numpy==2\n==oops\n")
+    with pytest.raises(ValueError, match="cannot read the requirement '==oops'"):
+        cache.pinned_packages(bad)

@@ -101,3 +101,79 @@ def test_results_files_record_the_data_files_they_read(tmp_path, monkeypatch):
 def test_profile_table_overrides_the_shared_settings():
     t = profiles.profile_table({"a": 1, "b": 2}, {"a": 0}, {}, {"b": 3})
     assert t == {"test": {"a": 0, "b": 2}, "cpu": {"a": 1, "b": 2}, "full": {"a": 1, "b": 3}}
+
+
+STAGED = '''---
+jupytext:
+  text_representation: {extension: .md, format_name: myst, format_version: 0.13}
+kernelspec: {display_name: Python 3, language: python, name: python3}
+---
+
+```{code-cell} ipython3
+:tags: [parameters]
+fail = False
+results_path = None
+```
+
+```{code-cell} ipython3
+assert fail != "early", "early failure"
+from qkov_lib import claims, results
+results.save_results("staged", {"fail": fail}, {"claims": [claims.claim("S1", "p", f"fail={fail}", "reproduced")]},
+                     path=results_path, device="cpu")
+```
+
+```{code-cell} ipython3
+if fail:
+    raise RuntimeError("late failure")
+```
+'''
+
+
+def test_a_failed_run_leaves_no_results_that_look_finished(tmp_path, capsys):
+    from qkov_lib import scorecard
+
+    src = tmp_path / "07_staged.md"
+    src.write_text(STAGED)
+    out = tmp_path / "runs"
+    assert cli.main(["run", str(src), "--out", str(out)]) == 0
+    assert json.loads((out / "staged.json").read_text())["params"] == {"fail": False}
+    capsys.readouterr()
+    # the rerun writes its results, then a later cell fails: the file is marked, not left as finished
+    assert cli.main(["run", str(src), "--out", str(out), "-p", "fail", "true"]) == 1
+    err = capsys.readouterr().err
+    assert "qkov run: 07_staged.md failed: RuntimeError: late failure" in err and "staged.failed.json" in err
+    assert not (out / "staged.json").exists()
+    marked = json.loads((out / "staged.failed.json").read_text())
+    assert marked["status"] == "failed" and marked["error"] == "RuntimeError: late failure"
+    assert marked["params"] == {"fail": True}
+    assert scorecard.load_results(out) == []
+    assert "ignoring" in capsys.readouterr().err
+    # a run that fails before writing anything removes the earlier run's file too
+    results.save_results("staged", {"fail": False}, {"claims": []}, path=out / "staged.json")
+    with pytest.raises(Exception, match="early failure"):
+        cli.run_chapter(src, out, {"fail": "early"})
+    assert not (out / "staged.json").exists() and not (out / "staged.failed.json").exists()
+
+
+def test_results_files_are_strict_json(tmp_path):
+    import numpy as np
+    import torch
+
+    path = results.save_results("x", {"lr": float("inf")}, {"ci": float("nan"), "arr": np.array([1.0, np.nan]),
+                                                             "t": torch.tensor([np.inf]), "n": np.float32(2.5)},
+                                path=tmp_path / "x.json")
+
+    def no(c):
+        raise ValueError(c)
+
+    doc = json.loads(path.read_text(), parse_constant=no)  # as strict as JSON.parse
+    assert doc["params"]["lr"] is None and doc["metrics"]["ci"] is None
+    assert doc["metrics"]["arr"] == [1.0, None] and doc["metrics"]["t"] == [None] and doc["metrics"]["n"] == 2.5
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]  # no temporary file left
+
+
+def test_qkov_run_refuses_a_scalar_for_a_list_parameter_before_a_kernel_starts(tmp_path, capsys):
+    assert cli.main(["run", "synthetic", "--out", str(tmp_path), "-p", "profile", "test", "-p", "ratios", "10"]) == 2
+    err = capsys.readouterr().err
+    assert "parameter 'ratios' of 01_synthetic.md takes a list" in err and "-y" not in err
+    assert not list(tmp_path.iterdir())

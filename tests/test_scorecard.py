@@ -132,3 +132,18 @@ def test_scorecard_cli(tmp_path: Path, capsys):
     counts = json.loads(out.strip().splitlines()[-1])
     assert set(counts["paper"]) == set(scorecard.STATES)
     assert "| **T1** |" in out
+
+
+def test_results_of_failed_runs_are_ignored_and_named_on_stderr(tmp_path: Path, capsys):
+    _results(tmp_path)
+    (tmp_path / "synthetic.json").rename(tmp_path / "synthetic.failed.json")
+    doc = json.loads((tmp_path / "theory.json").read_text())
+    (tmp_path / "theory.json").write_text(json.dumps({**doc, "status": "failed", "error": "RuntimeError: x"}))
+    found = scorecard.load_results(tmp_path)
+    assert [p.name for p, _ in found] == ["removed.json"]
+    err = capsys.readouterr().err
+    assert "synthetic.failed.json: written by a run that failed" in err
+    assert "theory.json: written by a run that failed (RuntimeError: x)" in err
+    moved = results.mark_failed(tmp_path / "removed.json", "ValueError: y")
+    assert moved.name == "removed.failed.json" and not (tmp_path / "removed.json").exists()
+    assert scorecard.load_results(tmp_path) == [] and results.mark_failed(tmp_path / "gone.json", "e") is None

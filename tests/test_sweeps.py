@@ -7,6 +7,11 @@ whole file stays fast; the real chapters go through the same code path.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -33,11 +38,17 @@ results_path = None
 ```
 
 ```{code-cell} ipython3
-import json
+import json, os, time
 if fail:
     raise RuntimeError(f"boom at x={x}")
+hold = os.environ.get("SWEEP_TEST_HOLD")  # runs with x >= 100 wait while this file exists
+if hold and x >= 100:
+    open(f"{hold}.started-{x}", "w").close()
+    while os.path.exists(hold):
+        time.sleep(0.1)
 json.dump({"chapter": "fake", "params": {"profile": profile, "x": x, "y": y, "fail": fail, "extra": 7},
-           "metrics": {"sum": x + y, "nested": {"prod": x * y}, "rows": [{"i": i, "v": x * i} for i in range(3)],
+           "metrics": {"sum": x + y, "ci": float("nan"), "nested": {"prod": x * y},
+                       "rows": [{"i": i, "v": x * i} for i in range(3)],
                        "claims": [{"id": "T2", "paper": "p", "ours": f"x={x}", "verdict": "partly", "chapter": "fake"}]},
            "versions": {"python": "3"}, "git_commit": "abc123", "device": "cpu", "wall_time_s": 0.5},
           open(results_path, "w"))
@@ -176,3 +187,146 @@ def test_cli_sweep_with_a_yaml_file(chapter: Path, tmp_path: Path):
         sweeps.load_config(bad)
     with pytest.raises(FileNotFoundError):
         sweeps.load_config(tmp_path / "missing.yaml")
+
+
+
+def _strict(text: str):
+    """json.loads that rejects NaN/Infinity, as JSON.parse does."""
+    def no(c):
+        raise ValueError(f"not JSON: {c}")
+    return json.loads(text, parse_constant=no)
+
+
+def test_records_and_tables_are_strict_json_with_relative_paths(chapter: Path, tmp_path: Path):
+    out = tmp_path / "sw"
+    res = sweeps.sweep(chapter, {"x": [1]}, out, params={"y": 2}, profile="test", progress=False)
+    rid = res.table["run_id"][0]
+    rec = _strict((out / "records" / f"{rid}.json").read_text())
+    assert rec["metrics"]["ci"] is None  # NaN written by the chapter -> null
+    assert rec["notebook"] == f"runs/{rid}.ipynb" and rec["results_file"] == f"runs/{rid}.json"
+    assert _strict(res.paths["json"].read_text())[0]["metrics"]["ci"] is None
+    assert not [p.name for p in out.rglob("*.tmp")]  # atomic writes leave no temporary file
+    # a moved sweep folder resumes: nothing reruns
+    moved = tmp_path / "moved"
+    out.rename(moved)
+    again = sweeps.sweep(chapter, {"x": [1]}, moved, params={"y": 2}, profile="test", progress=False)
+    assert (again.executed, again.skipped) == (0, 1)
+
+
+def test_replace_atomically_keeps_the_old_file_when_writing_fails(tmp_path: Path):
+    from qkov_lib import results
+
+    target = tmp_path / "results.csv"
+    target.write_text("old")
+
+    def half(tmp: Path) -> None:
+        tmp.write_text("new, half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        results.replace_atomically(target, half)
+    assert target.read_text() == "old" and [p.name for p in tmp_path.iterdir()] == ["results.csv"]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["-j", "0", "-g", "x", "[1]"], "workers must be a positive integer, got 0"),
+    (["-j", "-3", "-g", "x", "[1]"], "workers must be a positive integer, got -3"),
+    (["-g", "x", "[]"], "grid values of 'x' are empty"),
+    (["-g", "z", "[1]"], "unknown parameter 'z'"),
+])
+def test_cli_sweep_refuses_bad_input_before_anything_runs(chapter: Path, tmp_path: Path, capsys, argv, msg):
+    out = tmp_path / "never"
+    assert main(["sweep", str(chapter), "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.startswith("qkov sweep: ") and len(err.strip().splitlines()) == 1
+    assert not out.exists()  # no kernel started, nothing written
+
+
+def test_flat_grid_of_a_list_parameter_is_refused_before_a_kernel_starts(tmp_path: Path, capsys):
+    out = tmp_path / "never"
+    assert main(["sweep", "synthetic", "--profile", "test", "--out", str(out), "-g", "ratios", "[1, 10]"]) == 2
+    err = capsys.readouterr().err
+    assert "grid axis 'ratios'" in err and "'[[1], [10]]'" in err and "-y" not in err
+    assert len(err.strip().splitlines()) == 1 and not out.exists()
+    # a value of the right form but the wrong type: the chapter's own message, no papermill hint
+    assert main(["sweep", "synthetic", "--profile", "test", "--out", str(out), "-g", "steps", "[10.5]"]) == 2
+    err = capsys.readouterr().err
+    assert "'steps' must be integer" in err and "papermill" not in err and not out.exists()
+    src, runs = sweeps.plan("synthetic", {"ratios": [[1], [10]]}, profile="test")  # the right form passes
+    assert [r["ratios"] for r in runs] == [[1], [10]]
+
+
+def test_a_second_sweep_into_a_locked_folder_stops_at_once(chapter: Path, tmp_path: Path, capsys):
+    out = tmp_path / "sw"
+    out.mkdir()
+    with sweeps.folder_lock(out):
+        assert main(["sweep", str(chapter), "--out", str(out), "-g", "x", "[1]", "-p", "y", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"another sweep (pid {os.getpid()}) is writing to {out}" in err and len(err.strip().splitlines()) == 1
+        assert not (out / "records").exists()
+    assert main(["sweep", str(chapter), "--out", str(out), "-g", "x", "[1]", "-p", "y", "1"]) == 0  # lock released
+
+
+def _children(pid: int) -> set[int]:
+    """PIDs of the live processes whose parent is ``pid`` (from /proc)."""
+    out = set()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            status = (d / "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        if fields.get("PPid", "").strip() == str(pid) and not fields.get("State", "").startswith("Z"):
+            out.add(int(d.name))
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(p)
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_killing_a_parallel_sweep_leaves_no_worker_and_a_rerun_completes_it(chapter: Path, tmp_path: Path, sig):
+    out, hold = tmp_path / "sw", tmp_path / "hold"
+    hold.write_text("")
+    grid = "[1, 2, 100, 101]"  # two quick runs, then two that wait on `hold`
+    env = {**os.environ, "SWEEP_TEST_HOLD": str(hold), "OMP_NUM_THREADS": "1"}
+    parent = subprocess.Popen([sys.executable, "-m", "qkov_lib.cli", "sweep", str(chapter), "-j", "2", "-g", "x", grid,
+                               "-p", "y", "1", "--profile", "test", "--out", str(out)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while not all(Path(f"{hold}.started-{x}").exists() for x in (100, 101)):
+            assert parent.poll() is None and time.monotonic() < deadline, "the held runs never started"
+            time.sleep(0.2)
+        workers = _children(parent.pid)
+        kernels = set().union(*(_children(w) for w in workers))
+        assert len(workers) == 2 and len(kernels) == 2  # two pool workers, each running a kernel
+        parent.send_signal(sig)
+        parent.wait(timeout=30)
+        deadline = time.monotonic() + 15  # kernels notice a dead worker within ~1 s
+        while _alive(workers | kernels) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(workers | kernels), f"left running after {sig.name}: {_alive(workers | kernels)}"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    done = {p.stem for p in (out / "records").glob("*.json")}
+    assert len(done) == 2  # the quick runs finished; the killed ones wrote nothing
+    hold.unlink()
+    res = sweeps.sweep(chapter, {"x": [1, 2, 100, 101]}, out, params={"y": 1}, profile="test", workers=2,
+                       progress=False)
+    assert (res.executed, res.skipped, res.failed) == (2, 2, 0)
+    assert sorted(res.table["param.x"]) == [1, 2, 100, 101] and res.table["run_id"].is_unique
+    assert set(res.table["status"]) == {"ok"} and len(list((out / "records").glob("*.json"))) == 4
