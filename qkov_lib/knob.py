@@ -39,27 +39,46 @@ Recognised attention modules ("families"):
 
 Per-slice learning rates for packed tensors. Scaling the gradient of a slice is right for SGD
 but wrong for Adam, whose update ``m / sqrt(v)`` does not change when the gradient is scaled.
-Instead :func:`split_packed` re-registers each packed tensor as one leaf ``nn.Parameter`` per
-slice and rebuilds the packed tensor on every access with a ``torch.nn.utils.parametrize``
-parametrization (:class:`PackedSlices`, a concatenation). Each slice is then an ordinary
-parameter in its own optimizer group, which is right for every optimizer; the model computes
-exactly the same outputs. :func:`merge_packed` undoes it (e.g. before saving a state dict
-in the original layout).
+Instead :func:`split_packed` re-registers each packed tensor as leaf ``nn.Parameter`` s, one per
+run of adjacent slices of the same group (``[Q; K; V]``: a Q+K leaf and a V leaf; GPT-NeoX's
+``[n_heads, 3, d_head]``: per head a Q+K leaf and a V leaf), and rebuilds the packed tensor on
+every access with a ``torch.nn.utils.parametrize`` parametrization (:class:`PackedSlices`, a
+concatenation). Each leaf is then an ordinary parameter in its own optimizer group, which is
+right for every optimizer; the model computes exactly the same outputs. The report still lists
+every slice (Q, K, V) with the leaf that holds it.
+
+Checkpoints keep the original layout: a split module's ``state_dict()`` holds the packed tensor
+under its original key (the slices concatenated), and ``load_state_dict`` splits an original
+tensor into the slices (state-dict hooks). So an original checkpoint loads into a split model,
+a split model's checkpoint (``torch.save(model.state_dict())``, ``save_pretrained``, the
+``transformers`` Trainer's checkpoints) loads into an unsplit model, both with ``strict=True``.
+:func:`unsplit` returns a merged copy for export (``torch.save(model)`` of a parametrized module
+is refused by torch). The module imports with torch alone; pandas is needed only for
+:meth:`KnobReport.frame` and :meth:`KnobReport.summary`. :mod:`qkov_lib.knob_trainer` puts the
+knob into the ``transformers`` Trainer.
+
+Cost: the packed tensor is rebuilt (one ``torch.cat``) each time the module reads it, once per
+forward pass in every supported model, and the backward pass slices its gradient;
+``benchmarks/bench_knob.py`` measures the whole training step against the unsplit model.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention, check_rate
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 PART_GROUP: dict[str, str] = {"Q": "qk", "K": "qk", "V": "ov", "O": "ov"}
 
@@ -209,6 +228,7 @@ class PackedSlices(nn.Module):
         if len(sizes) != len(parts) or len(sizes) < 2:
             raise ValueError(f"need one part label per slice and at least two slices, got {sizes}, {parts}")
         self.sizes, self.dim, self.parts = [int(s) for s in sizes], int(dim), tuple(parts)
+        self.in_optimizer = False  # set by knob_groups once the slices are handed out
 
     def forward(self, *slices: Tensor) -> Tensor:
         return torch.cat(slices, dim=self.dim)
@@ -241,7 +261,8 @@ class Entry:
     ``tensor`` is the name in the model's original layout (``layers.0.self_attn.in_proj_weight``);
     ``dim``/``start``/``stop`` give the slice (``dim`` None: the whole tensor); ``shape`` is the
     slice's shape; ``parameter`` is the name of the leaf parameter that holds it in
-    ``model.named_parameters()`` (after :func:`split_packed` for slices, else "" while unsplit).
+    ``model.named_parameters()`` (after :func:`split_packed` for slices, else "" while unsplit);
+    ``weight_decay`` its weight decay once :func:`knob_groups` has made the groups.
     """
 
     tensor: str
@@ -253,6 +274,7 @@ class Entry:
     start: int = 0
     stop: int = 0
     parameter: str = ""
+    weight_decay: float | None = None  # set by knob_groups (0 for the no-decay tensors)
 
     @property
     def index(self) -> tuple[slice, ...]:
@@ -281,12 +303,18 @@ class KnobReport:
 
     entries: list[Entry]
     lrs: dict[str, float] | None = None
+    decay_rule: str = ""  # which tensors got no weight decay, in words
 
     def frame(self) -> pd.DataFrame:
-        """One row per tensor or slice: where, part, family, group, lr, shape, numel, parameter."""
+        """One row per tensor or slice: where, part, family, group, lr, weight_decay, shape,
+        numel, parameter."""
+        import pandas as pd
+
         rows = [{"tensor / slice": e.where, "part": e.part, "family": e.family, "group": e.group,
-                 "lr": (self.lrs or {}).get(e.group, float("nan")), "shape": "x".join(map(str, e.shape)),
-                 "numel": e.numel, "parameter": e.parameter or e.tensor} for e in self.entries]
+                 "lr": (self.lrs or {}).get(e.group, float("nan")),
+                 "weight_decay": float("nan") if e.weight_decay is None else e.weight_decay,
+                 "shape": "x".join(map(str, e.shape)), "numel": e.numel, "parameter": e.parameter or e.tensor}
+                for e in self.entries]
         return pd.DataFrame(rows)
 
     def summary(self) -> pd.DataFrame:
@@ -300,7 +328,8 @@ class KnobReport:
         return [e.where for e in self.entries if e.group == group]
 
     def __str__(self) -> str:
-        lines = []
+        lines = [f"weight decay: {self.decay_rule}"] if self.decay_rule else []
+        show_wd = any(e.weight_decay for e in self.entries)
         for g in GROUPS:
             es = [e for e in self.entries if e.group == g]
             if not es:
@@ -309,7 +338,8 @@ class KnobReport:
             lines.append(f"{g}: {len(es)} tensors/slices, {sum(e.numel for e in es):,} scalars{lr}")
             for e in es:
                 tag = f"{e.part} ({e.family})" if e.part != "-" else e.family
-                lines.append(f"  {e.where:<60} {tag}")
+                wd = f"  wd {e.weight_decay:g}" if show_wd else ""
+                lines.append(f"  {e.where:<60} {tag}{wd}")
         return "\n".join(lines)
 
 
@@ -327,8 +357,13 @@ class _Plan:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.ids = _param_names(model)
+        self.owners: dict[int, list[str]] = {}  # every name of each parameter (shared ones have several)
+        for n, p in model.named_parameters(remove_duplicate=False):
+            self.owners.setdefault(id(p), []).append(n)
         self.by_param: dict[str, list[Entry]] = {}
         self.handled_modules: set[int] = set()
+        self.frozen: list[str] = []  # attention tensors left out because requires_grad is False
+        self.shared: dict[str, list[str]] = {}  # packed tensors held by more than one module
 
     def _add(self, key: str, entries: list[Entry]) -> None:
         old = self.by_param.get(key)
@@ -351,6 +386,7 @@ class _Plan:
         if not isinstance(p, nn.Parameter):
             return  # a buffer or a computed tensor: nothing to train
         if not p.requires_grad:
+            self.frozen.append(_join(mname, attr))
             return
         key = self.ids[id(p)]
         self._add(key, [Entry(key, group or PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
@@ -362,6 +398,8 @@ class _Plan:
             if p.requires_grad:
                 key = self.ids[id(p)]
                 self._add(key, [Entry(key, PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
+            else:
+                self.frozen.append(_join(mname, pname))
 
     def packed(self, module: nn.Module, mname: str, attr: str, layout: str | Layout, dim: int, family: str) -> None:
         """``module.<attr>`` holds the blocks of ``layout`` along ``dim``; a string of part labels
@@ -377,19 +415,26 @@ class _Plan:
                 raise ValueError(f"ambiguous packed tensor {tname}: size {n} along dim {dim} does not split into "
                                  f"{len(layout)} equal parts {tuple(layout)}")
             layout = tuple((part, n // len(layout)) for part in layout)
-        parts, sizes = tuple(p for p, _ in layout), [s for _, s in layout]
-        if pk is not None:  # already split: the slices are leaves original0, original1, ...
-            if tuple(pk.parts) != parts or pk.sizes != sizes or pk.dim != dim:
+        sizes = [s for _, s in layout]
+        runs = _runs(layout)
+        if pk is not None:  # already split: one leaf original0, original1, ... per run of the layout
+            if tuple(pk.parts) != tuple(r[0] for r in runs) or pk.sizes != [r[1] for r in runs] or pk.dim != dim:
                 raise ValueError(f"{tname} was split as {pk.parts} {pk.sizes} along dim {pk.dim}, expected "
-                                 f"{parts} {sizes} along {dim}")
-            leaves = [getattr(module.parametrizations[attr], f"original{i}") for i in range(len(sizes))]
+                                 f"{tuple(r[0] for r in runs)} {[r[1] for r in runs]} along {dim}")
+            plist = module.parametrizations[attr]
+            leaves = [getattr(plist, f"original{i}") for i, (_, _, blocks) in enumerate(runs) for _ in blocks]
         else:
             if not isinstance(value, nn.Parameter) or not value.requires_grad:
+                if isinstance(value, nn.Parameter):
+                    self.frozen.append(tname)
                 return
             if value.shape[dim] != sum(sizes):
                 raise ValueError(f"ambiguous packed tensor {tname}: size {value.shape[dim]} along dim {dim}, but its "
                                  f"layout {family} has {sum(sizes)} ({_layout_text(layout)})")
             tname = self.ids[id(value)]  # the canonical name, should the tensor be shared
+            owners = self.owners[id(value)]  # one module under two names is no tie; two modules are
+            if len({id(self.model.get_submodule(n.rpartition(".")[0])) for n in owners}) > 1:
+                self.shared[tname] = owners
             leaves = [None] * len(sizes)
         full = tuple(value.shape)
         start, ents = 0, []
@@ -401,6 +446,19 @@ class _Plan:
             start += size
         if ents:
             self._add(tname, ents)
+
+
+def _runs(layout: Layout) -> list[tuple[str, int, list[int]]]:
+    """The runs of adjacent blocks of ``layout`` whose parts share a group (e.g. one head's Q
+    and K rows): ``(part labels, size, block indices)``. Each run is one leaf parameter."""
+    out: list[tuple[str, int, list[int]]] = []
+    for i, (part, size) in enumerate(layout):
+        if out and PART_GROUP[out[-1][0][-1]] == PART_GROUP[part]:
+            label, n, blocks = out[-1]
+            out[-1] = (label + part, n + size, blocks + [i])
+        else:
+            out.append((part, size, [i]))
+    return out
 
 
 def _layout_text(layout: Layout) -> str:
@@ -445,19 +503,34 @@ def _check_only(module: nn.Module, mname: str, allowed: Sequence[str]) -> None:
         raise ValueError(f"ambiguous packed projection {mname}: unexpected parameters {extra}")
 
 
+def compile_rules(rules: Mapping[str, str] | None) -> list[tuple[re.Pattern, str]]:
+    """``rules`` (regular expression on parameter names -> group) compiled, in order; raises
+    ValueError for an unknown group or an invalid expression."""
+    if rules is not None and not isinstance(rules, Mapping):
+        raise TypeError(f"rules must be a mapping {{regex: group}}, got {type(rules).__name__}")
+    out = []
+    for rx, g in (rules or {}).items():
+        if g not in GROUPS:
+            raise ValueError(f"rule {rx!r} names group {g!r}; expected one of {GROUPS}")
+        try:
+            out.append((re.compile(rx), g))
+        except (re.error, TypeError) as err:
+            raise ValueError(f"rule {rx!r} is not a valid regular expression: {err}") from None
+    return out
+
+
 def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobReport:
     """Assign every trainable tensor (or slice of a packed tensor) of ``model`` to ``qk``, ``ov``
     or ``other``, without changing the model. ``rules`` maps regular expressions on parameter
     names to groups; a tensor matched by a rule goes whole to that group and overrides the
-    built-in families. Raises ValueError when no attention parameter is recognised, when a tensor
-    is reached with different groups (tied weights), or when a packed tensor cannot be split."""
+    built-in families. Raises ValueError (TypeError for a non-module) when no attention parameter
+    is recognised (saying so when the attention parameters are all frozen), when no query/key
+    parameter is, when a tensor is reached with different groups (tied weights), when a packed
+    tensor is shared by several modules (naming them; a rule that keeps it whole resolves it),
+    when a packed tensor cannot be split, or when a rule is not a valid regular expression."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    rules = dict(rules or {})
-    for rx, g in rules.items():
-        if g not in GROUPS:
-            raise ValueError(f"rule {rx!r} names group {g!r}; expected one of {GROUPS}")
-    compiled = [(re.compile(rx), g) for rx, g in rules.items()]
+    compiled = compile_rules(rules)
     plan = _Plan(model)
     mods = dict(model.named_modules())
 
@@ -484,7 +557,9 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
     for mname, m in mods.items():
         if id(m) in plan.handled_modules:
             continue
-        children = dict(m.named_children())
+        # all children, also a module registered under two names (k_proj = q_proj), which
+        # named_children() would list once
+        children = {c: mod for c, mod in m._modules.items() if mod is not None}
         fused = _fused_layout_of(m, children)
         if fused is not None:
             qkv, qname = children[fused.qkv], _join(mname, fused.qkv)
@@ -552,6 +627,14 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
                     f"layouts checked against their models are {_known_fused()}; pass rules={{regex: group}} "
                     "to place it explicitly")
 
+    shared = {t: owners for t, owners in plan.shared.items() if t not in ruled}
+    if shared:
+        raise ValueError(
+            "packed tensor(s) shared by several modules: "
+            + "; ".join(f"{t} (also {', '.join(o for o in owners if o != t)})" for t, owners in shared.items())
+            + ". Splitting one would break the tie; untie them, or pass rules={regex: group} to keep each whole "
+            "in one group")
+
     for n in names:
         if n in ruled:
             p = model.get_parameter(n)
@@ -562,14 +645,19 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
             entries.append(Entry(n, "other", "-", "other", tuple(p.shape), parameter=n))
 
     if not recognised and not any(g in ("qk", "ov") for g in ruled.values()):
+        if plan.frozen:
+            raise ValueError(
+                f"the attention parameters of {type(model).__name__} are all frozen (requires_grad=False), e.g. "
+                f"{plan.frozen[:4]}; the knob has nothing to act on. Unfreeze them (requires_grad_(True)) first")
         raise ValueError(
             f"no attention parameters recognised in {type(model).__name__}: looked for "
             "nn.MultiheadAttention, QKOVAttention, q_proj/k_proj/v_proj/o_proj, query/key/value + "
             "attention.output.dense, q/k/v/o, q_lin/k_lin/v_lin/out_lin, GPT-2 c_attn/c_proj, TransformerLens "
             f"W_Q/W_K/W_V/W_O, fused {_known_fused()}; pass rules={{regex: group}} for other layouts")
     if not any(e.group == "qk" for e in entries):
-        raise ValueError(f"no query/key parameters recognised in {type(model).__name__}: the ratio "
-                         "eta_QK/eta_OV would act on nothing")
+        raise ValueError(f"no trainable query/key parameters recognised in {type(model).__name__}"
+                         + (f" (frozen: {plan.frozen[:4]})" if plan.frozen else "")
+                         + ": the ratio eta_QK/eta_OV would act on nothing")
     return KnobReport(entries)
 
 
@@ -592,11 +680,74 @@ def _owner(model: nn.Module, tensor: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(mname) if mname else model), attr
 
 
+def _packed_attrs(module: nn.Module) -> list[tuple[str, PackedSlices]]:
+    """The ``(name, PackedSlices)`` of every split tensor of ``module`` itself."""
+    if not parametrize.is_parametrized(module):
+        return []
+    return [(attr, plist[0]) for attr, plist in module.parametrizations.items()
+            if len(plist) == 1 and isinstance(plist[0], PackedSlices)]
+
+
+def _slice_keys(prefix: str, attr: str, pk: PackedSlices) -> list[str]:
+    return [f"{prefix}parametrizations.{attr}.original{i}" for i in range(len(pk.sizes))]
+
+
+def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook: the slices ``parametrizations.<attr>.original<i>`` of every split
+    tensor become one tensor under the original key ``<attr>``, placed before the module's other
+    keys (where a module's own parameters stand), so that keys, shapes and order are those of the
+    unsplit model."""
+    merged, drop = [], set()
+    for attr, pk in _packed_attrs(module):
+        keys = _slice_keys(prefix, attr, pk)
+        if all(k in state_dict for k in keys):
+            merged.append((prefix + attr, torch.cat([state_dict[k] for k in keys], pk.dim)))
+            drop.update(keys)
+    if not merged:
+        return
+    items = list(state_dict.items())
+    at = next(i for i, (k, _) in enumerate(items) if k.startswith(prefix))
+    state_dict.clear()
+    state_dict.update(items[:at] + merged + [kv for kv in items[at:] if kv[0] not in drop])
+
+
+def _load_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+               missing_keys: list, unexpected_keys: list, error_msgs: list) -> None:
+    """Load-state-dict pre-hook: a tensor under the original key ``<attr>`` of a split tensor is
+    cut into the slices ``parametrizations.<attr>.original<i>`` (a wrong size is reported as a
+    load error, naming the key)."""
+    for attr, pk in _packed_attrs(module):
+        key = prefix + attr
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if value.dim() <= pk.dim or value.shape[pk.dim] != sum(pk.sizes):
+            error_msgs.append(f"size mismatch for {key}: the checkpoint has shape {tuple(value.shape)}, the model's "
+                              f"split tensor has {sum(pk.sizes)} along dim {pk.dim}")
+            continue
+        del state_dict[key]
+        assign = local_metadata.get("assign_to_params_buffers", False)  # then the pieces become the parameters
+        for k, piece in zip(_slice_keys(prefix, attr, pk), value.split(pk.sizes, pk.dim)):
+            state_dict[k] = piece.clone(memory_format=torch.contiguous_format) if assign else piece
+
+
+def _has_hook(hooks: Mapping, fn: Callable) -> bool:
+    return any(getattr(h, "hook", h) is fn for h in hooks.values())
+
+
+def _drop_hooks(module: nn.Module) -> None:
+    for hooks, fn in ((module._state_dict_hooks, _state_dict_hook), (module._load_state_dict_pre_hooks, _load_hook)):
+        for k in [k for k, h in hooks.items() if getattr(h, "hook", h) is fn]:
+            del hooks[k]
+
+
 def split_packed(model: nn.Module, report: KnobReport | None = None) -> list[str]:
     """Re-register every packed tensor whose slices fall in different groups as one leaf
-    parameter per slice (a :class:`PackedSlices` parametrization), in place. Outputs are
-    unchanged. Returns the names of the tensors that were split (idempotent: already split
-    tensors are skipped). Build the optimizer *after* this call."""
+    parameter per run of adjacent slices of the same group (a :class:`PackedSlices`
+    parametrization; GPT-NeoX: per head one Q+K leaf and one V leaf), in place. Outputs are
+    unchanged, and so are ``state_dict()`` keys and shapes (see the module docstring). Returns
+    the names of the tensors that were split (idempotent: already split tensors are skipped).
+    Build the optimizer *after* this call."""
     report = report or classify(model)
     done = []
     by_tensor: dict[str, list[Entry]] = {}
@@ -606,49 +757,117 @@ def split_packed(model: nn.Module, report: KnobReport | None = None) -> list[str
     for tname, ents in by_tensor.items():
         module, attr = _owner(model, tname)
         _private_class(module)
-        sizes = [e.stop - e.start for e in ents]
-        parametrize.register_parametrization(module, attr, PackedSlices(sizes, ents[0].dim, [e.part for e in ents]))
+        runs = _runs(tuple((e.part, e.stop - e.start) for e in ents))
+        parametrize.register_parametrization(module, attr, PackedSlices([r[1] for r in runs], ents[0].dim,
+                                                                        [r[0] for r in runs]))
+        if not _has_hook(module._state_dict_hooks, _state_dict_hook):
+            module.register_state_dict_post_hook(_state_dict_hook)
+            module.register_load_state_dict_pre_hook(_load_hook)
         done.append(tname)
     return done
 
 
-def merge_packed(model: nn.Module) -> list[str]:
-    """Undo :func:`split_packed`: every :class:`PackedSlices` tensor becomes one plain
-    parameter again, holding the current values (original state-dict layout). Returns the
-    names that were merged."""
+def _merge_split(model: nn.Module) -> list[str]:
     done = []
     for mname, m in list(model.named_modules()):
-        if not parametrize.is_parametrized(m):
-            continue
-        for attr in list(m.parametrizations.keys()):
-            if _packing(m, attr) is not None:
-                _private_class(m)
-                parametrize.remove_parametrizations(m, attr, leave_parametrized=True)
-                done.append(_join(mname, attr))
+        attrs = [attr for attr, _ in _packed_attrs(m)]
+        for attr in attrs:
+            _private_class(m)
+            parametrize.remove_parametrizations(m, attr, leave_parametrized=True)
+            done.append(_join(mname, attr))
+        if attrs:
+            _drop_hooks(m)
     return done
 
 
+def merge_packed(model: nn.Module) -> list[str]:
+    """Undo :func:`split_packed` in place: every :class:`PackedSlices` tensor becomes one plain
+    parameter again, holding the current values. Returns the names that were merged.
+
+    Refused (ValueError, nothing changed) once the slices were handed to an optimizer by
+    :func:`knob_groups` / :func:`knob_optimizer`: the merged tensor would be a new parameter
+    that the optimizer does not hold, so ``opt.step()`` would silently stop training it. For a
+    checkpoint, ``model.state_dict()`` already has the original layout; for a merged model use
+    :func:`unsplit`, which returns a copy."""
+    held = [_join(mname, attr) for mname, m in model.named_modules() for attr, pk in _packed_attrs(m) if pk.in_optimizer]
+    if held:
+        raise ValueError(f"cannot merge {held[:3]}{' ...' if len(held) > 3 else ''} in place: its slices are parameters "
+                         "of an optimizer made by knob_groups/knob_optimizer, which would silently stop updating the "
+                         "merged tensor. Use unsplit(model) for a merged copy, or model.state_dict() (original "
+                         "layout) for a checkpoint")
+    return _merge_split(model)
+
+
+def unsplit(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every split tensor merged back into one plain parameter
+    (current values, original layout and class), for export: ``torch.save``, tracing, or code
+    that does not know the knob. ``model`` and its optimizer are left as they are."""
+    out = copy.deepcopy(model)
+    _merge_split(out)
+    return out
+
+
 # --- optimizer groups ---------------------------------------------------------------------
+NORM_CLASS = re.compile(r"norm", re.IGNORECASE)
+BIAS_NAME = re.compile(r"(?:^|\.)(?:bias|_?b_[A-Z]+|bias_[kv])$")
+
+
+DEFAULT_NO_DECAY_TEXT = "1-D tensors, biases (bias, bias_k, b_Q ...) and *Norm* modules: default_no_decay"
+
+
+def default_no_decay(name: str, param: Tensor, module: nn.Module) -> bool:
+    """The default rule for which tensors get no weight decay (as the ``transformers`` Trainer,
+    timm and nanoGPT do): 1-D tensors (biases, normalisation gains, a slice of a packed bias),
+    tensors named as biases (``bias``, ``bias_k``, TransformerLens ``b_Q`` ...), and every
+    parameter of a normalisation module (class name containing ``Norm``: LayerNorm, RMSNorm ...).
+    ``name`` is the tensor's name in the original layout, ``module`` the module that owns it."""
+    return param.dim() < 2 or bool(BIAS_NAME.search(name)) or bool(NORM_CLASS.search(type(module).__name__))
+
+
 def group_rates(eta_ov: float, ratio: float = 1.0, eta_other: float | None = None) -> dict[str, float]:
-    """``{"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other or eta_ov}``, validated."""
+    """``{"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other or eta_ov}``, validated: each a
+    finite number > 0."""
     eta_ov = check_rate("eta_ov", eta_ov)
     ratio = check_rate("ratio (eta_QK/eta_OV)", ratio)
     eta_other = eta_ov if eta_other is None else check_rate("eta_other", eta_other)
-    return {"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other}
+    qk = eta_ov * ratio
+    if not (math.isfinite(qk) and qk > 0):
+        raise ValueError(f"the QK learning rate eta_ov * ratio = {eta_ov!r} * {ratio!r} = {qk!r} is not a finite "
+                         "number > 0")
+    return {"qk": qk, "ov": eta_ov, "other": eta_other}
+
+
+def _check_weight_decay(weight_decay: float) -> float:
+    if isinstance(weight_decay, bool) or not (isinstance(weight_decay, (int, float)) and weight_decay >= 0
+                                              and math.isfinite(weight_decay)):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    return float(weight_decay)
 
 
 def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: float | None = None,
-                weight_decay: float = 0.0, rules: Mapping[str, str] | None = None,
-                split: bool = True) -> tuple[list[dict], KnobReport]:
-    """Optimizer parameter groups named ``qk``/``ov``/``other`` for any model, and the report.
+                weight_decay: float = 0.0, rules: Mapping[str, str] | None = None, split: bool = True,
+                no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay,
+                ) -> tuple[list[dict], KnobReport]:
+    """Optimizer parameter groups for any model, and the report.
 
-    Packed tensors (``in_proj_weight``, ``c_attn``, ``query_key_value`` ...) are split in place first (see
-    :func:`split_packed`), so build the optimizer from the returned groups after this call.
-    With ``split=False`` a model that needs splitting raises ValueError. Empty groups are dropped.
+    Groups ``qk`` (``lr = eta_ov * ratio``), ``ov`` (``eta_ov``) and ``other`` (``eta_other``,
+    default ``eta_ov``); with ``weight_decay > 0`` the tensors for which ``no_decay(name,
+    param, module)`` is true (default :func:`default_no_decay`; ``None``: decay everything) go
+    to ``qk.no_decay`` / ``ov.no_decay`` / ``other.no_decay`` with ``weight_decay = 0``. Every
+    group has the keys ``name``, ``params``, ``lr``, ``weight_decay`` and ``lr_scale`` (its
+    ``lr`` / ``eta_ov``: ``ratio`` for ``qk``), from which a scheduler that sets absolute rates
+    can be given per-group values (``OneCycleLR(max_lr=[peak * g["lr_scale"] for g in groups])``).
+
+    Everything is checked before the model is changed, so a refused call leaves it untouched.
+    Then packed tensors (``in_proj_weight``, ``c_attn``, ``query_key_value`` ...) are split in
+    place (:func:`split_packed`), so build the optimizer from the returned groups after this
+    call. With ``split=False`` a model that needs splitting raises ValueError. Empty groups are
+    dropped.
     """
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    weight_decay = _check_weight_decay(weight_decay)
     lrs = group_rates(eta_ov, ratio, eta_other)
+    if no_decay is not None and not callable(no_decay):
+        raise TypeError(f"no_decay must be a function (name, param, module) -> bool or None, got {no_decay!r}")
     report = classify(model, rules)
     pending = sorted({e.tensor for e in report.entries if e.dim is not None and not e.parameter})
     if pending:
@@ -658,29 +877,81 @@ def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: 
         split_packed(model, report)
         report = classify(model, rules)
     params = dict(model.named_parameters())
+    quiet = set()
+    if weight_decay > 0 and no_decay is not None:
+        quiet = {e.parameter for e in report.entries
+                 if no_decay(e.tensor, params[e.parameter], _owner(model, e.tensor)[0])}
+    entries = [replace(e, weight_decay=0.0 if e.parameter in quiet else weight_decay) for e in report.entries]
+    if weight_decay == 0:
+        rule = ""
+    elif no_decay is None:
+        rule = f"{weight_decay:g} on every tensor (no_decay=None)"
+    else:
+        why = DEFAULT_NO_DECAY_TEXT if no_decay is default_no_decay else f"no_decay={getattr(no_decay, '__name__', no_decay)}"
+        rule = f"{weight_decay:g}; none on {sum(e.weight_decay == 0 for e in entries)} tensors/slices ({why})"
     groups = []
     for g in GROUPS:
-        ps = [params[e.parameter] for e in report.entries if e.group == g]
-        if ps:
-            groups.append({"name": g, "params": ps, "lr": lrs[g], "weight_decay": float(weight_decay)})
+        ents = [e for e in entries if e.group == g]
+        leaves = list(dict.fromkeys(e.parameter for e in ents))  # one leaf can hold several slices (Q and K)
+        for name, ps, wd in ((g, [params[n] for n in leaves if n not in quiet], weight_decay),
+                             (f"{g}.no_decay", [params[n] for n in leaves if n in quiet], 0.0)):
+            if ps:
+                groups.append({"name": name, "params": ps, "lr": lrs[g], "weight_decay": wd,
+                               "lr_scale": lrs[g] / lrs["ov"]})
     covered = sum(len(gr["params"]) for gr in groups)
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
     if covered != trainable or len({id(p) for gr in groups for p in gr["params"]}) != covered:
         raise RuntimeError(f"internal error: {covered} grouped parameters for {trainable} trainable ones")
-    return groups, replace(report, lrs=lrs)
+    for m in model.modules():
+        for _, pk in _packed_attrs(m):
+            pk.in_optimizer = True
+    return groups, replace(report, entries=entries, lrs=lrs, decay_rule=rule)
 
 
-def knob_optimizer(model: nn.Module, optimizer: str = "adamw", eta_ov: float = 1e-3, ratio: float = 1.0,
-                   eta_other: float | None = None, weight_decay: float = 0.0, momentum: float = 0.0,
-                   rules: Mapping[str, str] | None = None, **kwargs) -> tuple[torch.optim.Optimizer, KnobReport]:
-    """``torch.optim.AdamW`` (``optimizer="adamw"``) or ``SGD`` (``"sgd"``) over
-    :func:`knob_groups`; extra keyword arguments go to the optimizer. Returns (optimizer, report)."""
-    groups, report = knob_groups(model, eta_ov, ratio, eta_other, weight_decay, rules)
-    if optimizer == "adamw":
-        return torch.optim.AdamW(groups, **kwargs), report
-    if optimizer == "sgd":
-        return torch.optim.SGD(groups, momentum=momentum, **kwargs), report
-    raise ValueError(f"unknown optimizer {optimizer!r}; expected 'adamw' or 'sgd'")
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+def _optimizer_class(optimizer_cls: Any) -> Callable[..., torch.optim.Optimizer]:
+    if isinstance(optimizer_cls, str):
+        if optimizer_cls.lower() not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {optimizer_cls!r}; expected 'adamw', 'sgd' or an optimizer class "
+                             "such as torch.optim.Adam")
+        return OPTIMIZERS[optimizer_cls.lower()]
+    if not callable(optimizer_cls):
+        raise TypeError(f"optimizer_cls must be an optimizer class (e.g. torch.optim.AdamW), got {optimizer_cls!r}")
+    return optimizer_cls
+
+
+def knob_optimizer(model: nn.Module, optimizer_cls: Any = torch.optim.AdamW, lr: float = 1e-3, qk_ratio: float = 1.0,
+                   weight_decay: float = 0.0, *, other_lr: float | None = None,
+                   rules: Mapping[str, str] | None = None,
+                   no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay,
+                   **optimizer_kwargs) -> tuple[torch.optim.Optimizer, KnobReport]:
+    """``optimizer_cls(groups, **optimizer_kwargs)`` over :func:`knob_groups`: the call of peft's
+    ``create_loraplus_optimizer(model, optimizer_cls, lr, loraplus_lr_ratio, **kwargs)``.
+
+    ``lr`` is the OV rate ``eta_OV`` (and the default of ``other_lr``), ``qk_ratio`` the knob
+    ``eta_QK / eta_OV``; ``optimizer_cls`` is any class taking parameter groups
+    (``torch.optim.Adam``, ``SGD``, third-party ...) or the shortcut ``"adamw"`` / ``"sgd"``.
+    The optimizer, its keyword arguments, the rates, the rules and the model are all checked
+    before the model is changed (the optimizer is first built on a stand-in tensor), so a
+    refused call leaves the model untouched. Returns (optimizer, report)."""
+    cls = _optimizer_class(optimizer_cls)
+    weight_decay = _check_weight_decay(weight_decay)
+    lrs = group_rates(lr, qk_ratio, other_lr)
+    report = classify(model, rules)
+    probe = next((p for p in model.parameters() if p.requires_grad), None)
+    try:  # a dry run: bad keyword arguments fail here, before the split
+        stand_in = torch.zeros(1, dtype=probe.dtype, device=probe.device, requires_grad=True)
+        cls([{"name": g, "params": [stand_in.clone().detach().requires_grad_()], "lr": lrs[g],
+              "weight_decay": weight_decay, "lr_scale": lrs[g] / lrs["ov"]} for g in GROUPS], **optimizer_kwargs)
+    except Exception as err:
+        kind = type(err) if isinstance(err, (TypeError, ValueError)) else ValueError
+        raise kind(f"{getattr(cls, '__name__', cls)} refused the knob's groups with {optimizer_kwargs}: {err} "
+                   "(the model was not changed)") from err
+    del report
+    groups, report = knob_groups(model, lr, qk_ratio, other_lr, weight_decay, rules, no_decay=no_decay)
+    return cls(groups, **optimizer_kwargs), report
 
 
 def tensor_value(model: nn.Module, tensor: str) -> Tensor:

@@ -13,10 +13,13 @@ the attention row is ``softmax`` over the keys, and the logits are ``W_OV sum_i 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+
+from .runtime import is_batched
 
 PARAMETERIZATIONS: tuple[str, ...] = ("FAFO", "CAFO", "FACO", "CACO")
 GROUPS: tuple[str, ...] = ("qk", "ov", "other")
@@ -188,9 +191,9 @@ class QKOVAttention(nn.Module):
     def forward(self, x: Tensor, key_mask: Tensor) -> tuple[Tensor, Tensor]:
         if x.dim() != 3 or key_mask.shape != x.shape[:2]:
             raise ValueError(f"expected x (B, T, d) and key_mask (B, T), got {tuple(x.shape)}, {tuple(key_mask.shape)}")
-        # under torch.func.vmap (the stacked trainer) a per-row check cannot run; the trainer
-        # checks the whole data set once instead
-        if not torch._C._functorch.is_batchedtensor(key_mask) and not bool(key_mask.any(dim=1).all()):
+        # under torch.func.vmap (the stacked trainer) a per-row check cannot run, nor where torch
+        # cannot tell (is_batched None); the trainer checks the whole data set once instead
+        if is_batched(key_mask) is False and not bool(key_mask.any(dim=1).all()):
             raise ValueError("every sequence needs at least one attendable key")
         s = self.scores(x).masked_fill(~key_mask, float("-inf"))
         attn = torch.softmax(s, dim=-1)
@@ -270,17 +273,33 @@ def check_rate(name: str, value: float) -> float:
 
 
 def param_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0,
-                 eta_other: float | None = None, weight_decay: float = 0.0) -> list[dict]:
-    """Optimizer parameter groups with ``lr = eta_ov * ratio`` for ``qk``, ``eta_ov`` for ``ov``
-    and ``eta_other`` (default ``eta_ov``) for everything else. Empty groups are dropped."""
+                 eta_other: float | None = None, weight_decay: float = 0.0, strict: bool = True) -> list[dict]:
+    """Optimizer parameter groups of the library's own models, by parameter *name*
+    (:func:`group_of`: ``W_QK``/``W_Q``/``W_K`` -> ``qk``, ``W_OV``/``W_O``/``W_V`` -> ``ov``):
+    ``lr = eta_ov * ratio`` for ``qk``, ``eta_ov`` for ``ov`` and ``eta_other`` (default
+    ``eta_ov``) for everything else. Empty groups are dropped.
+
+    On any other model (``nn.MultiheadAttention``, Hugging Face, TransformerLens) use
+    :func:`qkov_lib.knob.knob_optimizer`, which recognises their attention modules. A ratio
+    other than 1 on a model without a ``qk`` parameter would change nothing, so it raises
+    ValueError (``strict=False``: a warning instead)."""
     eta_ov = check_rate("eta_ov", eta_ov)
     ratio = check_rate("ratio (eta_QK/eta_OV)", ratio)
     eta_other = eta_ov if eta_other is None else check_rate("eta_other", eta_other)
     lrs = {"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other}
+    if not math.isfinite(lrs["qk"]):
+        raise ValueError(f"eta_ov * ratio = {eta_ov!r} * {ratio!r} is not a finite learning rate")
+    names = named_groups(model)
+    if ratio != 1.0 and not names["qk"]:
+        msg = (f"param_groups found no W_QK/W_Q/W_K parameter in {type(model).__name__}, so ratio={ratio:g} "
+               "would act on nothing; for standard attention modules use qkov_lib.knob.knob_optimizer")
+        if strict:
+            raise ValueError(msg)
+        warnings.warn(msg, stacklevel=2)
     params = dict(model.named_parameters())
     groups = []
-    for g, names in named_groups(model).items():
-        if names:
-            groups.append({"name": g, "params": [params[n] for n in names], "lr": lrs[g],
+    for g, ns in names.items():
+        if ns:
+            groups.append({"name": g, "params": [params[n] for n in ns], "lr": lrs[g],
                            "weight_decay": weight_decay})
     return groups

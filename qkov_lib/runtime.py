@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -45,6 +44,8 @@ def torch_threads(n: int | None) -> Iterator[None]:
 
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch; return a CPU generator seeded with ``seed``."""
+    import numpy as np  # here, not at the top: the knob (models -> runtime) needs torch alone
+
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

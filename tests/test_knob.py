@@ -296,7 +296,8 @@ def test_one_step_moves_each_slice_by_its_group_rate(family, opt):
     p0, g = reference(ref, x)
     out_before = ref(x)
     wd = 0.05 if opt == "adamw" else 0.0
-    groups, report = knob.knob_groups(model, ETA_OV, RATIO, ETA_OTHER, weight_decay=wd)
+    # no_decay=None: weight decay on every tensor, so that wd * p is expected everywhere below
+    groups, report = knob.knob_groups(model, ETA_OV, RATIO, ETA_OTHER, weight_decay=wd, no_decay=None)
 
     # the re-registration changes nothing before a step: same outputs, same gradients
     assert torch.equal(model(x), out_before)
@@ -332,7 +333,7 @@ def test_slices_of_different_groups_move_by_rates_in_ratio():
     """In one packed in_proj_weight, the Q/K rows move RATIO times as far as the V rows (AdamW)."""
     model, x = build("mha"), inputs()
     p0 = model.attn.in_proj_weight.detach().clone()
-    opt, _ = knob.knob_optimizer(model, "adamw", ETA_OV, RATIO, ETA_OTHER)
+    opt, _ = knob.knob_optimizer(model, "adamw", ETA_OV, RATIO, other_lr=ETA_OTHER)
     loss_of(model, x).backward()
     opt.step()
     move = (model.attn.in_proj_weight.detach() - p0).abs()
@@ -425,14 +426,23 @@ def test_split_is_idempotent_and_merge_restores_layout():
     loss_of(model, x).backward()
     opt.step()
     expected = model(x).detach()
-    copy_ = copy.deepcopy(model)
-    merged = knob.merge_packed(copy_)
-    assert "enc.layers.0.self_attn.in_proj_weight" in merged
+    assert list(model.state_dict()) == list(ref.state_dict())  # the split model saves the original keys
+    copy_ = knob.unsplit(model)
     assert list(copy_.state_dict()) == list(ref.state_dict())
+    assert [n for n, _ in copy_.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert torch.equal(copy_(x), expected)
     # merging the copy must not break the original (deep copies share the parametrized class)
     assert torch.equal(model(x), expected)
     assert type(copy_.enc.layers[0].self_attn) is nn.MultiheadAttention
+    # in place, the optimizer would lose the merged tensor: refused, nothing changed
+    names = [n for n, _ in model.named_parameters()]
+    with pytest.raises(ValueError, match="would silently stop updating"):
+        knob.merge_packed(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    fresh = build("encoder")
+    knob.split_packed(fresh)  # no optimizer holds these slices yet: an in-place merge is fine
+    assert "enc.layers.0.self_attn.in_proj_weight" in knob.merge_packed(fresh)
+    assert [n for n, _ in fresh.named_parameters()] == [n for n, _ in ref.named_parameters()]
 
 
 def test_split_false_refuses_packed_tensors():
@@ -500,7 +510,7 @@ def test_error_when_only_output_side_is_found():
     model.attention = nn.Module()
     model.attention.output = nn.Module()
     model.attention.output.dense = nn.Linear(4, 4)
-    with pytest.raises(ValueError, match="no query/key parameters"):
+    with pytest.raises(ValueError, match="no trainable query/key parameters"):
         knob.classify(model)
 
 
@@ -716,7 +726,7 @@ def test_real_model_split_and_one_step(case, opt):
     g = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.grad is not None}
 
     wd = 0.05 if opt == "adamw" else 0.0
-    groups, rep = knob.knob_groups(model, ETA_OV, RATIO, ETA_OTHER, weight_decay=wd)
+    groups, rep = knob.knob_groups(model, ETA_OV, RATIO, ETA_OTHER, weight_decay=wd, no_decay=None)
     out = c.run(model, ids)[0]
     assert torch.equal(out, out_ref)  # bit-identical after the split
     # the report puts every slice where the forward says it belongs
@@ -776,21 +786,27 @@ def test_layout_helpers_hand_cases():
 
 
 def test_interleaved_split_merges_back_to_the_original_layout():
-    """After a step on a split GPT-NeoX, merge_packed gives the original state-dict layout with
+    """After a step on a split GPT-NeoX, unsplit gives the original state-dict layout with
     the trained values (and the model computes the same)."""
     c, ids = REAL["gpt_neox"], token_ids()
     model = c.build()
     keys = list(model.state_dict())
-    opt, _ = knob.knob_optimizer(model, "adamw", ETA_OV, RATIO)
+    opt, rep = knob.knob_optimizer(model, "adamw", ETA_OV, RATIO)
+    # one leaf per run of same-group rows: per head Q+K, then V (not 3 per head)
+    pk = model.layers[0].attention.query_key_value.parametrizations.weight[0]
+    assert pk.parts == ("QK", "V") * H and pk.sizes == [2 * (E // H), E // H] * H
+    leaves = {e.parameter for e in rep.entries if e.tensor == "layers.0.attention.query_key_value.weight"}
+    assert len(leaves) == 2 * H and sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     loss_on(c.run(model, ids)[0]).backward()
     opt.step()
     expected = c.run(model, ids)[0].detach()
     packed = knob.tensor_value(model, "layers.1.attention.query_key_value.weight").detach().clone()
-    merged = knob.merge_packed(model)
-    assert "layers.1.attention.query_key_value.weight" in merged
     assert list(model.state_dict()) == keys
-    assert torch.equal(model.state_dict()["layers.1.attention.query_key_value.weight"], packed)
-    assert torch.equal(c.run(model, ids)[0], expected)
+    merged = knob.unsplit(model)
+    assert not any("parametrizations" in n for n, _ in merged.named_parameters())
+    assert list(merged.state_dict()) == keys
+    assert torch.equal(merged.state_dict()["layers.1.attention.query_key_value.weight"], packed)
+    assert torch.equal(c.run(merged, ids)[0], expected)
 
 
 def test_unknown_fused_layouts_are_refused():

@@ -129,6 +129,19 @@ def test_non_positive_learning_rate_is_rejected(bad):
         param_groups(m, eta_ov=bad)
     with pytest.raises(ValueError, match="ratio"):
         param_groups(m, eta_ov=0.1, ratio=bad)
+    with pytest.raises(ValueError, match="not a finite learning rate"):
+        param_groups(m, eta_ov=1e300, ratio=1e10)
+
+
+def test_param_groups_refuses_a_ratio_without_qk_parameters():
+    """On a model whose parameters are not named W_QK/W_Q/W_K (here nn.MultiheadAttention) a
+    ratio other than 1 would change nothing: refused, or a warning with strict=False."""
+    m = torch.nn.Sequential(torch.nn.MultiheadAttention(4, 2), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="qkov_lib.knob.knob_optimizer"):
+        param_groups(m, eta_ov=0.1, ratio=10.0)
+    with pytest.warns(UserWarning, match="would act on nothing"):
+        assert [g["name"] for g in param_groups(m, eta_ov=0.1, ratio=10.0, strict=False)] == ["other"]
+    assert [g["lr"] for g in param_groups(m, eta_ov=0.1)] == [0.1]  # ratio 1: no rate is lost
 
 
 def test_token_model_positions_count_back_from_query():

@@ -30,9 +30,25 @@ COVERED_ELSEWHERE: dict[str, str] = {
     "--executor slurm": "needs a Slurm cluster: tests/test_sweeps.py runs the same code path with a local executor",
 }
 
-# A python block may use `model` as its reader's own model; this one stands in for it.
-PY_PRELUDE = ("import torch\n"
-              "model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)\n")
+# A python block may use the reader's own objects by these names; the test stands in for them
+# (tiny random models built here, nothing downloaded), each defined only where the block uses it.
+STAND_INS: dict[str, str] = {
+    "model": "model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)\n",
+    "make_model": (
+        "from transformers import GPTNeoXConfig, GPTNeoXForCausalLM\n"
+        "def make_model():\n"
+        "    torch.manual_seed(0)\n"
+        "    return GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,\n"
+        "        num_attention_heads=2, intermediate_size=32, max_position_embeddings=16, tie_word_embeddings=True))\n"),
+    "train": ("_ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))\n"
+              "train = [{'input_ids': x, 'labels': x} for x in _ids]\n"),
+}
+
+
+def with_stand_ins(code: str) -> str:
+    """``code`` preceded by a stand-in for every reader's name it uses without defining it."""
+    used = [n for n in STAND_INS if re.search(rf"\b{n}\b", code) and not re.search(rf"^(def )?{n}\b\s*[=(]", code, re.M)]
+    return "import torch\n" + "".join(STAND_INS[n] for n in used) + code
 
 
 def blocks(text: str, lang: str) -> list[str]:
@@ -109,9 +125,8 @@ def test_readme_command_runs_as_written(cmd, checkout):
 
 @pytest.mark.parametrize("i", range(len(PYTHON)))
 def test_readme_python_example_runs(i, checkout):
-    code = PYTHON[i] if re.search(r"^model\s*=", PYTHON[i], flags=re.M) else PY_PRELUDE + PYTHON[i]
-    proc = subprocess.run([sys.executable, "-c", code], cwd=checkout, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-c", with_stand_ins(PYTHON[i])], cwd=checkout, env=_env(),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"README python block {i} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
 
 

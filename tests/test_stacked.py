@@ -5,6 +5,7 @@ import itertools
 import pytest
 import torch
 
+from qkov_lib import runtime
 from qkov_lib.data.batch import Batch
 from qkov_lib.experiments.realdata import CopyModel
 from qkov_lib.models import PARAMETERIZATIONS, TokenModel, param_groups
@@ -144,7 +145,7 @@ def test_logging_on_a_fixed_subsample_and_validation_in_the_same_pass():
     models = [token_model("CAFO", c.seed) for c in cfgs]
     hists = train_stacked(models, DATA, cfgs, val=TEST)
     idx = log_subsample(len(DATA), 50, 3)
-    assert len(idx) == 50 and torch.equal(idx, log_subsample(len(DATA), 50, 3))  # fixed by its seed
+    assert len(idx) == 50 and torch.equal(idx, log_subsample(len(DATA), 50, 3))  # fixed by its seed (integers)
     assert log_subsample(len(DATA), None, 0) is None and log_subsample(len(DATA), 10**6, 0) is None
     for h, m in zip(hists, models):
         assert [r["step"] for r in h.records] == [0, 8, 16, 24, 32, 40]
@@ -175,3 +176,40 @@ def test_clear_errors():
                     (dict(log_subsample=-5), "log_subsample"), (dict(momentum=1.0), "momentum")):
         with pytest.raises(ValueError, match=msg):
             TrainConfig(**{**cfgs[0].__dict__, **kw})
+
+
+def _changed(x):
+    raise TypeError("is_batchedtensor(): incompatible function arguments")
+
+
+def test_attention_without_the_private_batched_check(monkeypatch):
+    """With torch's private vmap check gone, stacked training still runs (the per-row check is
+    skipped; the trainer checks the data once) and equals training each model alone."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 9, (40, 6), generator=g)
+    km = torch.ones(40, 6, dtype=torch.bool)
+    km[:, -1] = False
+    data = Batch(tokens, km, km & (tokens == 3), tokens[:, 0] % 3)
+    cfgs = [TrainConfig(optimizer="adamw", eta_ov=0.02, ratio=r, steps=5, batch_size=8, seed=0, progress=False,
+                        n_logs=2) for r in (1.0, 10.0)]
+    make = lambda: [TokenModel(9, 6, 3, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # noqa: E731
+                    for _ in cfgs]
+    alone = make()
+    for m, c in zip(alone, cfgs):
+        train(m, data, c)
+    # a changed signature (deleting the name breaks torch itself: its own modules import it)
+    monkeypatch.setattr(torch._C._functorch, "is_batchedtensor", _changed)
+    runtime._batched_check.cache_clear()
+    try:
+        assert runtime.is_batched(km) is None
+        stacked = make()
+        train_stacked(stacked, data, cfgs)
+        for a, b in zip(alone, stacked):
+            for p, q in zip(a.parameters(), b.parameters()):
+                torch.testing.assert_close(q, p, rtol=1e-10, atol=1e-12)  # float64 batched-vs-single rounding
+        bad = km.clone()
+        bad[0] = False
+        with pytest.raises(ValueError, match="row 0 has no attendable key"):  # the trainer's own check
+            train(make()[0], Batch(tokens, bad, bad, data.y), cfgs[0])
+    finally:
+        runtime._batched_check.cache_clear()

@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 from ..data.batch import Batch
 from ..data.synthetic import SyntheticTask, sample
 from ..knob import KnobReport, knob_groups, knob_optimizer, tensor_value
+from ..profiles import profile_table
 from ..runtime import seed_everything, torch_threads
-from ..training import TrainConfig, train
+from ..training import TrainConfig, predict, train
 from . import multilayer as ml
 
 DATASET = "synthetic"
@@ -188,7 +189,7 @@ def first_step_moves(cfg: dict, ratio: float, seed: int = 0) -> tuple[KnobReport
     ``ratio`` when the interleaved slices are placed right."""
     task = task_of(cfg)
     model = build_model(task, cfg, seed)
-    opt, report = knob_optimizer(model, "adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio))
+    opt, report = knob_optimizer(model, torch.optim.AdamW, lr=cfg["eta_ov"], qk_ratio=float(ratio))
     fused = [e for e in report.entries if e.tensor.endswith("attention.query_key_value.weight")]
     if not fused:
         raise ValueError("no query_key_value slices in the knob's report")
@@ -243,5 +244,163 @@ def facts(runs: Sequence[ml.Run], cfg: dict) -> dict[str, str]:
         "py_blunter": f"{int(ch['blunted'].sum())} of {len(ch)}",
         "py_lo": f"{lo:g}",
         "py_hi": f"{hi:g}",
+    }
+    return out
+
+
+# --- the Trainer and the knob on real text: Marvin & Linzen SVA prefixes --------------------
+# A GPT-NeoX-style LM trained from scratch with transformers' Trainer (qkov_lib.knob_trainer) on
+# the SVA prefixes: after the prefix and the query token, predict one of two class tokens
+# (singular / plural). Beside it, the SVA chapter's one-head model on the same split.
+SVA_PROFILES: dict[str, dict] = profile_table(
+    dict(ratios=[1.0, 10.0], n_layers=2, n_heads=4, d_model=32, eta_ov=1e-3, weight_decay=0.01, batch_size=64,
+         warmup_steps=20, max_len=16, min_freq=2, test_frac=0.2, data_seed=0, n_logs=5, threads=1),
+    dict(seeds=[0], steps=12, n_train=256, n_test=128, n_heads=2, d_model=16, warmup_steps=2, n_logs=3),
+    dict(seeds=[0, 1], steps=300, n_train=None, n_test=None),
+    dict(seeds=[0, 1, 2, 3, 4], steps=5000, n_layers=4, n_heads=8, d_model=128, n_train=None, n_test=None,
+         threads=None),
+)
+QUERY_SELF = "query itself"  # a causal LM's query also attends to its own position
+
+
+def load_sva(cfg: dict, data_dir=None):
+    """The Marvin & Linzen SVA :class:`~qkov_lib.data.text.TextDataset` of ``cfg`` (prefix split
+    seed ``data_seed``; ``test_info["roles"]``: every word's token role)."""
+    from ..data.text import load_text_dataset
+
+    return load_text_dataset("sva", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
+                             n_test=cfg["n_test"], seed=cfg["data_seed"], test_frac=cfg["test_frac"])
+
+
+def sva_model(ds, cfg: dict, seed: int) -> nn.Module:
+    """A fresh ``GPTNeoXForCausalLM`` (Pythia's design, :func:`pythia_config`) whose vocabulary
+    is the dataset's words plus one token per class (ids ``V``, ``V + 1``), seeded with ``seed``."""
+    from transformers import GPTNeoXForCausalLM
+
+    from ..data.text import PAD_ID
+
+    config = pythia_config(ds.vocab_size + ds.n_classes, cfg["d_model"], cfg["n_layers"], cfg["n_heads"],
+                           ds.max_len + 1, PAD_ID)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPTNeoXForCausalLM(config)
+
+
+def lm_examples(batch: Batch, vocab_size: int) -> list[dict[str, Tensor]]:
+    """The causal-LM examples of a left-padded batch (query last): ``input_ids`` = the tokens
+    then the class token ``vocab_size + y``; ``labels`` = -100 (no loss) except that class token,
+    so the loss is the next-token cross-entropy at the query; ``attention_mask`` hides padding."""
+    from ..data.text import PAD_ID
+
+    cls = (vocab_size + batch.y)[:, None]
+    ids = torch.cat([batch.tokens, cls], dim=1)
+    labels = torch.cat([torch.full_like(batch.tokens, -100), cls], dim=1)
+    mask = (ids != PAD_ID).long()
+    return [{"input_ids": i, "attention_mask": m, "labels": l} for i, m, l in zip(ids, mask, labels)]
+
+
+def sva_train_one(ds, cfg: dict, ratio: float, seed: int, out_dir: str) -> tuple[nn.Module, pd.DataFrame]:
+    """Train :func:`sva_model` with :class:`qkov_lib.knob_trainer.KnobTrainer` (AdamW, OV rate
+    ``eta_ov``, QK rate ``eta_ov * ratio``, linear schedule with warm-up, weight decay except on
+    biases and norms) for ``steps`` steps on the training prefixes. Returns the model and the
+    Trainer's training logs (step, loss, the rate of every group)."""
+    from transformers import PrinterCallback
+
+    from ..knob_trainer import KnobTrainer, KnobTrainingArguments
+
+    args = KnobTrainingArguments(
+        output_dir=out_dir, max_steps=cfg["steps"], per_device_train_batch_size=cfg["batch_size"],
+        learning_rate=cfg["eta_ov"], qk_ratio=float(ratio), weight_decay=cfg["weight_decay"],
+        warmup_steps=cfg["warmup_steps"], lr_scheduler_type="linear", logging_steps=max(cfg["steps"] // cfg["n_logs"], 1),
+        save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, seed=seed, data_seed=seed,
+        dataloader_num_workers=0)
+    with torch_threads(cfg["threads"]):
+        trainer = KnobTrainer(model_init=lambda: sva_model(ds, cfg, seed), args=args,
+                              train_dataset=lm_examples(ds.train, ds.vocab_size))
+        trainer.remove_callback(PrinterCallback)  # the logs are returned, not printed
+        trainer.train()
+    logs = pd.DataFrame([h for h in trainer.state.log_history if "loss" in h])
+    cols = ["step", "loss", "learning_rate/qk", "learning_rate/ov", "learning_rate/other"]
+    return trainer.model, logs[cols]
+
+
+@torch.no_grad()
+def sva_roles_of(model: nn.Module, ds) -> dict[str, dict[str, float]]:
+    """Test accuracy (argmax over the two class tokens at the query) and, per layer, the
+    head-averaged attention of the query on each token role (subject, attractor, verb, last,
+    rest, and the query itself; :func:`qkov_lib.experiments.sva_roles.role_mass`)."""
+    from . import sva_roles
+
+    model.eval()
+    t = ds.test
+    out = model(input_ids=t.tokens, attention_mask=(t.tokens != model.config.pad_token_id).long(),
+                output_attentions=True, use_cache=False)
+    logits = out.logits[:, -1, ds.vocab_size:ds.vocab_size + ds.n_classes]
+    res = {"accuracy": {"accuracy": float((logits.argmax(-1) == t.y).double().mean())}}
+    for layer, a in enumerate(out.attentions, start=1):
+        row = a[:, :, -1].mean(1).double()  # (N, T): the query's row, mean over heads
+        res[f"layer {layer}"] = {**sva_roles.role_mass(row, ds.test_info["roles"], t.key_mask),
+                                 QUERY_SELF: float(row[:, -1].mean())}
+    return res
+
+
+def sva_grid(ds, cfg: dict, out_dir: str) -> tuple[dict[str, pd.DataFrame], pd.DataFrame, pd.DataFrame]:
+    """Every (ratio, seed) of ``cfg`` through :func:`sva_train_one`. Returns ``(roles, accuracy,
+    logs)``: per layer a table (ratio x role, means over seeds), the test accuracy per ratio
+    (mean over seeds), and the training logs of every run."""
+    import os
+
+    rows, logs = [], []
+    for ratio, seed in tqdm(list(itertools.product(cfg["ratios"], cfg["seeds"])), desc="GPT-NeoX on SVA (Trainer)"):
+        model, log = sva_train_one(ds, cfg, ratio, seed, os.path.join(out_dir, f"r{ratio:g}_s{seed}"))
+        for where, vals in sva_roles_of(model, ds).items():
+            rows.append({"ratio": float(ratio), "seed": seed, "where": where, **vals})
+        logs.append(log.assign(ratio=float(ratio), seed=seed))
+    frame = pd.DataFrame(rows)
+    acc = frame[frame["where"] == "accuracy"].groupby("ratio")["accuracy"].mean()
+    roles = {w: f.drop(columns=["where", "seed", "accuracy"]).groupby("ratio").mean()
+             for w, f in frame[frame["where"] != "accuracy"].groupby("where", sort=True)}
+    return roles, acc.to_frame(), pd.concat(logs, ignore_index=True)
+
+
+def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """The SVA chapter's one-head model (:func:`qkov_lib.experiments.realdata.make_model` with
+    that chapter's settings for ``profile``: parameterization, width, optimizer, rates, steps)
+    trained on ``ds`` at the ratios and seeds of ``cfg``. Returns the mean attention mass per
+    token role (ratio x role, means over seeds), the test accuracy per ratio and the settings."""
+    from ..profiles import resolve
+    from . import realdata, sva_roles
+
+    rcfg = resolve(realdata.PROFILES["sva"], profile, ratios=list(cfg["ratios"]), seeds=list(cfg["seeds"]))
+    grid = [(r, s) for r in rcfg["ratios"] for s in rcfg["seeds"]]
+    models, _ = realdata.train_models(ds, rcfg, grid, device=torch.device("cpu"), probe=False)
+    rows = []
+    for (ratio, seed), m in zip(grid, models):
+        attn, probs = predict(m, ds.test)
+        rows.append({"ratio": float(ratio), "seed": seed, "accuracy": float((probs.argmax(-1) == ds.test.y).double().mean()),
+                     **sva_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask), QUERY_SELF: 0.0})
+    f = pd.DataFrame(rows).drop(columns="seed").groupby("ratio").mean()
+    return f.drop(columns="accuracy"), f[["accuracy"]], rcfg
+
+
+def sva_facts(roles: dict[str, pd.DataFrame], acc: pd.DataFrame, head_roles: pd.DataFrame, head_acc: pd.DataFrame,
+              cfg: dict, rcfg: dict) -> dict[str, str]:
+    """Text for the section's prose: sizes, steps, seeds, and for every layer and the one-head
+    model the subject and attractor mass and the accuracy at each ratio (means over seeds)."""
+    def at(frame: pd.DataFrame, col: str) -> str:
+        return ", ".join(f"{frame.loc[r, col]:.2f}" for r in sorted(frame.index))
+
+    out = {
+        "sva_shape": f"{cfg['n_layers']} layers × {cfg['n_heads']} heads, width {cfg['d_model']}",
+        "sva_steps": str(cfg["steps"]), "sva_seeds": str(len(cfg["seeds"])),
+        "sva_ratios": ", ".join(f"{r:g}" for r in sorted(cfg["ratios"])),
+        "sva_acc": at(acc, "accuracy"),
+        "sva_layers": "; ".join(f"{w}: subject {at(f, 'subject')}, attractors {at(f, 'attractor')}"
+                                for w, f in roles.items()),
+        "sva_head": f"subject {at(head_roles, 'subject')}, attractors {at(head_roles, 'attractor')}",
+        "sva_head_acc": at(head_acc, "accuracy"),
+        "sva_head_steps": str(rcfg["steps"]), "sva_head_param": rcfg["parameterization"],
+        "sva_head_opt": rcfg["optimizer"], "sva_head_eta": f"{rcfg['eta_ov']:g}", "sva_head_width": str(rcfg["d_model"]),
+        "sva_eta": f"{cfg['eta_ov']:g}",
     }
     return out
