@@ -468,3 +468,34 @@ def test_trainer_takes_any_optimizer_class(tmp_path):
     lrs = {g["name"]: g["lr"] for g in opt.param_groups}
     assert lrs["qk"] == pytest.approx(0.4) and lrs["ov"] == pytest.approx(0.1) and lrs["other.no_decay"] == 0.1
     assert t.create_optimizer() is opt  # made once
+
+
+def test_hyperparameter_search_varies_qk_ratio(tmp_path):
+    """The Trainer's own hyper-parameter search (optuna backend, two trials) with the knob: each
+    trial's qk_ratio comes from the search space, model_init builds a fresh model, and the logged
+    QK/OV rate ratio of the trial is the ratio the search chose."""
+    pytest.importorskip("optuna")
+    import optuna
+
+    from qkov_lib.knob_trainer import KnobTrainer
+
+    seen = []
+
+    class Recording(KnobTrainer):
+        def train(self, *a, **k):
+            out = super().train(*a, **k)
+            last = [h for h in self.state.log_history if "loss" in h][-1]
+            seen.append((self.args.qk_ratio, last["learning_rate/qk"] / last["learning_rate/ov"]))
+            return out
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    t = Recording(model_init=lambda trial: neox_init(),
+                  args=knob_args(tmp_path, max_steps=2, save_strategy="no", warmup_steps=0, lr_scheduler_type="constant",
+                                 eval_strategy="no"), train_dataset=lm_data(8), eval_dataset=lm_data(4))
+    best = t.hyperparameter_search(
+        hp_space=lambda trial: {"qk_ratio": trial.suggest_categorical("qk_ratio", [1.0, 10.0])},
+        compute_objective=lambda metrics: metrics["eval_loss"], n_trials=2, direction="minimize",
+        backend="optuna", sampler=optuna.samplers.GridSampler({"qk_ratio": [1.0, 10.0]}))
+    assert sorted(r for r, _ in seen) == [1.0, 10.0]          # the grid sampler tries each ratio once
+    assert all(got == pytest.approx(r) for r, got in seen)     # and each trial trained at its ratio
+    assert best.hyperparameters["qk_ratio"] in (1.0, 10.0)
