@@ -300,7 +300,7 @@ def test_one_step_moves_each_slice_by_its_group_rate(family, opt):
     groups, report = knob.knob_groups(model, ETA_OV, RATIO, ETA_OTHER, weight_decay=wd, no_decay=None)
 
     # the re-registration changes nothing before a step: same outputs, same gradients
-    assert torch.equal(model(x), out_before)
+    assert torch.equal(model(x), out_before)  # exact: the recomposed weight has the same values and layout, so the same kernel runs
     assert {gr["name"]: gr["lr"] for gr in groups} == {k: v for k, v in LRS.items() if k in {gr["name"] for gr in groups}}
     # every scalar of every original tensor is covered exactly once
     covered = {}
@@ -432,7 +432,7 @@ def test_split_is_idempotent_and_merge_restores_layout():
     assert [n for n, _ in copy_.named_parameters()] == [n for n, _ in ref.named_parameters()]
     assert torch.equal(copy_(x), expected)
     # merging the copy must not break the original (deep copies share the parametrized class)
-    assert torch.equal(model(x), expected)
+    assert torch.equal(model(x), expected)  # exact: same values, same layout, same kernel
     assert type(copy_.enc.layers[0].self_attn) is nn.MultiheadAttention
     # in place, the optimizer would lose the merged tensor: refused, nothing changed
     names = [n for n, _ in model.named_parameters()]
@@ -806,7 +806,7 @@ def test_interleaved_split_merges_back_to_the_original_layout():
     assert not any("parametrizations" in n for n, _ in merged.named_parameters())
     assert list(merged.state_dict()) == keys
     assert torch.equal(merged.state_dict()["layers.1.attention.query_key_value.weight"], packed)
-    assert torch.equal(c.run(merged, ids)[0], expected)
+    assert torch.equal(c.run(merged, ids)[0], expected)  # exact: the merged tensor is the packed one
 
 
 def test_unknown_fused_layouts_are_refused():
