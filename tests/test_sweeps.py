@@ -248,10 +248,10 @@ def test_flat_grid_of_a_list_parameter_is_refused_before_a_kernel_starts(tmp_pat
     err = capsys.readouterr().err
     assert "grid axis 'ratios'" in err and "'[[1], [10]]'" in err and "-y" not in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
-    # a value of the right form but the wrong type: the chapter's own message, no papermill hint
+    # a value of the right form but out of range: one line naming the rule, no papermill hint
     assert main(["sweep", "synthetic", "--profile", "test", "--out", str(out), "-g", "steps", "[10.5]"]) == 2
     err = capsys.readouterr().err
-    assert "'steps' must be integer" in err and "papermill" not in err and not out.exists()
+    assert "'steps' must be an integer >= 1" in err and "papermill" not in err and not out.exists()
     src, runs = sweeps.plan("synthetic", {"ratios": [[1], [10]]}, profile="test")  # the right form passes
     assert [r["ratios"] for r in runs] == [[1], [10]]
 
