@@ -1,0 +1,369 @@
+"""One analysed attention head that every real-data prediction must pass through.
+
+:class:`HeadModel` is the model of the real-data chapters (SQuAD, HateXplain, SVA):
+
+``tokens -> word embeddings e(t) -> [key encoder] -> one QKOVAttention head read once at the
+query (last) position -> readout``.
+
+* **Keys and query** may see context: ``k_i`` is ``e(t_i)`` plus optional position embeddings
+  (``positions``: ``"back"`` = distance from the query, ``"start"`` = index from the first word),
+  plus a learned vector on context words that occur in the question (``match``, SQuAD), through
+  an optional encoder over the sequence (``encoder``: ``"none"``; ``"conv"`` = ``layers``
+  residual convolutions of width ``window`` with ReLU; ``"bigru"`` = a residual bidirectional GRU).
+  The query is the key vector at the last position, plus (``query="question"``, SQuAD) a learned
+  projection of the mean embedding of the question's words.
+* **Values are token-local**: ``v_i = e(t_i)`` (``values="embed"``) or ``e + relu(W e)``
+  (``values="map"``), a function of token ``i`` alone; nothing is mixed across positions.
+* **The head**: scores ``k_i^T W_QK q``, softmax over the keys (``key_mask``), output
+  ``o = W_OV sum_i alpha_i v_i`` -- or ``W_OV sum_i (alpha_i - u_i) v_i`` with ``relative=True``,
+  ``u`` the uniform row over the same keys, so flat attention scores every class 0.
+* **Readout**, a function of ``o`` only (no residual, no skip, no candidate features):
+  ``readout="class"``: the logits are ``o`` (C classes; HateXplain, SVA);
+  ``readout="words"``: the classes are the vocabulary's word ids and
+  ``logit(w) = e(w) . o`` for the distinct words ``w`` at attendable keys (the paragraph on
+  SQuAD with context keys), ``-inf`` for every other word: position-free, one logit per word.
+
+The head's parameters are the ``qk`` (``W_QK`` or ``W_Q``, ``W_K``) and ``ov`` (``W_OV`` or
+``W_O``, ``W_V``) groups of :func:`qkov_lib.models.param_groups`; everything else is ``other``.
+``ov_init`` adds ``ov_init * I`` to the head's initial ``W_OV`` (``words`` readout: a copy-favouring
+start). ``forward(tokens, key_mask)`` returns ``(logits (B, C), attention (B, T))`` like every
+model of the project, so :func:`qkov_lib.stacked.train_stacked` trains stacks of it (``bigru``:
+one model per stack, as ``torch.func.vmap`` has no rule for ``aten::gru``); ``forward(...,
+attention=A)`` replaces the softmax row by a given (B, T) row, for :func:`necessity`.
+
+:func:`word_task` casts a SQuAD :class:`~qkov_lib.data.text.TextDataset` for the ``words``
+readout; :func:`necessity` measures how much of the accuracy the head's attention carries.
+Token-local values make the prediction a function of the attended tokens' identities; with
+context in the keys, *which* token is attended can still carry information of its own, so the
+oracle column of :func:`necessity` (all mass on the relevant tokens) says whether attending
+them is how the model predicts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .data import squad
+from .data.batch import Batch
+from .data.text import PAD_ID, TextDataset
+from .models import QKOVAttention
+
+ENCODERS = ("none", "conv", "bigru")
+READOUTS = ("class", "words")
+QUERIES = ("last", "question")
+VALUES = ("embed", "map")
+POSITIONS = ("back", "start")
+
+
+def _batched(t: Tensor) -> bool:
+    """Whether ``t`` is a tensor inside ``torch.func.vmap`` (per-row checks cannot run there)."""
+    return torch._C._functorch.is_batchedtensor(t)
+
+
+class HeadModel(nn.Module):
+    """Embeddings -> optional key encoder -> one :class:`~qkov_lib.models.QKOVAttention` head at
+    the last position -> a readout of the head's output (module docstring).
+
+    ``tokens`` (B, T) left-padded (pad id 0), query last; ``key_mask`` (B, T) the attendable keys.
+    ``n_classes``: the classes (``readout="words"``: must equal ``vocab_size``). ``sep_id`` (the
+    ``<sep>`` id) is needed by ``match`` and ``query="question"``; ``ignore`` (V,) bool: ids that
+    never count as a question match. ``attention_kwargs`` go to the head (``parameterization``,
+    ``init_scale``, ranks, ``balanced``)."""
+
+    def __init__(self, vocab_size: int, d_model: int, n_classes: int, max_len: int, readout: str = "class",
+                 encoder: str = "none", layers: int = 1, window: int = 5, positions: tuple[str, ...] = ("back",),
+                 match: bool = False, query: str = "last", values: str = "embed", relative: bool = False,
+                 ov_init: float = 0.0, sep_id: int | None = None, ignore: Tensor | None = None,
+                 generator: torch.Generator | None = None, **attention_kwargs: Any) -> None:
+        super().__init__()
+        for name, value, allowed in (("readout", readout, READOUTS), ("encoder", encoder, ENCODERS),
+                                     ("query", query, QUERIES), ("values", values, VALUES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        positions = tuple(positions)
+        if any(p not in POSITIONS for p in positions) or len(set(positions)) != len(positions):
+            raise ValueError(f"positions must be distinct names from {POSITIONS}, got {positions!r}")
+        if min(vocab_size, d_model, n_classes, max_len) < 1:
+            raise ValueError(f"sizes must be positive, got vocab_size={vocab_size}, d_model={d_model}, "
+                             f"n_classes={n_classes}, max_len={max_len}")
+        if readout == "words" and n_classes != vocab_size:
+            raise ValueError(f"the words readout scores every word id: n_classes must be vocab_size={vocab_size}, got {n_classes}")
+        if readout == "class" and ov_init != 0.0:
+            raise ValueError("ov_init (a copy start, W_OV += ov_init * I) needs the words readout")
+        if not isinstance(window, int) or window < 1 or window % 2 == 0:
+            raise ValueError(f"window must be an odd integer >= 1, got {window!r}")
+        if encoder == "conv" and (not isinstance(layers, int) or layers < 1):
+            raise ValueError(f"the conv encoder needs layers >= 1, got {layers!r}")
+        if encoder == "bigru" and d_model % 2:
+            raise ValueError(f"the bigru encoder needs an even d_model (two directions), got {d_model}")
+        if (match or query == "question") and (sep_id is None or not 0 <= sep_id < vocab_size):
+            raise ValueError(f"match and query='question' need sep_id, the <sep> id in [0, {vocab_size}); got {sep_id!r}")
+        if ignore is not None and ignore.shape != (vocab_size,):
+            raise ValueError(f"ignore must be a (vocab_size,) = ({vocab_size},) bool table, got {tuple(ignore.shape)}")
+        if not math.isfinite(ov_init):
+            raise ValueError(f"ov_init must be finite, got {ov_init}")
+        dtype = attention_kwargs.setdefault("dtype", torch.float32)
+        d = d_model
+        self.vocab_size, self.d_model, self.n_classes, self.max_len = vocab_size, d, n_classes, max_len
+        self.readout, self.encoder, self.positions, self.match = readout, encoder, positions, bool(match)
+        self.query, self.values, self.relative, self.sep_id = query, values, bool(relative), sep_id
+
+        def gauss(std: float, *shape: int) -> Tensor:
+            return std * torch.randn(*shape, generator=generator, dtype=dtype)
+
+        def table(n: int, std: float) -> nn.Embedding:
+            e = nn.Embedding(n, d, dtype=dtype)
+            with torch.no_grad():
+                e.weight.copy_(gauss(std, n, d))
+            return e
+
+        self.embed = table(vocab_size, 1 / math.sqrt(d))
+        if "back" in positions:
+            self.pos_back = table(max_len, 0.1 / math.sqrt(d))
+        if "start" in positions:
+            self.pos_start = table(max_len, 0.1 / math.sqrt(d))
+        self.register_buffer("ignore", torch.zeros(vocab_size, dtype=torch.bool) if ignore is None else ignore.bool())
+        if match:
+            self.match_vec = nn.Parameter(gauss(1 / math.sqrt(d), d))
+        if query == "question":
+            self.summary = nn.Parameter(gauss(1 / math.sqrt(d), d, d))  # question mean -> query
+        if encoder == "conv":
+            self.convs = nn.ModuleList()
+            for _ in range(layers):
+                c = nn.Conv1d(d, d, window, padding=window // 2, dtype=dtype)
+                with torch.no_grad():
+                    c.weight.copy_(gauss(1 / math.sqrt(d * window), *c.weight.shape))
+                    c.bias.zero_()
+                self.convs.append(c)
+        if encoder == "bigru":
+            self.gru_fwd = nn.GRU(d, d // 2, batch_first=True, dtype=dtype)
+            self.gru_bwd = nn.GRU(d, d // 2, batch_first=True, dtype=dtype)
+            with torch.no_grad():
+                k = 1 / math.sqrt(d // 2)
+                for p in [*self.gru_fwd.parameters(), *self.gru_bwd.parameters()]:
+                    p.uniform_(-k, k, generator=generator)
+        if values == "map":
+            self.value_map = nn.Linear(d, d, dtype=dtype)
+            with torch.no_grad():
+                self.value_map.weight.copy_(gauss(1 / math.sqrt(d), d, d))
+                self.value_map.bias.zero_()
+        n_out = d if readout == "words" else n_classes
+        self.head = QKOVAttention(d, n_out, generator=generator, **attention_kwargs)
+        if ov_init:
+            W_QK, W_OV = self.head.effective()
+            self.head.set_effective(W_QK, W_OV + ov_init * torch.eye(d, dtype=dtype))
+
+    # --- the head's inputs -------------------------------------------------------------------
+    def keys(self, tokens: Tensor, e: Tensor | None = None) -> Tensor:
+        """Key vectors ``k`` (B, T, d), zero on padding; the last row is the query's key-side
+        vector. Context (positions, match flags, the encoder) enters here and only here.
+        ``e``: ``embed(tokens)`` if already computed (one embedding lookup per forward)."""
+        T = tokens.shape[-1]
+        real = (tokens != PAD_ID)[..., None]
+        x = self.embed(tokens) if e is None else e
+        cols = torch.arange(T, device=tokens.device)
+        if "back" in self.positions:
+            x = x + self.pos_back(T - 1 - cols)
+        if "start" in self.positions:
+            n_pad = (~real[..., 0]).sum(-1, keepdim=True)
+            x = x + self.pos_start((cols - n_pad).clamp_min(0))
+        if self.match:
+            m = squad.question_match(tokens, self.sep_id, self.ignore)
+            x = x + m[..., None].to(x.dtype) * self.match_vec
+        x = x * real  # zero padding: left padding changes no real position
+        if self.encoder == "conv":
+            for conv in self.convs:
+                x = (x + F.relu(conv(x.transpose(-1, -2)).transpose(-1, -2))) * real
+        elif self.encoder == "bigru":
+            x = (x + self._bigru(x, real[..., 0])) * real
+        return x
+
+    def _bigru(self, x: Tensor, real: Tensor) -> Tensor:
+        """Both GRU directions over each row's real tokens only: the forward GRU runs over the row
+        rotated so its tokens come first, the backward one over the reversed row (pads last)."""
+        T = x.shape[1]
+        shift = T - real.sum(1)  # leading pads per row
+        ar = torch.arange(T, device=x.device)[None]
+        first = ((ar + shift[:, None]) % T)[..., None].expand_as(x)
+        back = ((ar - shift[:, None]) % T)[..., None]
+        f = self.gru_fwd(torch.gather(x, 1, first))[0]
+        f = torch.gather(f, 1, back.expand(-1, -1, f.shape[-1]))
+        b = self.gru_bwd(x.flip(1))[0].flip(1)
+        return torch.cat([f, b], -1)
+
+    def query_vector(self, tokens: Tensor, k: Tensor, e: Tensor | None = None) -> Tensor:
+        """The head's query (B, d): the key vector at the last position, plus for
+        ``query="question"`` ``summary @ mean of e(w)`` over the question's words."""
+        q = k[..., -1, :]
+        if self.query == "question":
+            qm = squad.question_mask(tokens, self.sep_id).to(k.dtype)
+            w = qm / qm.sum(-1, keepdim=True).clamp_min(1.0)
+            e = self.embed(tokens) if e is None else e
+            q = q + torch.linalg.vecdot(e, w[..., None], dim=-2) @ self.summary.T
+        return q
+
+    def value_vectors(self, tokens: Tensor, e: Tensor | None = None) -> Tensor:
+        """Token-local value vectors ``v`` (B, T, d): ``e(t_i)``, or ``e + relu(W e)`` per token."""
+        e = self.embed(tokens) if e is None else e
+        return e + F.relu(self.value_map(e)) if self.values == "map" else e
+
+    # --- forward -----------------------------------------------------------------------------
+    def head_output(self, tokens: Tensor, key_mask: Tensor, attention: Tensor | None = None,
+                    e: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(o (B, n_out), attention (B, T))``: ``o = W_OV sum_i alpha_i v_i`` (``relative``:
+        ``alpha_i - u_i``). ``attention`` (B, T), if given, replaces the head's softmax row."""
+        if tokens.dim() != 2 or key_mask.shape != tokens.shape:
+            raise ValueError(f"expected tokens (B, T) and key_mask (B, T), got {tuple(tokens.shape)}, {tuple(key_mask.shape)}")
+        T = tokens.shape[1]
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds the model's max_len {self.max_len}")
+        key_mask = key_mask.bool()
+        e = self.embed(tokens) if e is None else e
+        v = self.value_vectors(tokens, e)
+        if attention is None:
+            if not _batched(key_mask) and not bool(key_mask.any(1).all()):
+                raise ValueError("every sequence needs at least one attendable key")
+            k = self.keys(tokens, e)
+            last = torch.arange(T, device=tokens.device) == T - 1
+            x = torch.where(last[:, None], self.query_vector(tokens, k, e)[..., None, :], k)  # scores read x[:, -1]
+            attention = torch.softmax(self.head.scores(x).masked_fill(~key_mask, float("-inf")), dim=-1)
+        elif attention.shape != tokens.shape:
+            raise ValueError(f"attention must have the shape of tokens {tuple(tokens.shape)}, got {tuple(attention.shape)}")
+        elif not _batched(attention) and (bool((attention[~key_mask] != 0).any())
+                                          or not torch.allclose(attention.sum(1).double(), torch.ones(len(attention), dtype=torch.float64), atol=1e-5)):
+            raise ValueError("a given attention row must be zero off the keys and sum to 1")
+        w = attention
+        if self.relative:
+            km = key_mask.to(v.dtype)
+            w = attention - km / km.sum(-1, keepdim=True)
+        ctx = torch.linalg.vecdot(v, w[..., None], dim=-2)  # sum_i w_i v_i, (B, d)
+        return ctx @ self.head.W_OV_eff().T, attention
+
+    def readout_logits(self, o: Tensor, tokens: Tensor, key_mask: Tensor, e: Tensor | None = None) -> Tensor:
+        """Logits (B, C) from the head output ``o`` alone: ``o`` (class readout), or
+        ``e(w) . o`` for the distinct words at attendable keys and ``-inf`` for the others (words)."""
+        if self.readout == "class":
+            return o
+        # e(t_i) . o at every position (O(T d), not O(V d)), then one entry per distinct word: its
+        # first key position; later copies go to a discarded column, so no word is counted twice
+        score = torch.linalg.vecdot(self.embed(tokens) if e is None else e, o[..., None, :])
+        V = self.vocab_size
+        ids, order = torch.where(key_mask, tokens, V).sort(dim=-1, stable=True)  # equal ids: earliest first
+        new = torch.cat([torch.ones_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] != ids[..., :-1]], -1)
+        first = torch.zeros_like(new).scatter(-1, order, new)  # back to positions
+        col = torch.where(key_mask & first, tokens, V)
+        out = score.new_full((tokens.shape[0], V + 1), float("-inf")).scatter(1, col, score)
+        return out[:, :V]
+
+    def forward(self, tokens: Tensor, key_mask: Tensor, attention: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        e = self.embed(tokens)  # one lookup shared by keys, query, values and readout
+        o, attn = self.head_output(tokens, key_mask, attention, e)
+        return self.readout_logits(o, tokens, key_mask.bool(), e), attn
+
+
+def for_dataset(ds: TextDataset, d_model: int, generator: torch.Generator | None = None, **options: Any) -> HeadModel:
+    """A :class:`HeadModel` sized for ``ds`` (vocabulary, classes, padded length); on a SQuAD
+    dataset ``sep_id`` and the match ``ignore`` table (:func:`qkov_lib.data.squad.ignore_table`)
+    are filled in. ``options`` are the model's keyword arguments."""
+    if squad.SEP in ds.vocab:
+        options.setdefault("sep_id", ds.vocab.index(squad.SEP))
+        options.setdefault("ignore", squad.ignore_table(ds.vocab))
+    return HeadModel(ds.vocab_size, d_model, ds.n_classes, ds.max_len, generator=generator, **options)
+
+
+# --- SQuAD as a word task ------------------------------------------------------------------
+def _word_batch(b: Batch, sep_id: int) -> tuple[Batch, dict[str, int], Tensor]:
+    """The rows of a SQuAD position batch whose answer-start word occurs once among its context
+    keys and not in its question, with ``y`` = that word's id and ``relevant`` = its position;
+    the drop counts and the kept row indices."""
+    T = b.tokens.shape[1]
+    rows = torch.arange(len(b))
+    pos = T - 1 - b.y  # y = distance of the answer's first word back from the query
+    word = b.tokens[rows, pos]
+    ctx = b.key_mask & squad.context_mask(b.tokens, sep_id)
+    n_in_ctx = ((b.tokens == word[:, None]) & ctx).sum(1)
+    in_q = ((b.tokens == word[:, None]) & squad.question_mask(b.tokens, sep_id)).any(1)
+    not_key = ~ctx[rows, pos]
+    repeated = (n_in_ctx > 1) & ~not_key
+    keep = ~not_key & ~repeated & ~in_q
+    counts = {"answer_word_not_a_context_key": int(not_key.sum()), "answer_word_repeated_in_paragraph": int(repeated.sum()),
+              "answer_word_in_question": int((in_q & ~not_key & ~repeated).sum()), "kept": int(keep.sum())}
+    idx = keep.nonzero()[:, 0]
+    relevant = torch.zeros_like(b.relevant[idx])
+    relevant[torch.arange(len(idx)), pos[idx]] = True
+    return Batch(b.tokens[idx], b.key_mask[idx], relevant, word[idx]), counts, idx
+
+
+def word_task(ds: TextDataset) -> TextDataset:
+    """SQuAD (a :mod:`qkov_lib.data.squad` dataset, target = position of the answer's first
+    word) cast for the ``words`` readout: the classes are the vocabulary's word ids, ``y`` the
+    answer's first word, ``relevant`` that word's position (the token the answer must be copied
+    from). Only the questions whose answer-start word occurs once among the context keys and not
+    in the question are kept (so the word names one position and cannot be read off the
+    question); the report counts each reason for a drop, per split (``<split>_word_task_*``),
+    and ``*_info`` columns follow the kept rows. The input dataset is not changed."""
+    if squad.SEP not in ds.vocab:
+        raise ValueError(f"dataset {ds.name!r} has no {squad.SEP} token; word_task needs SQuAD")
+    sep_id = ds.vocab.index(squad.SEP)
+    report, out = dict(ds.report), {}
+    infos = {"train": ds.train_info, "test": ds.test_info}
+    for split in ("train", "test"):
+        b, counts, idx = _word_batch(getattr(ds, split), sep_id)
+        if counts["kept"] == 0:
+            raise ValueError(f"word_task: no {split} question passes the filter ({counts})")
+        report.update({f"{split}_word_task_{k}": v for k, v in counts.items()})
+        keep = idx.tolist()
+        out[split] = (b, {k: [col[i] for i in keep] for k, col in infos[split].items()})
+    notes = [*ds.notes, "Target: the answer's first word, scored over the paragraph's distinct words; kept: questions "
+             "whose answer-start word occurs once in the paragraph and not in the question."]
+    return TextDataset(ds.name, out["train"][0], out["test"][0], list(ds.vocab), list(ds.vocab), report,
+                       out["train"][1], out["test"][1], notes, ds.query_is_key)
+
+
+# --- how much of the accuracy the head's attention carries ----------------------------------
+def tie_accuracy(logits: Tensor, y: Tensor) -> Tensor:
+    """(N,) expected accuracy with ties broken at random: ``1/k`` when the gold class is one of
+    the ``k`` classes with the largest logit, else 0 (all-equal logits give chance, not class 0)."""
+    top = logits == logits.max(-1, keepdim=True).values
+    return top.gather(1, y[:, None])[:, 0].double() / top.sum(-1).double()
+
+
+@torch.no_grad()
+def necessity(model: HeadModel, data: Batch, chunk: int = 1024) -> dict[str, float]:
+    """Accuracy of ``model`` on ``data`` with three attention rows at the head: its own
+    (``model``), uniform over the same keys (``uniform``) and the oracle, all mass spread evenly
+    over the relevant keys (``oracle``), next to ``chance`` (the expected accuracy of a uniform
+    guess among the candidate classes, those with a finite logit). Measured on the ``n`` rows
+    that have a relevant key (``n_without_relevant`` rows have none and are left out). Ties
+    between top logits count ``1/k`` (:func:`tie_accuracy`). Fractions in [0, 1]."""
+    if not isinstance(model, HeadModel):
+        raise TypeError(f"necessity needs a HeadModel (it replaces the head's attention), got {type(model).__name__}")
+    if not isinstance(data, Batch):
+        raise TypeError(f"data must be a Batch, got {type(data).__name__}")
+    km = data.key_mask.bool()
+    rel = data.relevant.bool() & km
+    has = rel.any(1)
+    if not bool(has.any()):
+        raise ValueError("no row of data has a relevant key: the oracle attention is undefined")
+    was = model.training
+    model.eval()
+    sums = {"model": 0.0, "uniform": 0.0, "oracle": 0.0, "chance": 0.0}
+    idx = has.nonzero()[:, 0]
+    for s in range(0, len(idx), chunk):
+        b = data.index(idx[s:s + chunk])
+        k, r = b.key_mask.bool(), (b.relevant.bool() & b.key_mask.bool())
+        uniform = k.double() / k.sum(1, keepdim=True)
+        oracle = r.double() / r.sum(1, keepdim=True)
+        dtype = model.embed.weight.dtype
+        for name, attn in (("model", None), ("uniform", uniform.to(dtype)), ("oracle", oracle.to(dtype))):
+            logits, _ = model(b.tokens, b.key_mask, attn)
+            sums[name] += float(tie_accuracy(logits, b.y).sum())
+        sums["chance"] += float((1.0 / torch.isfinite(logits).sum(-1).double()).sum())
+    model.train(was)
+    n = len(idx)
+    return {**{k: v / n for k, v in sums.items()}, "n": n, "n_without_relevant": int((~has).sum())}
