@@ -1,6 +1,6 @@
 """One analysed attention head that every real-data prediction must pass through.
 
-:class:`HeadModel` is the model of the real-data chapters (SQuAD, HateXplain, SVA):
+:class:`HeadModel` is one model for the three real-data tasks (SQuAD, HateXplain, SVA):
 
 ``tokens -> word embeddings e(t) -> [key encoder] -> one QKOVAttention head read once at the
 query (last) position -> readout``.
