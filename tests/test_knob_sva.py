@@ -65,6 +65,6 @@ def test_sva_facts_hand_case():
     cfg = {**tiny_cfg(), "ratios": [1.0, 10.0], "seeds": [0, 1]}
     rcfg = {"steps": 40, "parameterization": "FAFO", "optimizer": "adamw", "eta_ov": 1e-4, "d_model": 64}
     f = pythia.sva_facts(roles, acc, head, acc, cfg, rcfg)
-    assert f["sva_layers"] == "layer 1: subject 0.20, 0.40, attractors 0.10, 0.05"
-    assert f["sva_head"] == "subject 0.50, 0.60, attractors 0.20, 0.10"
-    assert f["sva_acc"] == "0.90, 0.95" and f["sva_seeds"] == "2" and f["sva_ratios"] == "1, 10"
+    assert f["trainer_sva_layers"] == "layer 1: subject 0.20, 0.40, attractors 0.10, 0.05"
+    assert f["trainer_sva_head"] == "subject 0.50, 0.60, attractors 0.20, 0.10"
+    assert f["trainer_sva_acc"] == "0.90, 0.95" and f["trainer_sva_seeds"] == "2" and f["trainer_sva_ratios"] == "1, 10"

@@ -391,16 +391,16 @@ def sva_facts(roles: dict[str, pd.DataFrame], acc: pd.DataFrame, head_roles: pd.
         return ", ".join(f"{frame.loc[r, col]:.2f}" for r in sorted(frame.index))
 
     out = {
-        "sva_shape": f"{cfg['n_layers']} layers × {cfg['n_heads']} heads, width {cfg['d_model']}",
-        "sva_steps": str(cfg["steps"]), "sva_seeds": str(len(cfg["seeds"])),
-        "sva_ratios": ", ".join(f"{r:g}" for r in sorted(cfg["ratios"])),
-        "sva_acc": at(acc, "accuracy"),
-        "sva_layers": "; ".join(f"{w}: subject {at(f, 'subject')}, attractors {at(f, 'attractor')}"
+        "trainer_sva_shape": f"{cfg['n_layers']} layers × {cfg['n_heads']} heads, width {cfg['d_model']}",
+        "trainer_sva_steps": str(cfg["steps"]), "trainer_sva_seeds": str(len(cfg["seeds"])),
+        "trainer_sva_ratios": ", ".join(f"{r:g}" for r in sorted(cfg["ratios"])),
+        "trainer_sva_acc": at(acc, "accuracy"),
+        "trainer_sva_layers": "; ".join(f"{w}: subject {at(f, 'subject')}, attractors {at(f, 'attractor')}"
                                 for w, f in roles.items()),
-        "sva_head": f"subject {at(head_roles, 'subject')}, attractors {at(head_roles, 'attractor')}",
-        "sva_head_acc": at(head_acc, "accuracy"),
-        "sva_head_steps": str(rcfg["steps"]), "sva_head_param": rcfg["parameterization"],
-        "sva_head_opt": rcfg["optimizer"], "sva_head_eta": f"{rcfg['eta_ov']:g}", "sva_head_width": str(rcfg["d_model"]),
-        "sva_eta": f"{cfg['eta_ov']:g}",
+        "trainer_sva_head": f"subject {at(head_roles, 'subject')}, attractors {at(head_roles, 'attractor')}",
+        "trainer_sva_head_acc": at(head_acc, "accuracy"),
+        "trainer_sva_head_steps": str(rcfg["steps"]), "trainer_sva_head_param": rcfg["parameterization"],
+        "trainer_sva_head_opt": rcfg["optimizer"], "trainer_sva_head_eta": f"{rcfg['eta_ov']:g}", "trainer_sva_head_width": str(rcfg["d_model"]),
+        "trainer_sva_eta": f"{cfg['eta_ov']:g}",
     }
     return out
