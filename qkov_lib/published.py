@@ -78,7 +78,7 @@ HATEXPLAIN_ROWS: tuple[PublishedRow, ...] = (
 )
 
 #: Values on which the stored sources disagree: ``(model, column) -> (other value, source key)``.
-#: HyperAI's CNN-GRU row reads 0.629 / 0.614 (the numbers issue 12 quotes for CNN-GRU), which are
+#: HyperAI's CNN-GRU row reads 0.629 / 0.614 (the numbers sometimes quoted for CNN-GRU), which are
 #: also BiRNN-HateXplain's accuracy and BiRNN-Attn's macro-F1; the two repositories read 0.627 / 0.606.
 CONFLICTS: dict[tuple[str, str], tuple[float, str]] = {
     ("CNN-GRU", "accuracy"): (0.629, "hyperai"),

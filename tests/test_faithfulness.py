@@ -655,7 +655,7 @@ def test_eraser_empty_rationale_auprc_is_what_sklearn_gives():
     assert hatexplain_auprc([[0.2, 0.1], [0.5, 0.2, 0.1]], [[1, 0], [0, 0, 0]], "eraser") == pytest.approx((1 + 0.5) / 2)
 
 
-def test_definitional_differences_cover_the_issue_topics():
+def test_definitional_differences_cover_the_known_topics():
     topics = [t for t, _, _ in DEFINITIONAL_DIFFERENCES]
     assert len(set(topics)) == len(topics)
     for t, ours, theirs in DEFINITIONAL_DIFFERENCES:
@@ -853,12 +853,12 @@ def test_published_rows_have_a_source_for_every_value():
         assert src in published.SOURCES and v != published.anchor(model, col)
 
 
-def test_published_anchors_of_the_issue_and_the_headline():
+def test_published_anchors_and_the_headline():
     a = published.anchor
     assert a("BiRNN-Attn", "accuracy") == 0.621
     assert (a("BiRNN", "accuracy"), a("BiRNN", "macro_f1")) == (0.595, 0.575)
     assert (a("BERT", "accuracy"), a("BERT", "macro_f1")) == (0.690, 0.674)
-    # CNN-GRU: the repositories read 0.627 / 0.606; the issue's 62.9 / 61.4 is HyperAI's reading
+    # CNN-GRU: the repositories read 0.627 / 0.606; the 62.9 / 61.4 sometimes quoted is HyperAI's reading
     assert (a("CNN-GRU", "accuracy"), a("CNN-GRU", "macro_f1")) == (0.627, 0.606)
     assert published.CONFLICTS[("CNN-GRU", "accuracy")] == (0.629, "hyperai")
     assert published.CONFLICTS[("CNN-GRU", "macro_f1")] == (0.614, "hyperai")

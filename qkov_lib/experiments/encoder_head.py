@@ -123,7 +123,7 @@ class EncoderHeadModel(nn.Module):
 
 # --- building and training -------------------------------------------------------------------
 # Settings chosen at ratio 1 on the official validation split (by validation macro-F1; one seed
-# per setting, grid in the issue-12 report): BiGRU encoder, d_embed = d_model = 64, dropout 0.5,
+# per setting): BiGRU encoder, d_embed = d_model = 64, dropout 0.5,
 # AdamW at eta_ov = 2e-3 for every group (ratio 1 = plain AdamW), batches of 64, validation every
 # half epoch (120 steps), early stopping after 4 evaluations without a lower validation loss
 # (best weights restored), at most 10 epochs (2400 steps). Cost of one cpu-profile run (one

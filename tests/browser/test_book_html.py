@@ -291,7 +291,7 @@ def test_search_page(site, driver, query):
 
 @pytest.mark.parametrize("doc", ["book/intro", "book/02_theory_reduction"])
 def test_equations_typeset(site, driver, doc):
-    """The pages named in the issue: the intro and a theory chapter show typeset formulas."""
+    """The intro and a theory chapter show typeset formulas."""
     if doc not in DOCS:
         pytest.fail(f"{doc} is not in _toc.yml any more; name another page with math here")
     _open(driver, f"{site}/{doc}.html")
