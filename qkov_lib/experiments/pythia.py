@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from ..data.batch import Batch
 from ..data.synthetic import SyntheticTask, sample
 from ..knob import KnobReport, knob_groups, knob_optimizer, tensor_value
+from ..metrics import prediction_metrics
 from ..profiles import profile_table
 from ..runtime import seed_everything, torch_threads
 from ..training import TrainConfig, predict, train
@@ -336,7 +337,8 @@ def sva_roles_of(model: nn.Module, ds) -> dict[str, dict[str, float]]:
     out = model(input_ids=t.tokens, attention_mask=(t.tokens != model.config.pad_token_id).long(),
                 output_attentions=True, use_cache=False)
     logits = out.logits[:, -1, ds.vocab_size:ds.vocab_size + ds.n_classes]
-    res = {"accuracy": {"accuracy": float((logits.argmax(-1) == t.y).double().mean())}}
+    acc = prediction_metrics(logits.double().softmax(-1), t.y, ds.n_classes)["accuracy"]
+    res = {"accuracy": {"accuracy": acc}}
     for layer, a in enumerate(out.attentions, start=1):
         row = a[:, :, -1].mean(1).double()  # (N, T): the query's row, mean over heads
         res[f"layer {layer}"] = {**sva_roles.role_mass(row, ds.test_info["roles"], t.key_mask),
@@ -377,7 +379,8 @@ def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd
     rows = []
     for (ratio, seed), m in zip(grid, models):
         attn, probs = predict(m, ds.test)
-        rows.append({"ratio": float(ratio), "seed": seed, "accuracy": float((probs.argmax(-1) == ds.test.y).double().mean()),
+        rows.append({"ratio": float(ratio), "seed": seed,
+                     "accuracy": prediction_metrics(probs, ds.test.y, ds.n_classes)["accuracy"],
                      **sva_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask), QUERY_SELF: 0.0})
     f = pd.DataFrame(rows).drop(columns="seed").groupby("ratio").mean()
     return f.drop(columns="accuracy"), f[["accuracy"]], rcfg
@@ -396,11 +399,12 @@ def sva_facts(roles: dict[str, pd.DataFrame], acc: pd.DataFrame, head_roles: pd.
         "trainer_sva_ratios": ", ".join(f"{r:g}" for r in sorted(cfg["ratios"])),
         "trainer_sva_acc": at(acc, "accuracy"),
         "trainer_sva_layers": "; ".join(f"{w}: subject {at(f, 'subject')}, attractors {at(f, 'attractor')}"
-                                for w, f in roles.items()),
+                                        for w, f in roles.items()),
         "trainer_sva_head": f"subject {at(head_roles, 'subject')}, attractors {at(head_roles, 'attractor')}",
         "trainer_sva_head_acc": at(head_acc, "accuracy"),
         "trainer_sva_head_steps": str(rcfg["steps"]), "trainer_sva_head_param": rcfg["parameterization"],
-        "trainer_sva_head_opt": rcfg["optimizer"], "trainer_sva_head_eta": f"{rcfg['eta_ov']:g}", "trainer_sva_head_width": str(rcfg["d_model"]),
+        "trainer_sva_head_opt": rcfg["optimizer"], "trainer_sva_head_eta": f"{rcfg['eta_ov']:g}",
+        "trainer_sva_head_width": str(rcfg["d_model"]),
         "trainer_sva_eta": f"{cfg['eta_ov']:g}",
     }
     return out
