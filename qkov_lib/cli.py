@@ -147,6 +147,11 @@ def check_settings(src: str | os.PathLike, parameters: Mapping[str, Any],
         raise ValueError(str(e)) from e
 
 
+#: A kernel that dies before its first reply (jupyter_client's message) is started again, this often.
+KERNEL_START_TRIES = 3
+KERNEL_DIED = "Kernel died before replying to kernel_info"
+
+
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
                 name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
     """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
@@ -176,8 +181,16 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
         old.unlink(missing_ok=True)
     params = {**(parameters or {}), "results_path": str(results.resolve())}
     try:
-        pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
-                            progress_bar=progress, kernel_name="python3")
+        for attempt in range(KERNEL_START_TRIES):
+            try:
+                pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
+                                    progress_bar=progress, kernel_name="python3")
+                break
+            except RuntimeError as exc:
+                # Kernels started at the same moment (a parallel sweep) can be handed the same free
+                # TCP port; the loser dies before running any cell, so starting it again is safe.
+                if KERNEL_DIED not in str(exc) or attempt == KERNEL_START_TRIES - 1:
+                    raise
     except BaseException as exc:
         mark_failed(results, f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', exc)}")
         raise

@@ -177,3 +177,33 @@ def test_qkov_run_refuses_a_scalar_for_a_list_parameter_before_a_kernel_starts(t
     err = capsys.readouterr().err
     assert "parameter 'ratios' of 01_synthetic.md takes a list" in err and "-y" not in err
     assert not list(tmp_path.iterdir())
+
+
+def test_a_kernel_that_dies_at_start_is_started_again(tmp_path, monkeypatch):
+    """Two kernels started at once can get the same TCP port; the one that dies before running
+    a cell is started again, any other error is not retried."""
+    import papermill as pm
+
+    calls = []
+    real = pm.execute_notebook
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(cli.KERNEL_DIED)
+        return real(*a, **k)
+
+    monkeypatch.setattr(pm, "execute_notebook", flaky)
+    monkeypatch.setenv(profiles.PROFILE_ENV, "test")
+    nb, res = cli.run_chapter("synthetic", tmp_path, {"steps": 5, "ratios": [1.0], "parameterizations": ["FAFO"]})
+    assert len(calls) == 2 and res.exists()
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("something else")
+
+    calls.clear()
+    monkeypatch.setattr(pm, "execute_notebook", broken)
+    with pytest.raises(RuntimeError, match="something else"):
+        cli.run_chapter("synthetic", tmp_path, {"steps": 5})
+    assert len(calls) == 1
