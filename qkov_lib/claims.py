@@ -5,11 +5,16 @@ Each rule is a pure function of numbers (never of display strings) that returns 
 included) and the reason (the numbers that decided it). Every threshold is a named constant
 registered once in :data:`THRESHOLDS`; chapters glue them from there. A rule that has no data for
 its comparison (one ratio, one parameterization, a missing metric) returns ``not tested``.
+
+The real-data rules (R1-R3) decide on paired seed intervals, not on point estimates: each change
+is a :class:`Change` (mean over seeds of run at ratio r minus run at ratio 1, its 95 % Student-t
+half-width and the number of seed pairs), and 'reproduced' needs :data:`MIN_SEEDS` pairs.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -173,10 +178,6 @@ def _finite(xs: Sequence[float]) -> list[float]:
 
 def _t(name: str) -> str:
     return threshold_text(name)
-
-
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f} points"
 
 
 # --- theory -------------------------------------------------------------------------------
@@ -381,68 +382,210 @@ def s3_robustness(per_variant: Mapping[str, Verdict]) -> Verdict:
 
 
 # --- real data -----------------------------------------------------------------------------
-R1_RULE = (f"reproduced: at every ratio above the reference, accuracy and macro-F1 fall by at most {_t('SAME_ACC')} "
-           "(fraction); not reproduced: at the highest ratio both fall by more; partly: otherwise; "
-           "not tested: one ratio")
+MIN_SEEDS = int(_threshold("MIN_SEEDS", 3, "", "fewest seeds whose runs at both ratios trained for a change to "
+                                              "count as 'reproduced'"))
+NECESSITY_SHARE = _threshold("NECESSITY_SHARE", 0.5, "", "smallest share of the above-chance accuracy that uniform "
+                                                         "attention must lose for the head's attention to count as "
+                                                         "necessary (R3)")
 
 
-def r1_performance_stable(d_accuracy: Sequence[float], d_f1: Sequence[float]) -> Verdict:
-    """R1 from the change of test accuracy and macro-F1 (fractions) at each higher ratio against the
-    reference ratio, in increasing ratio order."""
-    da, df = _finite(d_accuracy), _finite(d_f1)
-    if not da:
-        return Verdict("not tested", R1_RULE, "one ratio")
-    worst = min(da + df)
-    if worst >= -SAME_ACC:
+@dataclass(frozen=True)
+class Change:
+    """A paired change over seeds: ``mean`` of the per-seed differences (run at ratio r minus
+    run at ratio 1, same seed; in the metric's unit), ``half_width`` of its 95 % Student-t
+    interval (NaN when ``n`` < 2) and ``n``, the number of seed pairs."""
+
+    mean: float
+    half_width: float
+    n: int
+
+    def __post_init__(self) -> None:
+        try:
+            n = operator.index(self.n)
+        except TypeError:
+            raise ValueError(f"Change.n must be a whole number of seed pairs, got {self.n!r}") from None
+        if n < 0:
+            raise ValueError(f"Change.n must be >= 0, got {n}")
+        hw = float(self.half_width)
+        if hw < 0:
+            raise ValueError(f"Change.half_width must be >= 0 or NaN, got {hw}")
+        object.__setattr__(self, "n", n)
+        object.__setattr__(self, "mean", float(self.mean))
+        object.__setattr__(self, "half_width", hw)
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Change":
+        """The change from the per-seed differences ``values`` (non-finite values are ignored;
+        none left: mean NaN, n 0), with :func:`qkov_lib.metrics.seed_half_width`."""
+        from .metrics import seed_half_width
+
+        v = _finite(list(values))
+        if not v:
+            return cls(math.nan, math.nan, 0)
+        return cls(sum(v) / len(v), seed_half_width(v), len(v))
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the interval is finite (at least two seed pairs and a finite half-width)."""
+        return self.n >= 2 and math.isfinite(self.half_width)
+
+    @property
+    def lo(self) -> float:
+        """Lower end of the interval (``-inf`` when it is unbounded)."""
+        return self.mean - self.half_width if self.bounded else -math.inf
+
+    @property
+    def hi(self) -> float:
+        """Upper end of the interval (``+inf`` when it is unbounded)."""
+        return self.mean + self.half_width if self.bounded else math.inf
+
+    def text(self, percent: bool = True) -> str:
+        """The change as the reasons quote it: ``-3.1 % ± 1.2 % over 4 seeds`` (``percent=False``:
+        ``-0.031 ± 0.012 over 4 seeds``; ``, no interval`` when it is unbounded)."""
+        m, e = self.mean, self.half_width
+        body = (f"{100 * m:+.1f} %" + (f" ± {100 * e:.1f} %" if self.bounded else "")) if percent else \
+            (f"{m:+.3f}" + (f" ± {e:.3f}" if self.bounded else ""))
+        return body + f" over {self.n} seed{'s' if self.n != 1 else ''}{'' if self.bounded else ', no interval'}"
+
+
+def _has(c: Change | None) -> bool:
+    """Whether ``c`` is a measured change (a :class:`Change` with a finite mean); TypeError for
+    anything but a Change or None (e.g. a bare float, which has no seed interval)."""
+    if c is not None and not isinstance(c, Change):
+        raise TypeError(f"the real-data rules take claims.Change values (mean, half_width, n) or None, "
+                        f"got {type(c).__name__} {c!r}")
+    return c is not None and math.isfinite(c.mean)
+
+
+def _at(i: int, ratios: Sequence[float] | None, k: int) -> str:
+    return f"ratio {ratios[i]:g}" if ratios is not None and i < len(ratios) else f"higher ratio {i + 1} of {k}"
+
+
+def head_necessary(model: float, uniform: float, chance: float) -> bool | None:
+    """Whether a head's attention is necessary for the prediction: the model's accuracy with its
+    own attention (``model``), with uniform attention over the keys (``uniform``) and the chance
+    accuracy (``chance``), all fractions. True when uniform attention loses at least
+    :data:`NECESSITY_SHARE` of the above-chance accuracy; None when an input is not finite or the
+    model is not above chance."""
+    xs = [model, uniform, chance]
+    if any(x is None or not math.isfinite(float(x)) for x in xs) or float(model) <= float(chance):
+        return None
+    return (float(model) - float(uniform)) >= NECESSITY_SHARE * (float(model) - float(chance))
+
+
+R1_RULE = ("each change is the mean over seeds of (ratio r minus ratio 1, same seed) over every model that "
+           "trained, not only those that beat chance, with its 95 % seed interval; reproduced: at every ratio above 1 "
+           f"the intervals of the accuracy and macro-F1 changes lie above -{_t('SAME_ACC')} (fraction) and come from "
+           f"at least {_t('MIN_SEEDS')} seeds; not reproduced: at the highest ratio compared the whole accuracy "
+           f"interval (and the macro-F1 one) lies below -{_t('SAME_ACC')}; partly: otherwise (an interval straddles "
+           "the band, or too few seeds); not tested: no ratio above 1 with a change")
+
+
+def r1_performance_stable(d_accuracy: Sequence[Change | None], d_f1: Sequence[Change | None],
+                          ratios: Sequence[float] | None = None) -> Verdict:
+    """R1 from the paired changes of test accuracy and macro-F1 (fractions), one :class:`Change`
+    per ratio above 1 in increasing ratio order (None where nothing could be compared; ``d_f1``
+    may be empty when macro-F1 was not measured). ``ratios``, if given, names the ratios in the
+    reason."""
+    acc, f1 = list(d_accuracy), list(d_f1)
+    with_f1 = any(_has(c) for c in f1)
+    per = [[("accuracy", a)] + ([("macro-F1", f1[i] if i < len(f1) else None)] if with_f1 else [])
+           for i, a in enumerate(acc)]
+    compared = [i for i, cs in enumerate(per) if _has(cs[0][1])]
+    if not compared:
+        return Verdict("not tested", R1_RULE, "no higher ratio with a change")
+    k = len(per)
+    changes = [(i, name, c) for i, cs in enumerate(per) for name, c in cs if _has(c)]
+    i_w, name_w, worst = min(changes, key=lambda t: t[2].mean)
+    why = f"largest drop {worst.text()} ({name_w}, {_at(i_w, ratios, k)})"
+    complete = len(changes) == sum(len(cs) for cs in per)
+    n_min = min(c.n for _, _, c in changes)
+    if complete and all(c.lo >= -SAME_ACC for _, _, c in changes) and n_min >= MIN_SEEDS:
+        return Verdict("reproduced", R1_RULE, why)
+    top = [c for _, c in per[compared[-1]] if _has(c)]
+    if all(c.hi < -SAME_ACC for c in top):
+        return Verdict("not reproduced", R1_RULE, f"{why}; at {_at(compared[-1], ratios, k)} the whole interval "
+                                                  f"is a drop beyond -{_t('SAME_ACC')}")
+    causes = []
+    if not complete:
+        causes.append("no change at " + ", ".join(_at(i, ratios, k) for i, cs in enumerate(per)
+                                                   if not all(_has(c) for _, c in cs)))
+    if n_min < MIN_SEEDS:
+        causes.append(f"too few seeds ({n_min} < {_t('MIN_SEEDS')})")
+    elif any(c.lo < -SAME_ACC <= c.hi for _, _, c in changes):
+        causes.append("undecided: interval straddles the band")
+    if not causes:
+        causes.append("a drop beyond the band below the highest ratio, or in only one of the two metrics")
+    return Verdict("partly", R1_RULE, f"{why}; " + "; ".join(causes))
+
+
+R2_RULE = (f"changes at the highest ratio with a trained run, against ratio 1, paired by seed; a metric improves "
+           f"when its whole 95 % seed interval clears its margin: AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 "
+           f"by ≥ {_t('MIN_GAIN_ACMC')}, sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')} (an interval needs at least "
+           f"2 seeds); reproduced: all three improve, from at least {_t('MIN_SEEDS')} seeds; partly: one or two "
+           "improve, or all three with too few seeds; not reproduced: none improves; not tested: nothing measured")
+
+
+def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> Verdict:
+    """R2 from the paired changes at the highest trained ratio against ratio 1 of AC@0.5 and
+    ACMC@0.5 (fractions, up is better) and of the sufficiency score (down is better); None
+    when not measured."""
+    items = [("AC@0.5", d_ac, MIN_GAIN_AC, 1), ("ACMC@0.5", d_acmc, MIN_GAIN_ACMC, 1),
+             ("sufficiency", d_sufficiency, MIN_GAIN_SUFF, -1)]
+    measured = [(name, c, gain, sign) for name, c, gain, sign in items if _has(c)]
+    if not measured:
+        return Verdict("not tested", R2_RULE, "nothing measured at a higher ratio")
+    up = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean - c.half_width >= gain]
+    n_min = min(c.n for _, c, _, _ in measured)
+    if len(up) == 3 and n_min >= MIN_SEEDS:
         v = "reproduced"
-    elif da[-1] < -SAME_ACC and (not df or df[-1] < -SAME_ACC):
-        v = "not reproduced"
     else:
-        v = "partly"
-    return Verdict(v, R1_RULE, f"largest drop {_pct(worst)}")
+        v = "partly" if up else "not reproduced"
+    each = ", ".join(f"{name} {c.text(percent=False)}" for name, c, _, _ in measured)
+    tail = f"; too few seeds ({n_min} < {_t('MIN_SEEDS')})" if len(up) == 3 and v == "partly" else ""
+    return Verdict(v, R2_RULE, f"{len(up)}/{len(measured)} improved beyond their margin ({each}){tail}")
 
 
-R2_RULE = (f"reproduced: at the highest ratio AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 by ≥ {_t('MIN_GAIN_ACMC')} "
-           f"and sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')}, each also beyond the 95% seed interval of the change "
-           "(all three); partly: one or two of them; not reproduced: none; not tested: one ratio")
+R3_RULE = (f"read at the highest ratio with a change, against ratio 1, paired by seed, with 95 % seed intervals; "
+           f"reproduced: the attention interval lies above {_t('SHARPER')} and the accuracy interval inside "
+           f"±{_t('SAME_ACC')}, from at least {_t('MIN_SEEDS')} seeds; not reproduced: the whole attention interval "
+           f"lies below {_t('SHARPER')} (no rise); partly: otherwise (a rise with an accuracy change, an interval "
+           "that straddles its threshold, or too few seeds); not tested: no ratio above 1 with a change, or the "
+           f"prediction does not need the head's attention (uniform attention loses less than {_t('NECESSITY_SHARE')} "
+           "of the above-chance accuracy)")
 
 
-def r2_interpretability(d_ac: float | None, d_acmc: float | None, d_sufficiency: float | None,
-                        noise: Sequence[float] | None = None) -> Verdict:
-    """R2 from the changes at the highest ratio against the reference: AC@0.5, ACMC@0.5 (fractions,
-    up is better) and sufficiency (down is better; None when not measured). ``noise``: the 95%
-    half-width of each change over seeds (NaN or None: one seed, no interval)."""
-    noise = list(noise) if noise is not None else [math.nan] * 3
-    checks = []
-    for d, gain, sign, e in zip((d_ac, d_acmc, d_sufficiency), (MIN_GAIN_AC, MIN_GAIN_ACMC, MIN_GAIN_SUFF),
-                                (1, 1, -1), noise):
-        if d is not None and math.isfinite(float(d)):
-            e = float(e) if e is not None and math.isfinite(float(e)) else 0.0
-            checks.append(sign * float(d) >= max(gain, e))
-    if not checks:
-        return Verdict("not tested", R2_RULE, "one ratio")
-    k = sum(checks)
-    v = "reproduced" if k == 3 else "partly" if k else "not reproduced"
-    return Verdict(v, R2_RULE, f"{k}/{len(checks)} interpretability metrics improved by their margin")
-
-
-R3_RULE = (f"reproduced: at a higher ratio attention on the relevant tokens rises by ≥ {_t('SHARPER')} while accuracy "
-           f"changes by at most {_t('SAME_ACC')}; partly: it rises only together with a larger accuracy change; "
-           "not reproduced: it does not rise; not tested: one ratio")
-
-
-def r3_decoupled(d_attention: Sequence[float], d_accuracy: Sequence[float]) -> Verdict:
-    """R3 from the change of mean attention on the relevant tokens and of accuracy (fractions) at
-    each higher ratio against the reference ratio (paired lists)."""
-    pairs = [(float(a), float(c)) for a, c in zip(d_attention, d_accuracy)
-             if a is not None and c is not None and math.isfinite(float(a)) and math.isfinite(float(c))]
-    if not pairs:
-        return Verdict("not tested", R3_RULE, "one ratio")
-    decoupled = [a >= SHARPER and abs(c) <= SAME_ACC for a, c in pairs]
-    sharper = [a >= SHARPER for a, _ in pairs]
-    v = "reproduced" if any(decoupled) else "partly" if any(sharper) else "not reproduced"
-    a, c = max(pairs, key=lambda t: t[0])
-    return Verdict(v, R3_RULE, f"largest attention rise {a:+.3f} with accuracy change {_pct(c)}")
+def r3_decoupled(d_attention: Sequence[Change | None], d_accuracy: Sequence[Change | None],
+                 necessary: bool | None = None, ratios: Sequence[float] | None = None) -> Verdict:
+    """R3 from the paired changes of mean attention on the relevant tokens and of accuracy
+    (fractions), one :class:`Change` per ratio above 1 in increasing ratio order (None where
+    nothing was compared), read at the highest ratio where both have a change. ``necessary``:
+    :func:`head_necessary` (False: not tested; None: unknown). ``ratios`` names the ratios in
+    the reason."""
+    if necessary is False:
+        return Verdict("not tested", R3_RULE, "the prediction does not need the head's attention")
+    att, acc = list(d_attention), list(d_accuracy)
+    both = [i for i in range(min(len(att), len(acc))) if _has(att[i]) and _has(acc[i])]
+    if not both:
+        return Verdict("not tested", R3_RULE, "no higher ratio with a change")
+    i = both[-1]
+    a, c = att[i], acc[i]
+    why = f"at {_at(i, ratios, len(att))}: attention {a.text(percent=False)}, accuracy {c.text()}"
+    n_min = min(a.n, c.n)
+    acc_same = c.lo >= -SAME_ACC and c.hi <= SAME_ACC
+    if a.lo >= SHARPER and acc_same and n_min >= MIN_SEEDS:
+        return Verdict("reproduced", R3_RULE, why)
+    if a.hi < SHARPER:
+        return Verdict("not reproduced", R3_RULE, f"{why}; no rise")
+    if n_min < MIN_SEEDS:
+        cause = f"too few seeds ({n_min} < {_t('MIN_SEEDS')})"
+    elif a.lo < SHARPER:
+        cause = "undecided: the attention interval straddles the threshold"
+    elif c.hi < -SAME_ACC or c.lo > SAME_ACC:
+        cause = "attention rises together with an accuracy change"
+    else:
+        cause = "undecided: the accuracy interval straddles the band"
+    return Verdict("partly", R3_RULE, f"{why}; {cause}")
 
 
 HEADS_RULE = (f"reproduced: at the highest ratio the head-mean attention on the relevant tokens rises by ≥ "

@@ -97,10 +97,29 @@ def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str 
     return pd.DataFrame(rows, columns=cols)
 
 
+DATASETS = {"squad": "SQuAD", "hatexplain": "HateXplain", "sva": "SVA"}  # chapter stem -> dataset name
+
+
+def dataset_name(chapter: str) -> str:
+    """The dataset a chapter name stands for (``05_squad`` or ``squad`` -> ``SQuAD``); other
+    chapter names are returned unchanged."""
+    stem = Path(str(chapter)).stem
+    head, _, tail = stem.partition("_")
+    key = tail if head.isdigit() and tail else stem
+    return DATASETS.get(key.lower(), str(chapter))
+
+
+def per_dataset(measurements: Sequence[Mapping[str, Any]]) -> str:
+    """Each measurement's verdict named by its dataset (:func:`dataset_name` of its chapter), in
+    order: ``SQuAD reproduced · HateXplain not reproduced · SVA partly``; ``""`` when none."""
+    return " · ".join(f"{dataset_name(m.get('chapter', ''))} {m.get('verdict', 'not tested')}" for m in measurements)
+
+
 def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     """One verdict and its reason from several chapters' rows on a claim: ``not run`` when there
     are none, ``not tested`` when nothing was tested, the common verdict when the tested ones
-    agree; when they disagree, ``partly`` with each chapter's verdict and reason named."""
+    agree; when they disagree, ``partly``, and the reason names every chapter's verdict (and
+    reason), untested ones included, so that no chapter's negative is hidden."""
     if not measurements:
         return "not run", "no chapter in this build reported this claim"
     tested = [m for m in measurements if m.get("verdict") != "not tested"]
@@ -109,15 +128,16 @@ def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
     verdicts = {m.get("verdict") for m in tested}
     if len(verdicts) == 1:
         return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree"
-    return "partly", "chapters disagree: " + "; ".join(
-        f"{m.get('chapter')}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "") for m in tested)
+    return "partly", "chapters disagree: " + " · ".join(
+        f"{m.get('chapter')}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "")
+        for m in measurements)
 
 
 def build(rows: pd.DataFrame) -> pd.DataFrame:
     """The scorecard: one row per claim ID -- the paper's claims in order, then our extensions,
     then any unknown IDs -- with its statement, ``kind`` (paper / extension / unknown), the list
-    of measurements (dicts with ours/verdict/rule/reason/doc/chapter) and the combined verdict
-    and reason."""
+    of measurements (dicts with ours/verdict/rule/reason/doc/chapter), the combined verdict and
+    reason, and ``per_dataset`` (:func:`per_dataset`: each measurement's verdict by dataset)."""
     seen = set(rows["id"]) if len(rows) else set()
     ids = list(CLAIMS) + [e for e in EXTENSIONS if e in seen] + sorted(seen - set(CLAIMS) - set(EXTENSIONS))
     out = []
@@ -128,7 +148,7 @@ def build(rows: pd.DataFrame) -> pd.DataFrame:
         kind = "paper" if cid in CLAIMS else "extension" if cid in EXTENSIONS else "unknown"
         text = CLAIMS.get(cid) or (EXTENSIONS[cid][1] if cid in EXTENSIONS else "(not a claim ID of the paper)")
         out.append({"id": cid, "claim": text, "kind": kind, "known": kind == "paper", "measurements": ms,
-                    "verdict": verdict, "reason": reason})
+                    "verdict": verdict, "reason": reason, "per_dataset": per_dataset(ms)})
     return pd.DataFrame(out)
 
 
@@ -143,15 +163,23 @@ def myst_cell(text: Any) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
-def _badge(verdict: str, link: bool) -> str:
-    return f"{{{BADGES.get(verdict, 'bdg-muted')}}}`{verdict}`" if link else f"**{verdict}**"
+def _badge(verdict: str, link: bool, small: bool = False) -> str:
+    """A verdict as a sphinx-design badge (``small``: the outline badge of the same colour), or in
+    plain text without ``link`` (bold; ``small``: as is)."""
+    if not link:
+        return verdict if small else f"**{verdict}**"
+    role = BADGES.get(verdict, "bdg-muted")
+    return f"{{{role if not small or role.endswith('-line') else role + '-line'}}}`{verdict}`"
 
 
 def to_myst(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
     """The scorecard (or its rows of ``kind``) as a MyST table: claim | the paper says | we
     measured | verdict | rule (thresholds) | chapter. A claim tested by several chapters gets one
-    row per chapter and a combined row. With ``link`` (for ``{glue:md}`` with ``:format: myst``)
-    chapters are ``{doc}`` links and verdicts sphinx-design badges; without, plain text."""
+    row per chapter and a combined row, whose verdict cell shows the combined badge and each
+    dataset's verdict as its own small badge (so one dataset's negative stays visible). A rule is
+    shown once per claim: a later row of the same claim with the same rule leaves its cell empty.
+    With ``link`` (for ``{glue:md}`` with ``:format: myst``) chapters are ``{doc}`` links and
+    verdicts sphinx-design badges; without, plain text."""
     lines = ["| claim | the paper says | we measured | verdict | rule (thresholds) | chapter |",
              "|---|---|---|---|---|---|"]
     rows = card if kind is None else card[card["kind"] == kind]
@@ -162,15 +190,20 @@ def to_myst(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> s
             lines.append("| " + " | ".join(first + ["no chapter in this build reported this claim",
                                                     _badge("not run", link), "", ""]) + " |")
             continue
+        shown: set[str] = set()
         for i, m in enumerate(ms):
             doc = m.get("doc")
             where = f"{{doc}}`{doc}`" if link and doc else myst_cell(m.get("chapter", ""))
             ours = myst_cell(m.get("ours", "")) + (f" *Decided by:* {myst_cell(m['reason'])}" if m.get("reason") else "")
+            rule = myst_cell(m.get("rule", ""))
             lines.append("| " + " | ".join((first if i == 0 else ["", ""]) + [
-                ours, _badge(str(m.get("verdict", "not tested")), link), myst_cell(m.get("rule", "")), where]) + " |")
+                ours, _badge(str(m.get("verdict", "not tested")), link), "" if rule in shown else rule, where]) + " |")
+            shown.add(rule)
         if len(ms) > 1:
+            each = " ".join(f"{myst_cell(dataset_name(m.get('chapter', '')))} "
+                            f"{_badge(str(m.get('verdict', 'not tested')), link, small=True)}" for m in ms)
             lines.append("| " + " | ".join(["", "", f"*combined:* {myst_cell(r['reason'])}",
-                                            _badge(r["verdict"], link), "", ""]) + " |")
+                                            f"{_badge(r['verdict'], link)} {each}", "", ""]) + " |")
     return "\n".join(lines)
 
 

@@ -8,6 +8,13 @@ import pytest
 from qkov_lib import claims as C
 
 ALL = ["reproduced", "partly", "not reproduced", "not tested"]
+
+
+def ch(mean, half_width=0.005, n=4):
+    """A paired seed change (tight interval, four seeds unless told)."""
+    return C.Change(mean, half_width, n)
+
+
 P4 = {"FAFO": 0.6, "CAFO": 0.5, "FACO": 0.95, "CACO": 0.7}  # top two: CACO, FACO (summary A)
 
 # rule -> verdict -> arguments that must give it
@@ -34,18 +41,20 @@ CASES = {
     "s3_ratio_sharpens": {"reproduced": ([0.1, 0.02], [0.01, -0.01], [0.0, 0.0]),
                           "partly": ([0.1, 0.02], [0.2, 0.0], [0.0, 0.0]),
                           "not reproduced": ([-0.1, 0.0], [0.0, 0.0], [0.0, 0.0]), "not tested": ([], [], [])},
-    "r1_performance_stable": {"reproduced": ([0.0, 0.01], [-0.01, 0.0]), "partly": ([-0.05, 0.0], [0.0, 0.0]),
-                              "not reproduced": ([0.0, -0.05], [0.0, -0.04]), "not tested": ([], [])},
-    "r2_interpretability": {"reproduced": (0.2, 0.2, -0.05), "partly": (0.2, 0.0, None),
-                            "not reproduced": (0.0, -0.1, 0.05), "not tested": (None, None, None)},
+    "r1_performance_stable": {"reproduced": ([ch(0.0), ch(0.01)], [ch(-0.01), ch(0.0)]),
+                              "partly": ([ch(-0.05), ch(0.0)], [ch(0.0), ch(0.0)]),
+                              "not reproduced": ([ch(0.0), ch(-0.05)], [ch(0.0), ch(-0.04)]),
+                              "not tested": ([None], [])},
+    "r2_interpretability": {"reproduced": (ch(0.2), ch(0.2), ch(-0.05)), "partly": (ch(0.2), ch(0.0), None),
+                            "not reproduced": (ch(0.0), ch(-0.1), ch(0.05)), "not tested": (None, None, None)},
     "heads_sharpen": {"reproduced": ([0.05, 0.03],), "partly": ([0.05, 0.0],), "not reproduced": ([0.0, -0.1],),
                       "not tested": ([],)},
     "tuned_region": {"reproduced": ({"adamw": "reproduced", "sgd": "reproduced"},),
                      "partly": ({"adamw": "reproduced", "sgd": "not reproduced"},),
                      "not reproduced": ({"adamw": "not reproduced", "sgd": "not tested"},),
                      "not tested": ({"adamw": "not tested"},)},
-    "r3_decoupled": {"reproduced": ([0.1], [0.0]), "partly": ([0.1], [0.1]), "not reproduced": ([-0.1], [0.0]),
-                     "not tested": ([], [])},
+    "r3_decoupled": {"reproduced": ([ch(0.1)], [ch(0.0)]), "partly": ([ch(0.1)], [ch(0.1)]),
+                     "not reproduced": ([ch(-0.1)], [ch(0.0)]), "not tested": ([], [])},
 }
 
 
@@ -64,9 +73,10 @@ def test_every_rule_is_covered_and_every_rule_can_fail():
 
 @pytest.mark.parametrize("rule,args,flip", [
     ("s3_ratio_sharpens", ([0.1, 0.05], [0.0, 0.0], [0.0, 0.0]), lambda a: ([-x for x in a[0]], a[1], a[2])),
-    ("r3_decoupled", ([0.1, 0.2], [0.0, 0.01]), lambda a: ([-x for x in a[0]], a[1])),
-    ("r2_interpretability", (0.2, 0.2, -0.05), lambda a: tuple(-x for x in a)),
-    ("r1_performance_stable", ([0.0, 0.01], [0.0, 0.01]), lambda a: ([-0.05, -0.06], [-0.05, -0.06])),
+    ("r3_decoupled", ([ch(0.1), ch(0.2)], [ch(0.0), ch(0.01)]), lambda a: ([ch(-x.mean) for x in a[0]], a[1])),
+    ("r2_interpretability", (ch(0.2), ch(0.2), ch(-0.05)), lambda a: tuple(ch(-x.mean) for x in a)),
+    ("r1_performance_stable", ([ch(0.0), ch(0.01)], [ch(0.0), ch(0.01)]),
+     lambda a: ([ch(-0.05), ch(-0.06)], [ch(-0.05), ch(-0.06)])),
     ("t6_factorized_qk", ([0.1, 0.2],), lambda a: ([-x for x in a[0]],)),
     ("heads_sharpen", ([0.05, 0.03],), lambda a: ([-x for x in a[0]],)),
     ("t5_sharpening", ({"FAFO": [0.3, 0.1]}, {"FAFO": 0.1}), lambda a: ({"FAFO": [0.1, 0.3]}, {"FAFO": -0.1})),
@@ -92,3 +102,108 @@ def test_claim_rows_and_bad_verdicts():
         C.statement("T9")
     assert C.statement("R3-multilayer").startswith("R3")
     assert set(C.EXTENSIONS[k][0] for k in C.EXTENSIONS) <= set(C.CLAIMS)
+
+
+# --- the real-data rules decide on seed intervals ---------------------------------------------
+def test_change_interval_from_seed_differences():
+    c = C.Change.of([0.10, 0.12, math.nan, 0.11, math.inf])
+    assert c.n == 3 and c.mean == pytest.approx(0.11, abs=1e-12)
+    # t(0.975, 2) = 4.3027, sd = 0.01, sqrt(3): half-width 0.024841 (to 1e-5)
+    assert c.half_width == pytest.approx(4.302653 * 0.01 / math.sqrt(3), abs=1e-5)
+    assert c.lo == pytest.approx(c.mean - c.half_width, abs=1e-12) and c.hi > c.mean
+    one = C.Change.of([0.3])
+    assert one.n == 1 and math.isnan(one.half_width) and (one.lo, one.hi) == (-math.inf, math.inf)
+    empty = C.Change.of([math.nan])
+    assert empty.n == 0 and math.isnan(empty.mean)
+    with pytest.raises(ValueError, match="whole number of seed pairs"):
+        C.Change(0.1, 0.01, 2.5)
+    with pytest.raises(ValueError, match="half_width must be >= 0"):
+        C.Change(0.1, -0.01, 3)
+    with pytest.raises(TypeError, match="take claims.Change values"):
+        C.r3_decoupled([0.1], [0.0])  # a bare number has no seed interval
+
+
+@pytest.mark.parametrize("rule,good,wide", [
+    ("r1_performance_stable", ([ch(0.0)], [ch(0.0)]), ([ch(0.0, 0.05)], [ch(0.0)])),
+    ("r2_interpretability", (ch(0.2), ch(0.2), ch(-0.05)), (ch(0.2, 0.3), ch(0.2, 0.3), ch(-0.05, 0.3))),
+    ("r3_decoupled", ([ch(0.1)], [ch(0.0)]), ([ch(0.1, 0.2)], [ch(0.0)])),
+])
+def test_a_wide_interval_with_the_same_mean_is_not_reproduced(rule, good, wide):
+    f = getattr(C, rule)
+    assert f(*good).verdict == "reproduced"
+    assert f(*wide).verdict in ("partly", "not reproduced")
+    if rule != "r2_interpretability":  # R2: a rise that does not clear its margin counts as no improvement
+        assert "undecided" in f(*wide).reason and f(*wide).verdict == "partly"
+
+
+@pytest.mark.parametrize("rule,args", [
+    ("r1_performance_stable", ([ch(0.0, 0.001, 2)], [ch(0.0, 0.001, 2)])),
+    ("r2_interpretability", (ch(0.2, 0.001, 2), ch(0.2, 0.001, 2), ch(-0.05, 0.001, 2))),
+    ("r3_decoupled", ([ch(0.1, 0.001, 2)], [ch(0.0, 0.001, 2)])),
+])
+def test_two_seeds_cannot_reproduce_even_with_a_tight_interval(rule, args):
+    f = getattr(C, rule)
+    out = f(*args)
+    assert out.verdict == "partly" and "too few seeds (2 < 3)" in out.reason
+    three = [[C.Change(x.mean, x.half_width, 3) for x in a] if isinstance(a, list) else C.Change(a.mean, a.half_width, 3)
+             for a in args]
+    assert f(*three).verdict == "reproduced"
+
+
+def test_one_seed_decides_neither_way_for_r1_and_r3():
+    assert C.r1_performance_stable([ch(-0.5, math.nan, 1)], []).verdict == "partly"
+    assert C.r3_decoupled([ch(-0.5, math.nan, 1)], [ch(0.0, math.nan, 1)]).verdict == "partly"
+    assert "no interval" in C.r3_decoupled([ch(-0.5, math.nan, 1)], [ch(0.0, math.nan, 1)]).reason
+
+
+def test_r1_names_the_worst_interval_and_the_cause():
+    v = C.r1_performance_stable([ch(0.0), ch(-0.031, 0.012)], [ch(0.0), ch(-0.01)], ratios=[10, 100])
+    assert v.verdict == "partly"
+    assert "largest drop -3.1 % ± 1.2 % over 4 seeds (accuracy, ratio 100)" in v.reason
+    assert "undecided: interval straddles the band" in v.reason
+    # a drop beyond the band in accuracy alone at the highest ratio is not a full negative
+    assert C.r1_performance_stable([ch(-0.1)], [ch(0.0)]).verdict == "partly"
+    assert C.r1_performance_stable([ch(-0.1)], [ch(-0.1)]).verdict == "not reproduced"
+    # a ratio where nothing was compared keeps it from 'reproduced'
+    v = C.r1_performance_stable([ch(0.0), None], [], ratios=[10, 100])
+    assert v.verdict == "partly" and "no change at ratio 100" in v.reason
+
+
+def test_r3_reads_the_highest_ratio():
+    """A rise at ratio 3 with a fall at ratio 100 is not 'reproduced'; the reason quotes ratio 100."""
+    v = C.r3_decoupled([ch(0.1), ch(-0.1)], [ch(0.0), ch(0.0)], ratios=[3, 100])
+    assert v.verdict == "not reproduced" and "ratio 100" in v.reason and "-0.100 ± 0.005" in v.reason
+    up = C.r3_decoupled([ch(-0.1), ch(0.1)], [ch(0.0), ch(0.0)], ratios=[3, 100])
+    assert up.verdict == "reproduced"
+    # the highest ratio with a change on both sides is read (ratio 100 was not compared)
+    assert C.r3_decoupled([ch(0.1), None], [ch(0.0), None]).verdict == "reproduced"
+    # a rise with an accuracy change beyond the band
+    v = C.r3_decoupled([ch(0.1)], [ch(-0.1)])
+    assert v.verdict == "partly" and "accuracy change" in v.reason
+
+
+def test_r3_is_not_tested_when_the_attention_is_not_necessary():
+    args = ([ch(0.1)], [ch(0.0)])
+    v = C.r3_decoupled(*args, necessary=False)
+    assert v.verdict == "not tested" and v.reason == "the prediction does not need the head's attention"
+    assert C.r3_decoupled(*args, necessary=True).verdict == C.r3_decoupled(*args, necessary=None).verdict == "reproduced"
+
+
+@pytest.mark.parametrize("model,uniform,chance,want", [
+    (0.24, 0.015, 0.015, True),     # SQuAD-like: uniform attention falls to chance
+    (0.64, 0.62, 0.40, False),      # bag-of-words-like: uniform keeps 0.22 of the 0.24 above chance
+    (0.90, 0.65, 0.40, True),       # loses exactly half (0.25 of 0.50)
+    (0.90, 0.66, 0.40, False),      # loses 0.24 of 0.50
+    (0.40, 0.30, 0.40, None),       # not above chance
+    (math.nan, 0.3, 0.1, None),
+])
+def test_head_necessary_on_hand_worked_cases(model, uniform, chance, want):
+    assert C.head_necessary(model, uniform, chance) is want
+
+
+def test_real_data_rules_state_their_thresholds():
+    assert C.THRESHOLDS["MIN_SEEDS"].value == C.MIN_SEEDS == 3 and C.THRESHOLDS["NECESSITY_SHARE"].value == 0.5
+    for rule in (C.R1_RULE, C.R2_RULE, C.R3_RULE):
+        assert "95 % seed interval" in rule and "at least 3 seeds" in rule
+    assert "0.02" in C.R1_RULE and "0.05" in C.R2_RULE and "0.01" in C.R2_RULE and "0.005" in C.R3_RULE
+    assert "0.5" in C.R3_RULE and C.RULE_TEXT["R3"] == C.R3_RULE

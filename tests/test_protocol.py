@@ -23,13 +23,17 @@ def test_grid_needs_ratio_one_and_base_rates():
         P.grid(["sgd"], {"adamw": [1e-3]}, [1], [0])
 
 
-def _table(d_acc=0.0, d_attn=0.1, fail_seed=None):
+def _table(d_acc=0.0, d_attn=0.1, fail_seed=None, seeds=(0, 1, 2), jitter=0.0):
+    """Runs of two adamw and one sgd column at ratios 1 and 10. At ratio 10 each metric moves by
+    its effect times 1 + (+1, -1, +1, ...) * ``jitter`` / |d_attn| over the seeds, so attention
+    moves by d_attn +- jitter: for an even number of seeds the paired changes keep the effect as
+    their mean and get a spread."""
     rows = []
     for opt, etas in (("adamw", (1e-3, 1e-2)), ("sgd", (0.1,))):
         for eta in etas:
             for r in (1.0, 10.0):
-                for s in (0, 1, 2):
-                    up = r > 1
+                for s in seeds:
+                    up = (r > 1) * (1 + jitter * (-1) ** s / max(abs(d_attn), 1e-9))
                     rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r, "seed": s, "diverged": False,
                                  "val_accuracy": 0.9 - (0.5 if (fail_seed == s and up) else 0.0) + 0.01 * (eta == 1e-3),
                                  "accuracy": 0.8 + d_acc * up + 0.001 * s, "macro_f1": 0.7 + d_acc * up,
@@ -50,6 +54,20 @@ def test_trained_filter_and_selection_use_validation_only():
     row = ph[(ph.optimizer == "adamw") & (ph.eta_ov == 1e-3) & (ph.ratio == 10.0)].iloc[0]
     assert row["trained_runs"] == 2 and row["failure_rate"] == pytest.approx(1 / 3)
     assert row["d_attn_relevant"] == pytest.approx(0.1) and bool(row["d_attn_relevant_sig"])
+
+
+def test_phase_table_counts_seed_pairs_and_rejects_a_bad_chance():
+    t = _table(seeds=(0, 1, 2, 3), jitter=0.002).assign(trained=True)
+    ph = P.phase_table(t).set_index(["optimizer", "eta_ov", "ratio"])
+    row = ph.loc[("sgd", 0.1, 10.0)]
+    assert row["d_attn_relevant_n"] == 4 and row["d_all_accuracy_n"] == 4 and row["d_all_macro_f1_n"] == 4
+    # the four paired changes are 0.1 +- 0.002: mean 0.1, half-width t(0.975, 3) * 0.0023094 / 2 = 0.003675
+    assert row["d_attn_relevant"] == pytest.approx(0.1, abs=1e-9)
+    assert row["d_attn_relevant_ci"] == pytest.approx(3.182446 * 0.0023094 / 2, abs=1e-5)
+    with pytest.raises(ValueError, match="chance must be an accuracy"):
+        P.phase_table(t, chance=1.5)
+    with pytest.raises(TypeError, match="necessary must be"):
+        P.cell_verdicts(P.phase_table(t), necessary="yes")
 
 
 def test_region_verdicts_flip_with_the_effect():
@@ -119,3 +137,49 @@ def test_train_grid_on_a_tiny_task_learns_and_is_deterministic():
     fig = P.plot_phase(P.phase_table(a.assign(trained=True), ["accuracy", "attn_relevant"]), ["accuracy"],
                        {"adamw": 0.05})
     assert fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
+
+
+def _column_verdicts(t, **kw):
+    t = t.assign(trained=P.trained(t, chance=0.5)) if "trained" not in t else t
+    return P.cell_verdicts(P.phase_table(t, chance=kw.pop("chance", None)), **kw).set_index(
+        ["optimizer", "eta_ov", "claim"])["verdict"]
+
+
+def test_four_seeds_with_a_tight_rise_reproduce_and_two_seeds_do_not():
+    """Same mean changes (+0.1 attention, AC and ACMC +0.2, sufficiency -0.1, accuracy 0): with
+    four seeds the intervals decide; with two the rules say 'partly' (too few seeds)."""
+    four = _column_verdicts(_table(seeds=(0, 1, 2, 3), jitter=0.002))
+    two = _column_verdicts(_table(seeds=(0, 1), jitter=0.002))
+    for cid in ("R1", "R2", "R3"):
+        assert four[("sgd", 0.1, cid)] == "reproduced", cid
+        assert two[("sgd", 0.1, cid)] == "partly", cid
+    reasons = P.cell_verdicts(P.phase_table(_table(seeds=(0, 1), jitter=0.002).assign(trained=True)))
+    assert reasons["reason"].str.contains("too few seeds").all()
+
+
+def test_a_collapse_at_the_highest_ratio_is_a_negative_for_r1():
+    """At ratio 100 no run trains (validation at chance) and the test accuracy falls to chance;
+    one run diverges. R1 sees every model, so it is 'not reproduced', although no trained run
+    could be compared there; a diverged run counts at chance only when ``chance`` is given."""
+    rows = []
+    for r in (1.0, 10.0, 100.0):
+        for s in range(4):
+            dead = r == 100.0
+            rows.append({"optimizer": "sgd", "eta_ov": 0.3, "ratio": r, "seed": s, "diverged": dead and s == 0,
+                         "val_accuracy": 0.5 if dead else 0.9, "accuracy": 0.25 + 0.001 * s if dead else 0.8,
+                         "macro_f1": 0.1 if dead else 0.8, "attn_relevant": 0.3 + 0.1 * (r > 1) + 0.001 * s,
+                         "AC@0.5": 0.2, "ACMC@0.5": 0.2, "sufficiency": 0.3})
+    t = pd.DataFrame(rows)
+    t["trained"] = P.trained(t, chance=0.5)
+    ph = P.phase_table(t, chance=0.25).set_index("ratio")
+    assert ph.loc[100.0, "d_accuracy_n"] == 0 and ph.loc[100.0, "d_all_accuracy_n"] == 4
+    assert ph.loc[100.0, "d_all_macro_f1_n"] == 3  # the diverged run has no macro-F1
+    assert ph.loc[100.0, "d_all_accuracy"] == pytest.approx(np.mean([-0.55, -0.549, -0.548, -0.547]), abs=1e-9)
+    assert P.phase_table(t).set_index("ratio").loc[100.0, "d_all_accuracy_n"] == 3  # no chance: left out
+    v = _column_verdicts(t, chance=0.25)
+    assert v[("sgd", 0.3, "R1")] == "not reproduced"
+    # R3 is read at ratio 10 (the highest with trained pairs): a rise at the same accuracy
+    assert v[("sgd", 0.3, "R3")] == "reproduced"
+    assert _column_verdicts(t, chance=0.25, necessary=False)[("sgd", 0.3, "R3")] == "not tested"
+    per_column = _column_verdicts(t, chance=0.25, necessary={("sgd", 0.3): False, ("adamw", 1e-3): True})
+    assert per_column[("sgd", 0.3, "R3")] == "not tested"

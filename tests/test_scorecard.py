@@ -27,7 +27,8 @@ def _results(folder: Path) -> None:
     results.save_results("theory", {"profile": "cpu"}, {"claims": [
         claims.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
         claims.claim("T9", "not a claim", "?", "not tested", "theory"),
-        claims.claim("R3-multilayer", "decoupled", "heads sharpen", claims.r3_decoupled([0.1], [0.0]), "theory")]},
+        claims.claim("R3-multilayer", "decoupled", "heads sharpen",
+                     claims.r3_decoupled([claims.Change(0.1, 0.01, 4)], [claims.Change(0.0, 0.005, 4)]), "theory")]},
         path=folder / "theory.json", wall_time_s=2.0, device="cpu")
     results.save_results("removed", {}, {"claims": [claims.claim("T1", "p", "o", "reproduced", "05_removed")]},
                          path=folder / "removed.json")
@@ -147,3 +148,45 @@ def test_results_of_failed_runs_are_ignored_and_named_on_stderr(tmp_path: Path, 
     moved = results.mark_failed(tmp_path / "removed.json", "ValueError: y")
     assert moved.name == "removed.failed.json" and not (tmp_path / "removed.json").exists()
     assert scorecard.load_results(tmp_path) == [] and results.mark_failed(tmp_path / "gone.json", "e") is None
+
+
+def _r1_rows(verdicts: dict[str, str], rule: str = claims.R1_RULE):
+    import pandas as pd
+
+    return pd.DataFrame([{**claims.claim("R1", "stable", f"{ch} numbers", claims.Verdict(v, rule, f"{ch} why"), ch),
+                          "doc": ch} for ch, v in verdicts.items()])
+
+
+def test_disagreeing_chapters_keep_every_verdict_visible():
+    three = {"05_squad": "reproduced", "06_hatexplain": "not reproduced", "07_sva": "partly"}
+    card = scorecard.build(_r1_rows({**three, "08_other": "not tested"})).set_index("id")
+    assert card.loc["R1", "verdict"] == "partly"
+    why = card.loc["R1", "reason"]
+    assert ("05_squad: reproduced (05_squad why) · 06_hatexplain: not reproduced (06_hatexplain why) · "
+            "07_sva: partly (07_sva why) · 08_other: not tested (08_other why)") in why
+    assert card.loc["R1", "per_dataset"] == ("SQuAD reproduced · HateXplain not reproduced · SVA partly · "
+                                             "08_other not tested")
+    assert card.loc["T1", "per_dataset"] == ""
+    assert [scorecard.dataset_name(c) for c in ("squad", "05_squad", "hatexplain", "sva", "01_synthetic")] == \
+        ["SQuAD", "SQuAD", "HateXplain", "SVA", "01_synthetic"]
+    # the combined row shows each dataset's verdict as its own badge next to the combined one
+    text = scorecard.to_myst(scorecard.build(_r1_rows(three)))
+    combined = next(line for line in text.splitlines() if "*combined:*" in line)
+    assert ("{bdg-warning}`partly` SQuAD {bdg-success-line}`reproduced` HateXplain {bdg-danger-line}`not reproduced` "
+            "SVA {bdg-warning-line}`partly`") in combined
+    plain = scorecard.to_myst(scorecard.build(_r1_rows(three)), link=False)
+    assert "**partly** SQuAD reproduced HateXplain not reproduced SVA partly" in plain
+
+
+def test_a_claims_rule_is_shown_once():
+    text = scorecard.to_myst(scorecard.build(_r1_rows({"05_squad": "reproduced", "06_hatexplain": "partly",
+                                                       "07_sva": "not reproduced"})))
+    assert text.count(scorecard.myst_cell(claims.R1_RULE)) == 1
+    rows = [line for line in text.splitlines() if "numbers" in line]
+    assert len(rows) == 3 and scorecard.myst_cell(claims.R1_RULE) in rows[0]
+    assert all(line.split(" | ")[4] == "" for line in rows[1:])  # the rule cell of later rows is empty
+    # a row with a different rule still shows it
+    import pandas as pd
+
+    other = pd.concat([_r1_rows({"05_squad": "reproduced"}), _r1_rows({"07_sva": "partly"}, rule="another rule")])
+    assert "| another rule |" in scorecard.to_myst(scorecard.build(other))

@@ -230,11 +230,15 @@ def _sweep_verdicts(summary, matched, dtaps, rob=None) -> dict[str, str]:
 def test_sweep_verdicts_flip_with_the_measured_effects():
     up, down = _summary(+0.03), _summary(-0.03)
     v = _sweep_verdicts(up, up, _dtaps(0.8))
-    assert v == {"S1": "reproduced", "S2": "reproduced", "S3": "reproduced", "R3-synthetic": "reproduced",
+    # R3-synthetic is fed mean changes without seed pairs: no interval, so it cannot be decided
+    assert v == {"S1": "reproduced", "S2": "reproduced", "S3": "reproduced", "R3-synthetic": "partly",
                  "S3-robustness": "not tested"}
     # attention falls with the ratio (fixed steps and at matched loss)
     v = _sweep_verdicts(down, down, _dtaps(0.8))
-    assert v["S3"] == "not reproduced" and v["R3-synthetic"] == "not reproduced"
+    assert v["S3"] == "not reproduced" and v["R3-synthetic"] == "partly"
+    reason = sweep.chapter_verdicts(down, down, _dtaps(0.8), sweep.fafo_toward(_dtaps(0.8), [1.0, 10.0], 1.0),
+                                    None)["R3-synthetic"].reason
+    assert "no interval" in reason and "too few seeds" in reason and "-0.030" in reason
     # identical heatmaps: S1 flips
     same = {k: np.full((10, 10), 0.01) for k in _dtaps(0.8)}
     assert _sweep_verdicts(up, up, same)["S1"] == "not reproduced"
@@ -243,6 +247,8 @@ def test_sweep_verdicts_flip_with_the_measured_effects():
     assert _sweep_verdicts(rev, rev, _dtaps(0.2))["S2"] == "not reproduced"
     # sharper only with an accuracy change at matched loss: R3-synthetic partly
     assert _sweep_verdicts(up, _summary(+0.03, acc_change=0.1), _dtaps(0.8))["R3-synthetic"] == "partly"
+    # no ratio above the lowest at matched loss: not tested
+    assert _sweep_verdicts(up, up[up.ratio == 1.0], _dtaps(0.8))["R3-synthetic"] == "not tested"
 
 
 def _rob(rises: dict[str, float]) -> pd.DataFrame:

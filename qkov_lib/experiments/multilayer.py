@@ -463,24 +463,33 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
 
 def chapter_verdicts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict) -> dict[str, dict[str, claims.Verdict]]:
     """Per dataset, the extension verdicts by the rules of :mod:`qkov_lib.claims`: R1-multilayer
-    (accuracy and macro-F1 at every higher ratio against the lowest), R2-multilayer (each layer's
-    head-mean attention gain at the highest ratio) and R3-multilayer (largest layer gain against
-    the accuracy change, at every higher ratio)."""
+    (accuracy and macro-F1 at every higher ratio against the lowest, paired by seed, with seed
+    intervals), R2-multilayer (each layer's head-mean attention gain at the highest ratio) and
+    R3-multilayer (the per-seed gain of the layer that gained most against the accuracy change,
+    at every higher ratio, read at the highest)."""
     ratios = sorted(cfg["ratios"])
     lo, hi, higher = ratios[0], ratios[-1], ratios[1:]
     lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
-    acc = scores.groupby(["dataset", "ratio"])[["accuracy", "macro_f1"]].mean()
     layers = range(1, cfg["n_layers"] + 1)
     out = {}
     for ds in cfg["datasets"]:
         def gain(r: float, l: int) -> float:
             return float(lt.loc[(ds, r, l), "head-mean"] - lt.loc[(ds, lo, l), "head-mean"])
 
-        d_acc = [float(acc.loc[(ds, r), "accuracy"] - acc.loc[(ds, lo), "accuracy"]) for r in higher]
-        d_f1 = [float(acc.loc[(ds, r), "macro_f1"] - acc.loc[(ds, lo), "macro_f1"]) for r in higher]
-        out[ds] = {"R1-multilayer": claims.r1_performance_stable(d_acc, d_f1),
+        def paired(per_seed: pd.Series, r: float) -> claims.Change:
+            """The change from ratio ``lo`` to ``r`` paired by seed (``per_seed`` indexed by ratio, seed)."""
+            return claims.Change.of((per_seed.xs(r) - per_seed.xs(lo)).to_numpy(dtype=float))
+
+        sc = scores[scores["dataset"] == ds].groupby(["ratio", "seed"])[["accuracy", "macro_f1"]].mean()
+        hm = heads[(heads["dataset"] == ds) & heads["head"].isin(["mean", "-"])].groupby(
+            ["layer", "ratio", "seed"])["attn_relevant"].mean()
+        d_acc = [paired(sc["accuracy"], r) for r in higher]
+        d_f1 = [paired(sc["macro_f1"], r) for r in higher]
+        # R3: the layer whose head-mean attention gained most at each ratio, its per-seed gains
+        d_att = [paired(hm.xs(max(layers, key=lambda l: gain(r, l))), r) for r in higher]
+        out[ds] = {"R1-multilayer": claims.r1_performance_stable(d_acc, d_f1, ratios=higher),
                    "R2-multilayer": claims.heads_sharpen([gain(hi, l) for l in layers] if higher else []),
-                   "R3-multilayer": claims.r3_decoupled([max(gain(r, l) for l in layers) for r in higher], d_acc)}
+                   "R3-multilayer": claims.r3_decoupled(d_att, d_acc, ratios=higher)}
     return out
 
 

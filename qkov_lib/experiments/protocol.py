@@ -12,10 +12,13 @@ ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validat
 3. :func:`select_base_rates` picks, per optimizer, the base rate with the best validation metric
    at ratio 1 -- the tuned model the paper's protocol starts from.
 4. :func:`phase_table` gives, per (optimizer, base rate, ratio), the change of each test metric
-   against ratio 1 paired by seed, with its 95% seed interval and whether it is significant.
-5. :func:`cell_verdicts` applies the R1-R3 rules of :mod:`qkov_lib.claims` in every (optimizer,
-   base rate) column of the map; :func:`region_verdicts` states the verdict at the tuned base
-   rates (:func:`qkov_lib.claims.tuned_region`) and the region in which each claim holds.
+   against ratio 1 paired by seed, with its 95% seed interval, its number of seed pairs and
+   whether it is significant; for R1 also the change of accuracy and macro-F1 over every model,
+   trained or not.
+5. :func:`cell_verdicts` applies the R1-R3 rules of :mod:`qkov_lib.claims` (decided on the seed
+   intervals) in every (optimizer, base rate) column of the map; :func:`region_verdicts` states
+   the verdict at the tuned base rates (:func:`qkov_lib.claims.tuned_region`) and the region in
+   which each claim holds.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from torch import nn
 
 from .. import claims
 from ..data.batch import Batch
-from ..metrics import seed_half_width
 from ..stacked import train_stacked
 from ..training import TrainConfig
 
@@ -122,14 +124,37 @@ def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy", tie: st
     return out
 
 
-def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS) -> pd.DataFrame:
+R1_METRICS = ("accuracy", "macro_f1")  # R1 compares every model, trained or not, on these (``d_all_<m>``)
+
+
+def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS, chance: float | None = None
+                ) -> pd.DataFrame:
     """Per (optimizer, eta_ov, ratio): runs, trained runs, the failure rate, the mean of each
     metric over trained runs, and its change against ratio 1 paired by seed (``d_<metric>``, only
-    seeds whose both runs trained) with the 95% half-width ``d_<metric>_ci`` and
-    ``d_<metric>_sig`` (the interval excludes 0; with one seed, never)."""
+    seeds whose both runs trained) with the 95% half-width ``d_<metric>_ci``, the number of seed
+    pairs ``d_<metric>_n`` and ``d_<metric>_sig`` (the interval excludes 0; with one seed, never).
+
+    For R1, which must see every model, ``d_all_<m>`` / ``d_all_<m>_ci`` / ``d_all_<m>_n`` give
+    the same paired change of accuracy and macro-F1 over every seed whose runs did not diverge,
+    trained or not. With ``chance`` (a fraction, e.g. the test split's majority-class rate) a
+    diverged run counts with accuracy ``chance`` instead of being left out (its macro-F1 is
+    still left out)."""
+    if chance is not None and not (math.isfinite(float(chance)) and 0.0 <= float(chance) <= 1.0):
+        raise ValueError(f"chance must be an accuracy in [0, 1] or None, got {chance!r}")
+    everyone = table.copy()
+    diverged = everyone["diverged"].astype(bool) if "diverged" in everyone else pd.Series(False, everyone.index)
+    for m in R1_METRICS:
+        if m in everyone:
+            everyone[m] = everyone[m].astype(float).where(~diverged, chance if m == "accuracy" and chance is not None
+                                                          else math.nan)
+
+    def put(row: dict, key: str, c: claims.Change) -> None:
+        row[key], row[f"{key}_ci"], row[f"{key}_n"] = c.mean, c.half_width, c.n
+
     rows = []
     for (opt, eta), g in table.groupby(["optimizer", "eta_ov"], sort=False):
         ref = g[(g["ratio"] == 1.0) & g["trained"]].set_index("seed")
+        ref_all = everyone.loc[g.index[g["ratio"] == 1.0]].set_index("seed")
         for r, h in g.groupby("ratio", sort=True):
             ok = h[h["trained"]].set_index("seed")
             row = {"optimizer": opt, "eta_ov": eta, "ratio": r, "runs": len(h), "trained_runs": len(ok),
@@ -139,37 +164,56 @@ def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS) -> 
                 if m not in g:
                     continue
                 row[m] = float(ok[m].mean()) if len(ok) else math.nan
-                d = (ok.loc[both, m] - ref.loc[both, m]).to_numpy(dtype=float)
-                d = d[np.isfinite(d)]
-                row[f"d_{m}"] = float(d.mean()) if len(d) else math.nan
-                row[f"d_{m}_ci"] = seed_half_width(d) if len(d) else math.nan
-                row[f"d_{m}_sig"] = bool(len(d) > 1 and abs(d.mean()) > row[f"d_{m}_ci"])
+                c = claims.Change.of(ok.loc[both, m].to_numpy(dtype=float) - ref.loc[both, m].to_numpy(dtype=float))
+                put(row, f"d_{m}", c)
+                row[f"d_{m}_sig"] = bool(c.bounded and abs(c.mean) > c.half_width)
+            cur = everyone.loc[h.index].set_index("seed")
+            pairs = cur.index.intersection(ref_all.index)
+            for m in R1_METRICS:
+                if m in g:
+                    put(row, f"d_all_{m}", claims.Change.of(cur.loc[pairs, m].to_numpy(dtype=float)
+                                                            - ref_all.loc[pairs, m].to_numpy(dtype=float)))
             rows.append(row)
     return pd.DataFrame(rows)
 
 
-def cell_verdicts(phase: pd.DataFrame) -> pd.DataFrame:
-    """R1-R3 by the rules of :mod:`qkov_lib.claims` in each (optimizer, eta_ov) column of the map:
-    every ratio above 1 against ratio 1 (R1, R3), the highest ratio at which a run trained
-    against ratio 1 (R2; the failures above it are counted by :func:`failures`)."""
+def _change(row: pd.Series | None, key: str) -> claims.Change | None:
+    """The :class:`qkov_lib.claims.Change` in columns ``key``, ``key_ci``, ``key_n`` of a phase row
+    (None when the row or the columns are missing)."""
+    if row is None or any(k not in row for k in (key, f"{key}_ci", f"{key}_n")):
+        return None
+    n = row[f"{key}_n"]
+    return claims.Change(float(row[key]), float(row[f"{key}_ci"]), int(n) if math.isfinite(float(n)) else 0)
+
+
+def cell_verdicts(phase: pd.DataFrame,
+                  necessary: Mapping[tuple[str, float], bool | None] | bool | None = None) -> pd.DataFrame:
+    """R1-R3 by the rules of :mod:`qkov_lib.claims` in each (optimizer, eta_ov) column of the map,
+    on the paired seed changes of :func:`phase_table`: R1 on ``d_all_accuracy`` and
+    ``d_all_macro_f1`` (every model, trained or not) at every ratio above 1; R2 at the highest
+    ratio at which a run trained (the failures above it are counted by :func:`failures`); R3 on
+    ``d_attn_relevant`` and ``d_accuracy`` over every ratio above 1, read at the highest one with
+    a change. ``necessary`` (:func:`qkov_lib.claims.head_necessary`): one flag for every column or
+    one per ``(optimizer, eta_ov)``; False makes R3 'not tested' there."""
+    if not (necessary is None or isinstance(necessary, (bool, np.bool_, Mapping))):
+        raise TypeError(f"necessary must be None, a bool or a mapping (optimizer, eta_ov) -> bool, "
+                        f"got {type(necessary).__name__}")
     rows = []
     for (opt, eta), g in phase.groupby(["optimizer", "eta_ov"], sort=False):
         hi = g[g["ratio"] > 1.0].sort_values("ratio")
         alive = hi[hi["trained_runs"] > 0]
         top = alive.iloc[-1] if len(alive) else hi.iloc[-1] if len(hi) else None
+        ratios = [float(r) for r in hi["ratio"]]
 
-        def col(m: str) -> list[float]:
-            return list(hi[f"d_{m}"]) if f"d_{m}" in hi else []
+        def col(key: str) -> list[claims.Change | None]:
+            return [_change(row, key) for _, row in hi.iterrows()]
 
-        def at_top(m: str) -> tuple[float | None, float]:
-            if top is None or f"d_{m}" not in top:
-                return None, math.nan
-            return float(top[f"d_{m}"]), float(top[f"d_{m}_ci"])
-
-        (ac, ac_ci), (acmc, acmc_ci), (suff, suff_ci) = at_top("AC@0.5"), at_top("ACMC@0.5"), at_top("sufficiency")
-        vs = {"R1": claims.r1_performance_stable(col("accuracy"), col("macro_f1")),
-              "R2": claims.r2_interpretability(ac, acmc, suff, noise=[ac_ci, acmc_ci, suff_ci]),
-              "R3": claims.r3_decoupled(col("attn_relevant"), col("accuracy"))}
+        need = necessary.get((opt, float(eta))) if isinstance(necessary, Mapping) else necessary
+        vs = {"R1": claims.r1_performance_stable(col("d_all_accuracy"), col("d_all_macro_f1"), ratios=ratios),
+              "R2": claims.r2_interpretability(_change(top, "d_AC@0.5"), _change(top, "d_ACMC@0.5"),
+                                               _change(top, "d_sufficiency")),
+              "R3": claims.r3_decoupled(col("d_attn_relevant"), col("d_accuracy"),
+                                        necessary=None if need is None else bool(need), ratios=ratios)}
         for cid, v in vs.items():
             rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "reason": v.reason})
     return pd.DataFrame(rows)
@@ -255,4 +299,4 @@ def synthetic_demo(n: int = 600, T: int = 8, vocab: int = 12, seed: int = 0) -> 
 
 
 __all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table", "cell_verdicts",
-           "region_verdicts", "plot_phase", "failures", "synthetic_demo", "PHASE_METRICS"]
+           "region_verdicts", "plot_phase", "failures", "synthetic_demo", "PHASE_METRICS", "R1_METRICS"]
