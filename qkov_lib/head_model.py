@@ -19,9 +19,10 @@ query (last) position -> readout``.
   ``u`` the uniform row over the same keys, so flat attention scores every class 0.
 * **Readout**, a function of ``o`` only (no residual, no skip, no candidate features):
   ``readout="class"``: the logits are ``o`` (C classes; HateXplain, SVA);
-  ``readout="words"``: the classes are the vocabulary's word ids and
-  ``logit(w) = e(w) . o`` for the distinct words ``w`` at attendable keys (the paragraph on
-  SQuAD with context keys), ``-inf`` for every other word: position-free, one logit per word.
+  ``readout="words"``: ``logit(w) = e(w) . o`` for the distinct words ``w`` at attendable keys
+  (the paragraph on SQuAD with context keys): position-free, one logit per word, stored in the
+  class of the word's first position counted back from the query (SQuAD's target), ``-inf``
+  for every other class, so the cost is O(T), not O(vocabulary).
 
 The head's parameters are the ``qk`` (``W_QK`` or ``W_Q``, ``W_K``) and ``ov`` (``W_OV`` or
 ``W_O``, ``W_V``) groups of :func:`qkov_lib.models.param_groups`; everything else is ``other``.
@@ -70,7 +71,7 @@ class HeadModel(nn.Module):
     the last position -> a readout of the head's output (module docstring).
 
     ``tokens`` (B, T) left-padded (pad id 0), query last; ``key_mask`` (B, T) the attendable keys.
-    ``n_classes``: the classes (``readout="words"``: must equal ``vocab_size``). ``sep_id`` (the
+    ``n_classes``: the classes (``readout="words"``: at least ``max_len``, one per position). ``sep_id`` (the
     ``<sep>`` id) is needed by ``match`` and ``query="question"``; ``ignore`` (V,) bool: ids that
     never count as a question match. ``attention_kwargs`` go to the head (``parameterization``,
     ``init_scale``, ranks, ``balanced``)."""
@@ -91,8 +92,9 @@ class HeadModel(nn.Module):
         if min(vocab_size, d_model, n_classes, max_len) < 1:
             raise ValueError(f"sizes must be positive, got vocab_size={vocab_size}, d_model={d_model}, "
                              f"n_classes={n_classes}, max_len={max_len}")
-        if readout == "words" and n_classes != vocab_size:
-            raise ValueError(f"the words readout scores every word id: n_classes must be vocab_size={vocab_size}, got {n_classes}")
+        if readout == "words" and n_classes < max_len:
+            raise ValueError(f"the words readout stores a word's logit at its position counted back from the query: "
+                             f"n_classes must be at least max_len={max_len}, got {n_classes}")
         if readout == "class" and ov_init != 0.0:
             raise ValueError("ov_init (a copy start, W_OV += ov_init * I) needs the words readout")
         if not isinstance(window, int) or window < 1 or window % 2 == 0:
@@ -245,20 +247,24 @@ class HeadModel(nn.Module):
         return ctx @ self.head.W_OV_eff().T, attention
 
     def readout_logits(self, o: Tensor, tokens: Tensor, key_mask: Tensor, e: Tensor | None = None) -> Tensor:
-        """Logits (B, C) from the head output ``o`` alone: ``o`` (class readout), or
-        ``e(w) . o`` for the distinct words at attendable keys and ``-inf`` for the others (words)."""
+        """Logits (B, C) from the head output ``o`` alone: ``o`` (class readout), or (words) one
+        logit ``e(w) . o`` per distinct word ``w`` at the attendable keys, stored in the class of
+        the word's first key position ``j`` counted back from the query (``c = T - 1 - j``, as
+        SQuAD's targets), and ``-inf`` for every other class. A softmax over these classes is the
+        softmax over the paragraph's distinct words; the score itself is position-free."""
         if self.readout == "class":
             return o
-        # e(t_i) . o at every position (O(T d), not O(V d)), then one entry per distinct word: its
-        # first key position; later copies go to a discarded column, so no word is counted twice
+        # e(t_i) . o at every position: O(T d) per row instead of O(V d); later copies of a word
+        # get -inf, so each distinct word is one candidate, not one per occurrence
         score = torch.linalg.vecdot(self.embed(tokens) if e is None else e, o[..., None, :])
-        V = self.vocab_size
-        ids, order = torch.where(key_mask, tokens, V).sort(dim=-1, stable=True)  # equal ids: earliest first
+        T = tokens.shape[-1]
+        ids, order = torch.where(key_mask, tokens, self.vocab_size).sort(dim=-1, stable=True)  # earliest first
         new = torch.cat([torch.ones_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] != ids[..., :-1]], -1)
-        first = torch.zeros_like(new).scatter(-1, order, new)  # back to positions
-        col = torch.where(key_mask & first, tokens, V)
-        out = score.new_full((tokens.shape[0], V + 1), float("-inf")).scatter(1, col, score)
-        return out[:, :V]
+        first = torch.zeros_like(new).scatter(-1, order, new) & key_mask  # back to positions
+        logits = score.masked_fill(~first, float("-inf")).flip(-1)  # class c = position T - 1 - c
+        if self.n_classes > T:
+            logits = F.pad(logits, (0, self.n_classes - T), value=float("-inf"))
+        return logits
 
     def forward(self, tokens: Tensor, key_mask: Tensor, attention: Tensor | None = None) -> tuple[Tensor, Tensor]:
         e = self.embed(tokens)  # one lookup shared by keys, query, values and readout
@@ -279,8 +285,8 @@ def for_dataset(ds: TextDataset, d_model: int, generator: torch.Generator | None
 # --- SQuAD as a word task ------------------------------------------------------------------
 def _word_batch(b: Batch, sep_id: int) -> tuple[Batch, dict[str, int], Tensor]:
     """The rows of a SQuAD position batch whose answer-start word occurs once among its context
-    keys and not in its question, with ``y`` = that word's id and ``relevant`` = its position;
-    the drop counts and the kept row indices."""
+    keys and not in its question, with ``relevant`` = that word's position (``y``, its distance
+    back from the query, is kept); the drop counts and the kept row indices."""
     T = b.tokens.shape[1]
     rows = torch.arange(len(b))
     pos = T - 1 - b.y  # y = distance of the answer's first word back from the query
@@ -296,13 +302,14 @@ def _word_batch(b: Batch, sep_id: int) -> tuple[Batch, dict[str, int], Tensor]:
     idx = keep.nonzero()[:, 0]
     relevant = torch.zeros_like(b.relevant[idx])
     relevant[torch.arange(len(idx)), pos[idx]] = True
-    return Batch(b.tokens[idx], b.key_mask[idx], relevant, word[idx]), counts, idx
+    return Batch(b.tokens[idx], b.key_mask[idx], relevant, b.y[idx]), counts, idx
 
 
 def word_task(ds: TextDataset) -> TextDataset:
     """SQuAD (a :mod:`qkov_lib.data.squad` dataset, target = position of the answer's first
-    word) cast for the ``words`` readout: the classes are the vocabulary's word ids, ``y`` the
-    answer's first word, ``relevant`` that word's position (the token the answer must be copied
+    word counted back from the query) cast for the ``words`` readout: ``y`` stays that position,
+    which names the answer's first word (the readout scores each distinct word at its first
+    position), and ``relevant`` is the word's position (the token the answer must be copied
     from). Only the questions whose answer-start word occurs once among the context keys and not
     in the question are kept (so the word names one position and cannot be read off the
     question); the report counts each reason for a drop, per split (``<split>_word_task_*``),
@@ -321,7 +328,7 @@ def word_task(ds: TextDataset) -> TextDataset:
         out[split] = (b, {k: [col[i] for i in keep] for k, col in infos[split].items()})
     notes = [*ds.notes, "Target: the answer's first word, scored over the paragraph's distinct words; kept: questions "
              "whose answer-start word occurs once in the paragraph and not in the question."]
-    return TextDataset(ds.name, out["train"][0], out["test"][0], list(ds.vocab), list(ds.vocab), report,
+    return TextDataset(ds.name, out["train"][0], out["test"][0], list(ds.vocab), list(ds.class_names), report,
                        out["train"][1], out["test"][1], notes, ds.query_is_key)
 
 

@@ -33,7 +33,7 @@ def tiny_batch() -> Batch:
     relevant = torch.zeros_like(key_mask)
     for i, p in enumerate((9, 5, 7)):
         relevant[i, p] = True
-    y = tokens[torch.arange(3), torch.tensor([9, 5, 7])]  # the answer's word id
+    y = T - 1 - torch.tensor([9, 5, 7])  # the answer word's position, counted back from the query
     return Batch(tokens, key_mask, relevant, y)
 
 
@@ -41,7 +41,7 @@ def model(seed=0, readout="words", **kw) -> hm.HeadModel:
     opts = dict(match=True, query="question", positions=("back", "start"), sep_id=SEP, dtype=F64,
                 parameterization="FAFO", init_scale=0.3)
     opts.update(kw)
-    n = V if readout == "words" else 3
+    n = T if readout == "words" else 3
     return hm.HeadModel(V, 6, n, T, readout=readout, generator=torch.Generator().manual_seed(seed), **opts)
 
 
@@ -79,20 +79,24 @@ def test_no_path_around_the_head(enc, readout):
 def test_logits_are_the_readout_of_the_head_output_by_hand(readout, relative):
     """logits = readout(W_OV sum_i alpha_i v_i) with the model's own attention row, by hand."""
     b, m = tiny_batch(), model(readout=readout, relative=relative, encoder="conv", values="map")
-    logits, attn = m(b.tokens, b.key_mask)
+    with torch.no_grad():
+        logits, attn = m(b.tokens, b.key_mask)
     e = m.embed(b.tokens)
     v = e + torch.relu(m.value_map(e))
-    w = attn - (b.key_mask / b.key_mask.sum(1, keepdim=True) if relative else 0)
+    k = b.key_mask.to(F64)
+    w = attn - (k / k.sum(1, keepdim=True) if relative else 0)
     o = torch.einsum("bt,btd->bd", w, v) @ m.head.W_OV_eff().T
     if readout == "class":
         assert torch.allclose(logits, o, atol=1e-12)
     else:
-        full = o @ m.embed.weight.T
-        present = torch.zeros(3, V, dtype=torch.bool)
+        full = o @ m.embed.weight.T  # (B, V): every word's score
         for i in range(3):
-            present[i, b.tokens[i][b.key_mask[i]]] = True
-        assert torch.equal(torch.isfinite(logits), present)
-        assert torch.allclose(logits[present], full[present], atol=1e-12)
+            keys = b.key_mask[i].nonzero()[:, 0].tolist()
+            firsts = [p for p in keys if b.tokens[i, p] not in b.tokens[i, [q for q in keys if q < p]]]
+            finite = sorted(T - 1 - p for p in firsts)  # one class per distinct word, at its first position
+            assert torch.isfinite(logits[i]).nonzero()[:, 0].tolist() == finite
+            for p in firsts:
+                assert abs(float(logits[i, T - 1 - p] - full[i, b.tokens[i, p]])) < 1e-12
 
 
 def test_relative_readout_scores_every_word_zero_under_flat_attention():
@@ -132,7 +136,7 @@ def test_words_readout_hand_worked():
     """d = 2, W_OV = I: with attention 0.75 / 0.25 on words 8 and 9, logit(w) = e(w) . (0.75 e8
     + 0.25 e9) for the paragraph's words; the repeated word 8 has one logit, not two; the question
     words, the query token and words not in the row get -inf."""
-    m = hm.HeadModel(V, 2, V, T, readout="words", dtype=F64, parameterization="CACO")
+    m = hm.HeadModel(V, 2, T, T, readout="words", dtype=F64, parameterization="CACO")
     E = torch.zeros(V, 2, dtype=F64)
     E[8], E[9], E[6], E[10], E[11], E[5] = (torch.tensor(r, dtype=F64) for r in ([1, 0], [0, 1], [1, 1], [2, -1], [-1, 0], [3, 3]))
     with torch.no_grad():
@@ -141,18 +145,20 @@ def test_words_readout_hand_worked():
     b = tiny_batch().index(slice(0, 1))  # question 5 6 7, context 8 6 9 8 10 11
     A = torch.zeros(1, T, dtype=F64)
     A[0, 5], A[0, 7] = 0.75, 0.25
-    logits = m(b.tokens, b.key_mask, A)[0][0].detach()
+    by_class = m(b.tokens, b.key_mask, A)[0][0].detach()
     o = torch.tensor([0.75, 0.25], dtype=F64)
     want = {8: 0.75, 6: 1.0, 9: 0.25, 10: 1.25, 11: -0.75}
+    first = {8: 5, 6: 6, 9: 7, 10: 9, 11: 10}  # each word's first context position
+    logits = {w: by_class[T - 1 - p] for w, p in first.items()}  # class = position counted back
     for w, val in want.items():
         assert abs(float(logits[w]) - val) < 1e-12 and abs(float(E[w] @ o) - val) < 1e-12
-    assert torch.isinf(logits[[i for i in range(V) if i not in want]]).all()
+    assert torch.isinf(by_class[[c for c in range(T) if T - 1 - c not in first.values()]]).all()
     # one logit per distinct word: the probability of word 8 is exp(l8) / sum over the 5 distinct words
-    p = torch.softmax(logits, -1)
-    assert abs(float(p[8]) - math.exp(0.75) / sum(math.exp(v) for v in want.values())) < 1e-12
+    p = torch.softmax(by_class, -1)
+    assert abs(float(p[T - 1 - 5]) - math.exp(0.75) / sum(math.exp(v) for v in want.values())) < 1e-12
     # and its gradient reaches the head output once (e8), not once per occurrence
     o_var = o.clone().requires_grad_(True)
-    m.readout_logits(o_var[None], b.tokens, b.key_mask)[0, 8].backward()
+    m.readout_logits(o_var[None], b.tokens, b.key_mask)[0, T - 1 - 5].backward()
     assert torch.allclose(o_var.grad, E[8], atol=1e-12)
 
 
@@ -179,7 +185,9 @@ def test_a_stack_of_two_equals_two_separate_trainings():
     tokens[:, 5:11] = torch.randint(5, V, (24, 6), generator=g)
     b0 = tiny_batch()
     key_mask = b0.key_mask.repeat(8, 1)
-    y = tokens[torch.arange(24), torch.tensor([9, 5, 7] * 8)]
+    word = tokens[torch.arange(24), torch.tensor([9, 5, 7] * 8)]
+    first = ((tokens == word[:, None]) & key_mask).to(torch.int8).argmax(1)  # the word's first key position
+    y = T - 1 - first
     data = Batch(tokens, key_mask, b0.relevant.repeat(8, 1), y)
     cfgs = [TrainConfig(optimizer="adamw", eta_ov=0.05, ratio=r, steps=6, batch_size=8, seed=s, progress=False,
                         log_subsample=0, n_logs=2) for r, s in ((1.0, 0), (10.0, 1))]
@@ -225,13 +233,14 @@ def test_word_task_keeps_answer_words_that_occur_once_and_counts_the_drops():
     test_ex = [ex(["what", "cup"], ["the", "rome", "cup"], 1)]             # kept: "rome"
     ds = finish("squad", train_ex, test_ex, [f"-{d}" for d in range(10)], {}, 1, specials=("<sep>", "<q:what>"))
     w = hm.word_task(ds)
-    assert len(w.train) == 1 and len(w.test) == 1 and w.n_classes == ds.vocab_size
-    assert w.vocab[int(w.train.y[0])] == "paris" and w.vocab[int(w.test.y[0])] == "rome"
+    assert len(w.train) == 1 and len(w.test) == 1 and w.n_classes == ds.n_classes
+    word = lambda b: w.vocab[int(b.tokens[0, b.tokens.shape[1] - 1 - int(b.y[0])])]  # noqa: E731
+    assert word(w.train) == "paris" and word(w.test) == "rome"
     assert w.report["train_word_task_answer_word_repeated_in_paragraph"] == 1
     assert w.report["train_word_task_answer_word_in_question"] == 1 and w.report["train_word_task_kept"] == 1
     assert w.train_info["id"] == [0] and len(ds.train) == 3  # info follows the kept rows; input unchanged
     r = w.test.relevant[0].nonzero()[:, 0].tolist()
-    assert len(r) == 1 and int(w.test.tokens[0, r[0]]) == int(w.test.y[0])
+    assert len(r) == 1 and r[0] == w.test.tokens.shape[1] - 1 - int(w.test.y[0])
 
 
 # --- the necessity check -------------------------------------------------------------------
@@ -272,10 +281,10 @@ def test_clear_errors():
     b = tiny_batch()
     with pytest.raises(ValueError, match="encoder"):
         hm.HeadModel(V, 4, V, T, encoder="lstm")
-    with pytest.raises(ValueError, match="n_classes must be vocab_size"):
+    with pytest.raises(ValueError, match="n_classes must be at least max_len"):
         hm.HeadModel(V, 4, 3, T, readout="words")
     with pytest.raises(ValueError, match="sep_id"):
-        hm.HeadModel(V, 4, V, T, readout="words", match=True)
+        hm.HeadModel(V, 4, T, T, readout="words", match=True)
     with pytest.raises(ValueError, match="even d_model"):
         hm.HeadModel(V, 5, 3, T, encoder="bigru")
     with pytest.raises(ValueError, match="ov_init"):
