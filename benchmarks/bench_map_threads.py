@@ -1,10 +1,12 @@
-"""Benchmark: one vs two torch threads for the stacked models of a real-data protocol map.
+"""Benchmark: one torch thread, two threads, or two one-thread processes for the stacked models
+of a real-data protocol map.
 
 For each dataset, the map model of ``qkov_lib.experiments.realmap.PROFILES[<dataset>]["cpu"]``
-is built ``--models`` times and trained for ``--steps`` AdamW steps as one stack
-(:func:`qkov_lib.stacked.train_stacked`), once with one torch thread and once with two, in this
-one process, with the same models, data and seeds. It prints milliseconds per stacked step for
-both and their ratio (``threads 1 / threads 2``: above 1 means two threads are faster).
+is built ``--models`` times and trained for ``--steps`` AdamW steps (:func:`qkov_lib.stacked.
+train_stacked`): as one stack with one torch thread, as one stack with two, and as two stacks of
+half the models in two forked one-thread processes at once (what a map with one process per
+optimizer would do), with the same models, data and seeds. It prints wall milliseconds per step
+of all the models for each, and the ratios to one thread (above 1: faster than one thread).
 
     QKOV_DATA_DIR=../shared/data .venv/bin/python benchmarks/bench_map_threads.py
     QKOV_DATA_DIR=../shared/data .venv/bin/python benchmarks/bench_map_threads.py --dataset squad --models 20
@@ -31,6 +33,24 @@ def ms_per_step(ds, cfg, n_models: int, steps: int, threads: int) -> float:
     return 1000 * (time.perf_counter() - t0) / steps
 
 
+def ms_per_step_two_processes(ds, cfg, n_models: int, steps: int) -> float:
+    """Wall milliseconds per step when two forked one-thread processes each train half of the
+    ``n_models`` models at the same time (fork: the children inherit the data, nothing is pickled)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    half = n_models // 2
+    procs = [ctx.Process(target=ms_per_step, args=(ds, cfg, k, steps, 1)) for k in (half, n_models - half)]
+    t0 = time.perf_counter()
+    for q in procs:
+        q.start()
+    for q in procs:
+        q.join()
+        if q.exitcode:
+            raise RuntimeError(f"a benchmark process failed with exit code {q.exitcode}")
+    return 1000 * (time.perf_counter() - t0) / steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dataset", nargs="+", default=list(realmap.DATASETS))
@@ -42,7 +62,9 @@ def main() -> None:
         cfg = profiles.resolve(realmap.PROFILES[name], "cpu")
         ds, _ = realmap.load_splits(name, cfg)
         one, two = (ms_per_step(ds, cfg, a.models, a.steps, t) for t in (1, 2))
-        print(f"{name}: {a.models} models, {one:.1f} ms/step with 1 thread, {two:.1f} with 2: ratio {one / two:.2f}")
+        procs = ms_per_step_two_processes(ds, cfg, a.models, a.steps)
+        print(f"{name}: {a.models} models, ms/step: {one:.1f} with 1 thread, {two:.1f} with 2 threads, {procs:.1f} "
+              f"with 2 one-thread processes; speed-up over 1 thread {one / two:.2f} and {one / procs:.2f}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

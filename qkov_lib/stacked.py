@@ -1,7 +1,7 @@
 """Training many models of one architecture as one stacked model.
 
-:func:`train_stacked` trains ``B`` models (e.g. :class:`~qkov_lib.models.TokenModel` or the SQuAD
-``CopyModel`` at several learning rates, ratios and seeds) together: their parameters are stacked
+:func:`train_stacked` trains ``B`` models (e.g. :class:`~qkov_lib.models.TokenModel` or
+:class:`~qkov_lib.head_model.HeadModel` at several learning rates, ratios and seeds) together: their parameters are stacked
 along a leading model dimension (``torch.func.stack_module_state``) and one forward pass of all
 models is ``torch.func.vmap`` over ``torch.func.functional_call`` of the models' own ``forward``,
 so the stacked model computes exactly what each model computes. One backward pass of the summed

@@ -117,3 +117,43 @@ def test_training_learns_is_deterministic_and_facts(runs):
 def test_bad_ratio_is_refused():
     with pytest.raises(ValueError, match="ratio"):
         pythia.train_one(CFG, 0.0, 0)
+
+
+def _tiny_sva():
+    """Prefixes "the dog(s) near cat(s)...": the number is the subject's (word 1), attractors after
+    it carry the other number; roles as the SVA loader stores them (one letter per word)."""
+    from qkov_lib.data import sva
+    from qkov_lib.data.text import Example, finish
+
+    exs = []
+    for i in range(96):
+        y, k = i % 2, 1 + i % 3
+        words = ["the", "dogs" if y else "dog", "near", *(["cat" if y else "cats"] * k)]
+        exs.append(Example(words, [1], y, info={"roles": "-S-" + "A" * k}))
+    return finish("sva", exs[:64], exs[64:], sva.CLASS_NAMES, {}, 1)
+
+
+def test_one_head_roles_trains_token_models_with_its_profile_settings():
+    """The stack of one_head_roles equals a TokenModel trained alone by training.train with the
+    settings of ONE_HEAD_PROFILES (float32: stack and loop differ by summation order, 1e-5);
+    the role masses partition the attention (sum 1 per ratio)."""
+    from qkov_lib.experiments import sva_roles
+    from qkov_lib.models import TokenModel
+    from qkov_lib.runtime import seed_everything
+    from qkov_lib.training import TrainConfig, predict, train
+
+    ds = _tiny_sva()
+    roles, acc, rcfg = pythia.one_head_roles(ds, {"ratios": [1.0, 10.0], "seeds": [0]}, "test")
+    assert rcfg["steps"] == pythia.ONE_HEAD_PROFILES["test"]["steps"] and rcfg["ratios"] == [1.0, 10.0]
+    assert list(roles.index) == [1.0, 10.0] and acc["accuracy"].between(0, 1).all()
+    assert (roles[list(sva_roles.ROLES)].sum(axis=1) - 1).abs().max() < 1e-6  # the roles partition the keys
+    m = TokenModel(ds.vocab_size, rcfg["d_model"], ds.n_classes, ds.max_len, generator=seed_everything(0),
+                   parameterization=rcfg["parameterization"], init_scale=rcfg["init_scale"])
+    train(m, ds.train, TrainConfig(optimizer="adamw", eta_ov=rcfg["eta_ov"], ratio=10.0, steps=rcfg["steps"],
+                                   batch_size=rcfg["batch_size"], n_logs=rcfg["n_logs"], seed=0, progress=False,
+                                   log_subsample=rcfg["log_subsample"]))
+    attn, _ = predict(m, ds.test)
+    alone = sva_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask)
+    for r in ("subject", "attractor", "rest"):
+        assert abs(roles.loc[10.0, r] - alone[r]) < 1e-5, r
+    assert abs(roles.loc[10.0, "subject"] - roles.loc[1.0, "subject"]) > 1e-6  # the ratio changes the model

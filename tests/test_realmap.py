@@ -121,14 +121,40 @@ def test_bad_settings_fail_clearly():
 
 
 def test_profiles_follow_the_protocol():
+    """cpu: at least 4 seeds per cell and 3 base rates per optimizer (so a chosen rate can lie
+    inside its grid); full: 5 seeds, 4 rates and the paper's five ratios; every map runs the
+    analysed-head model with early stopping."""
     for name in M.DATASETS:
         cpu, full = M.PROFILES[name]["cpu"], M.PROFILES[name]["full"]
-        for cfg in (cpu, full):
-            assert cfg["ratios"] == [1.0, 3.0, 10.0, 30.0, 100.0]
-            assert set(cfg["optimizers"]) == {"adamw", "sgd"}
-            assert len(cfg["adamw_rates"]) >= 4 and len(cfg["sgd_rates"]) >= 4
-            assert cfg["patience"] is not None
-        assert len(full["map_seeds"]) >= 5
+        assert full["ratios"] == [1.0, 3.0, 10.0, 30.0, 100.0]
+        for cfg, seeds, rates in ((cpu, 4, 3), (full, 5, 4)):
+            assert cfg["ratios"][0] == 1.0 and len(cfg["ratios"]) >= 3
+            assert set(cfg["optimizers"]) == {"adamw", "sgd"} and cfg["model"] == "head"
+            assert len(cfg["adamw_rates"]) >= rates and len(cfg["sgd_rates"]) >= rates
+            assert len(cfg["map_seeds"]) >= seeds and cfg["patience"] is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_sva_map():
+    return M.chapter_map("sva", "test", n_train=200, n_test=100, adamw_steps=30, sgd_steps=30)
+
+
+def test_head_maps_pass_through_the_head_on_a_tiny_sva_map(tiny_sva_map):
+    """The map's models are HeadModels (no path around the head), and the necessity table has
+    a row per tuned optimizer at ratio 1 with fractions in [0, 1]."""
+    from qkov_lib.head_model import HeadModel
+
+    result, ds, cfg, _ = tiny_sva_map
+    assert result.models and all(isinstance(m, HeadModel) for m in result.models.values())
+    nec = result.necessity
+    assert set(nec.columns) >= {"optimizer", "ratio", "model", "uniform", "oracle", "chance", "necessary"}
+    for col in ("model", "uniform", "oracle", "chance"):
+        assert ((nec[col] >= 0) & (nec[col] <= 1)).all()
+    # the relative readout scores both classes 0 under uniform attention: a tie, so exactly chance
+    assert (abs(nec["uniform"] - nec["chance"]) < 1e-12).all()
+    f = M.necessity_facts(result)
+    for opt in result.selected:
+        assert f[f"nec_{opt}_model_lo"].endswith("%") and f[f"nec_{opt}_necessary"] in ("yes", "no", "undecided")
 
 
 def test_measure_on_hand_made_attention():
@@ -172,26 +198,6 @@ def test_tiny_sva_map_end_to_end_is_deterministic():
     assert np.isfinite(a.chance) and 0.4 < a.chance < 0.7  # two balanced-ish numbers
 
 
-def test_compare_castings_trains_each_casting_like_a_map_cell(tmp_path):
-    """On a three-question SQuAD fixture: one row per casting, the options of the casting, and the
-    wh-only and question-aware castings are different models (different dev attention)."""
-    from test_squad_casting import _write  # the fixture file writer
-
-    from qkov_lib.data.text import load_text_dataset
-
-    _write(tmp_path)
-    ds = load_text_dataset("squad", tmp_path, max_len=24, min_freq=5, verify=False, keys="context", oov_buckets=50)
-    cfg = {**profiles.resolve(M.PROFILES["squad"], "test"), "d_model": 8, "adamw_steps": 4, "eval_every": 2,
-           "batch_size": 2}
-    out = M.compare_castings(ds, ds.test, cfg, 1e-2, names=["wh", "match+conv", "match+conv/position"])
-    assert list(out.index) == ["wh", "match+conv", "match+conv/position"]
-    assert list(out["readout"]) == ["tied", "tied", "position"] and list(out["encoder"]) == ["none", "conv", "conv"]
-    assert out["dev_accuracy"].between(0, 1).all() and all(s is None or s <= 4 for s in out["stop_step"])
-    assert out.loc["wh", "mass_answer"] != out.loc["match+conv", "mass_answer"]
-    with pytest.raises(ValueError, match="unknown casting"):
-        M.compare_castings(ds, ds.test, cfg, 1e-2, names=["bert"])
-
-
 def test_command_line_runs_a_map_and_rejects_bad_values(capsys):
     M.main(["sva", "--profile", "test", "-p", "optimizers", '["adamw"]', "-p", "adamw_rates", "[0.003]",
             "-p", "ratios", "[1, 10]"])
@@ -199,3 +205,32 @@ def test_command_line_runs_a_map_and_rejects_bad_values(capsys):
     assert "adamw   0.003" in out and "R1" in out and "sgd" not in out.split("claim")[0]
     with pytest.raises(TypeError, match="map_seeds"):
         M.main(["sva", "--profile", "test", "-p", "map_seeds", '"zero"'])
+
+
+def test_tuned_evaluations_cover_every_tuned_model_and_feed_the_tables(tiny_sva_map):
+    """tuned_evaluations evaluates exactly the trained models at each tuned base rate (all
+    ratios and seeds) with the model's, uniform and random attention; the DTAP figure has one
+    row per optimizer, the correctness table counts every test instance once per run, and the
+    facts quote the seeds and percentages."""
+    result, ds, cfg, _ = tiny_sva_map
+    evals = M.tuned_evaluations(result, ds, cfg)
+    assert set(evals) == set(result.selected)
+    for opt, runs in evals.items():
+        want = sorted((float(r.ratio), int(r.seed)) for r in M.tuned_runs(result, opt).itertuples())
+        assert sorted((r.ratio, r.seed) for r in runs) == want
+        for r in runs:
+            assert {row["attention"] for row in r.rows} == {"model", "uniform", "random"}
+            assert len(r.correct) == len(ds.test)
+    c = M.correctness_table(evals)
+    if len(c):
+        n = c["n"].sum(axis=1)  # right + wrong = every test instance with a subject
+        assert (abs(n - int(ds.test.relevant.any(1).sum())) < 1e-9).all()
+    if any(evals.values()):
+        fig = M.plot_dtap(evals, result)
+        assert fig is not None and len(fig.axes) >= len([o for o, r in evals.items() if r])
+    f = M.attention_facts(result) | M.data_facts(ds)
+    assert f["data_n_test"] == f"{len(ds.test):,}"
+    for opt in result.selected:
+        ref = M.tuned_runs(result, opt, ratio=1.0)
+        assert f[f"att_{opt}_seeds"] == str(ref["seed"].nunique())
+        assert f[f"att_{opt}_accuracy_lo"].startswith(f"{100 * float(ref['accuracy'].mean()):.1f}%")

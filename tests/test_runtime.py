@@ -48,18 +48,3 @@ def test_unknown_when_the_private_check_is_missing_or_changed(broken, monkeypatc
     assert is_batched(torch.zeros(3)) is None
     assert _inside_vmap() == [(None, None)]
     assert runtime._batched_check.cache_info().misses == 1  # probed once
-
-
-def test_encoder_dropout_in_a_stack_is_refused_either_way(monkeypatch):
-    from qkov_lib.experiments.encoder_head import EncoderHeadModel
-
-    m = EncoderHeadModel(10, 4, 4, 2, encoder="conv", dropout=0.5, generator=torch.Generator().manual_seed(0)).train()
-    x = torch.randn(2, 3, 5, 4)  # 2 stacked models
-    drop = torch.func.vmap(m._drop)
-    with pytest.raises(ValueError, match="dropout > 0 cannot be trained in a stack"):
-        drop(x)
-    monkeypatch.delattr(torch._C._functorch, "is_batchedtensor")
-    runtime._batched_check.cache_clear()
-    with pytest.raises(RuntimeError, match="randomness"):  # vmap's own refusal of random operations
-        drop(x)
-    assert m._drop(x[0]).shape == x[0].shape  # one model alone: dropout runs

@@ -7,7 +7,7 @@ import torch
 
 from qkov_lib import runtime
 from qkov_lib.data.batch import Batch
-from qkov_lib.experiments.realdata import CopyModel
+from qkov_lib.head_model import HeadModel
 from qkov_lib.models import PARAMETERIZATIONS, TokenModel, param_groups
 from qkov_lib.stacked import log_subsample, train_stacked
 from qkov_lib.training import NonFiniteError, TrainConfig, evaluate, predict, train
@@ -28,13 +28,25 @@ def token_data(n: int, seed: int) -> Batch:
     return Batch(tokens, key_mask, relevant, tokens[torch.arange(n), where] % C)
 
 
+def copy_data(n: int, seed: int) -> Batch:
+    """:func:`token_data` as a copy task: the class is the first key position (counted back from
+    the last column) of the relevant token's word, as the ``words`` readout scores it."""
+    b = token_data(n, seed)
+    word = b.tokens[b.relevant]
+    first = ((b.tokens == word[:, None]) & b.key_mask).to(torch.int8).argmax(1)
+    return Batch(b.tokens, b.key_mask, b.relevant, T - 1 - first)
+
+
 DATA, TEST = token_data(160, 0), token_data(60, 1)
+COPY_DATA = copy_data(160, 0)
 
 
-def token_model(param: str, seed: int, dtype=torch.float64, copy: bool = False) -> TokenModel:
+def token_model(param: str, seed: int, dtype=torch.float64, copy: bool = False) -> torch.nn.Module:
+    """A :class:`TokenModel`, or (``copy``) the analysed-head model with the ``words`` (copy) readout."""
     gen = torch.Generator().manual_seed(seed)
     if copy:
-        return CopyModel(V, 6, T, T, parameterization=param, init_scale=0.1, generator=gen, dtype=dtype)
+        return HeadModel(V, 6, T, T, readout="words", parameterization=param, init_scale=0.1, generator=gen,
+                         dtype=dtype)
     return TokenModel(V, 6, C, T, parameterization=param, init_scale=0.1, generator=gen, dtype=dtype)
 
 
@@ -57,8 +69,9 @@ def max_difference(param: str, opt: str, copy: bool = False, dtype=torch.float64
     cfgs = configs(opt, **kw)
     loop = [token_model(param, c.seed, dtype, copy) for c in cfgs]
     stack = [token_model(param, c.seed, dtype, copy) for c in cfgs]
-    h_loop = [train(m, DATA, c) for m, c in zip(loop, cfgs)]
-    h_stack = train_stacked(stack, DATA, cfgs)
+    data = COPY_DATA if copy else DATA
+    h_loop = [train(m, data, c) for m, c in zip(loop, cfgs)]
+    h_stack = train_stacked(stack, data, cfgs)
     out = {"params": 0.0, "records": 0.0, "attention": 0.0}
     for a, b, ha, hb in zip(loop, stack, h_loop, h_stack):
         assert [r["step"] for r in ha.records] == [r["step"] for r in hb.records]

@@ -1,7 +1,7 @@
 """SVA token roles (qkov_lib.data.sva.prefix_roles, qkov_lib.experiments.sva_roles) and the
-natural-prefix model: roles worked out by hand on template sentences of different conditions,
-non-overlapping masks that cover exactly the keys, masses and logit-margin shares against direct
-sums, the model's shapes, left-padding invariance and determinism, and clear errors."""
+natural-prefix grid: roles worked out by hand on template sentences of different conditions,
+non-overlapping masks that cover exactly the keys, masses against direct sums, the seeded
+validation split, the natural-prefix grid's rows and determinism, and clear errors."""
 
 import pytest
 import torch
@@ -107,75 +107,6 @@ def test_role_mass_against_hand_sums():
     assert sum(out[r] for r in sr.ROLES) == pytest.approx(1.0)
 
 
-def test_role_table_groups_and_accuracy():
-    roles = ["-S-A", "SL", "-S"]
-    b = _batch([4, 2, 2], y=[0, 1, 1])
-    attn = torch.softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).masked_fill(~b.key_mask, -1e9), 1)
-    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7]])
-    t = sr.role_table(attn, probs, b, roles, ["a", "b", "b"]).set_index("condition")
-    assert t.loc["all", "n"] == 3 and t.loc["b", "n"] == 2
-    assert t.loc["all", "accuracy"] == pytest.approx(2 / 3) and t.loc["b", "accuracy"] == pytest.approx(0.5)
-    subj = (attn * sr.role_masks(roles, b.key_mask)["subject"]).sum(1)
-    assert t.loc["all", "AC@0.5"] == pytest.approx(float((subj >= 0.5).double().mean()))
-    with pytest.raises(ValueError, match="lengths differ"):
-        sr.role_table(attn, probs, b, roles, ["a", "b"])
-
-
-def _model(seed=0, **kw):
-    g = torch.Generator().manual_seed(seed)
-    return sr.ContextHeadModel(20, 8, 2, 12, kernel=3, layers=2, generator=g, parameterization=kw.pop("p", "FAFO"), **kw)
-
-
-def test_context_model_shapes_and_left_padding_invariance():
-    b6, b11 = _batch([4, 2], T=6), _batch([4, 2], T=11)
-    for p in ("FAFO", "CAFO", "FACO", "CACO"):
-        m = _model(p=p).requires_grad_(False)
-        lo6, a6 = m(b6.tokens, b6.key_mask)
-        lo11, a11 = m(b11.tokens, b11.key_mask)
-        assert lo6.shape == (2, 2) and a6.shape == (2, 6) and a11.shape == (2, 11)
-        torch.testing.assert_close(lo6, lo11, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(a6, a11[:, 5:], rtol=1e-5, atol=1e-6)
-        # exact: softmax gives masked keys exp(-inf) = 0
-        assert float(a11[:, :5].abs().sum()) == 0.0 and float(a6[:, -1].abs().sum()) == 0.0
-
-
-def test_context_model_depends_on_neighbours_only_through_the_encoder():
-    b = _batch([5], T=7)
-    other = b.tokens.clone()
-    other[0, 1] = 15                                                    # change the first word
-    for enc, changed in (("conv", True), ("none", False)):
-        m = _model(encoder=enc)
-        x, x2 = m.encode(b.tokens), m.encode(other)
-        assert bool((x[0, 3] - x2[0, 3]).abs().max() > 1e-6) is changed  # 2 words away: seen by 2 convs of width 3
-
-
-def test_context_model_is_deterministic_and_checks_input():
-    b = _batch([3, 5])
-    # exact: the same seed and the same forward twice
-    torch.testing.assert_close(_model(1)(b.tokens, b.key_mask), _model(1)(b.tokens, b.key_mask), rtol=0, atol=0)
-    assert not torch.equal(_model(1)(b.tokens, b.key_mask)[0], _model(2)(b.tokens, b.key_mask)[0])
-    with pytest.raises(ValueError, match="exceeds the model's max_len"):
-        _model()(*(lambda c: (c.tokens, c.key_mask))(_batch([3], T=13)))
-    with pytest.raises(ValueError, match="kernel must be a positive odd"):
-        sr.ContextHeadModel(20, 8, 2, 12, kernel=4)
-    with pytest.raises(ValueError, match="encoder must be"):
-        sr.ContextHeadModel(20, 8, 2, 12, encoder="lstm")
-    with pytest.raises(ValueError, match="expected tokens and key_mask"):
-        _model()(b.tokens, b.key_mask[:, :-1])
-
-
-def test_margin_by_role_adds_up_to_the_logit_margin():
-    roles = ["-SAV-", "-S-L"]
-    b = _batch([5, 4], y=[0, 1])
-    m = _model(3).requires_grad_(False)
-    out = sr.margin_by_role(m, b, roles)
-    logits, _ = m(b.tokens, b.key_mask)
-    sign = torch.tensor([1.0, -1.0])
-    direct = float(((logits[:, 0] - logits[:, 1]) * sign).mean())
-    assert out["margin"] == pytest.approx(direct, rel=1e-4, abs=1e-6)
-    assert sum(out[r] for r in sr.ROLES) == pytest.approx(out["margin"], rel=1e-4, abs=1e-6)
-
-
 def test_split_validation_is_disjoint_and_seeded():
     b = _batch([2] * 20, y=list(range(20)))
     tr, va = sr.split_validation(b, 0.25, seed=0)
@@ -226,54 +157,3 @@ def test_natural_grid_runs_and_is_deterministic():
     assert a.equals(b)  # exact: the same code on the same seeds and thread count twice
     with pytest.raises(ValueError, match="has no n_attractors"):
         sr.attractor_accuracy(sr.make_natural_model(ds, cfg, 0), type(ds)(**{**ds.__dict__, "test_info": {}}))
-
-
-def test_model_role_table_needs_roles_and_a_known_grouping():
-    ds = _tiny_linzen()
-    m = _model()
-    with pytest.raises(ValueError, match="has no token roles"):
-        sr.model_role_table(m, ds)
-    ds.test_info["roles"] = ["-" * len(ds.decode("test", i)[:-1]) for i in range(len(ds.test))]
-    ds.test_info["condition"] = ["c"] * len(ds.test)
-    with pytest.raises(ValueError, match="by must be 'condition' or 'target'"):
-        sr.model_role_table(m, ds, by="verb")
-    t = sr.model_role_table(m, ds, by="target").set_index("condition")
-    assert set(t.index) == {"all", "singular", "plural"} and t.loc["all", "rest"] == pytest.approx(1.0)
-
-
-def test_default_number_table_picks_the_number_with_lower_ac():
-    import pandas as pd
-
-    role = {r: 0.0 for r in sr.ROLES}
-    bt = pd.DataFrame([
-        {"ratio": 1.0, "seed": 0, "condition": "all", "AC@0.5": 0.5, "accuracy": 1.0, **role},
-        {"ratio": 1.0, "seed": 0, "condition": "singular", "AC@0.5": 0.2, "accuracy": 0.9, **role, "verb": 0.7},
-        {"ratio": 1.0, "seed": 0, "condition": "plural", "AC@0.5": 0.9, "accuracy": 0.8, **role}])
-    mg = pd.DataFrame([{"ratio": 1.0, "seed": 0, "target": "singular", "subject": 1.0, "margin": 4.0},
-                       {"ratio": 1.0, "seed": 0, "target": "plural", "subject": 3.0, "margin": 3.0}])
-    row = sr.default_number_table(bt, mg).iloc[0]
-    assert row["default"] == "singular" and row["AC marked"] == 0.9 and row["verb default"] == 0.7
-    # exact: copied inputs and the binary fractions 1/4 and 3/3
-    assert row["subject share of margin, default"] == 0.25 and row["subject share of margin, marked"] == 1.0
-    with pytest.raises(ValueError, match="both target numbers"):
-        sr.default_number_table(bt.iloc[:2], mg)
-
-
-def test_role_facts_follow_the_numbers():
-    import pandas as pd
-
-    def frames(subject_hi, share_hi):
-        rows = []
-        for r, subj, verb in ((1.0, 0.7, 0.05), (100.0, subject_hi, 0.05 + 0.7 - subject_hi)):
-            rows.append({"condition": "all", "ratio": r, "seed": 0, "accuracy": 0.96, "AC@0.5": subj + 0.1,
-                         "subject": subj, "attractor": 0.15, "verb": verb, "last": 0.0, "rest": 0.1,
-                         "last position": 0.2})
-        default = pd.DataFrame([{"ratio": 1.0, "seed": 0, "subject share of margin, default": 0.97},
-                                {"ratio": 100.0, "seed": 0, "subject share of margin, default": share_hi}])
-        return {"condition": pd.DataFrame(rows), "default": default}
-
-    f = sr.role_facts(frames(0.35, 0.37))
-    assert f["role_subject_lo"] == "70.0 %" and f["role_subject_hi"] == "35.0 %"
-    assert "verb (+35.0 points)" in f["role_sentence"] and "leaves the subject" in f["role_sentence"]
-    g = sr.role_facts(frames(0.75, 0.99))
-    assert "still carries the prediction" in g["role_sentence"] and "nowhere" in g["role_sentence"]

@@ -252,7 +252,7 @@ def facts(runs: Sequence[ml.Run], cfg: dict) -> dict[str, str]:
 # --- the Trainer and the knob on real text: Marvin & Linzen SVA prefixes --------------------
 # A GPT-NeoX-style LM trained from scratch with transformers' Trainer (qkov_lib.knob_trainer) on
 # the SVA prefixes: after the prefix and the query token, predict one of two class tokens
-# (singular / plural). Beside it, the SVA chapter's one-head model on the same split.
+# (singular / plural). Beside it, a one-head model on the same split.
 SVA_PROFILES: dict[str, dict] = profile_table(
     dict(ratios=[1.0, 10.0], n_layers=2, n_heads=4, d_model=32, eta_ov=1e-3, weight_decay=0.01, batch_size=64,
          warmup_steps=20, max_len=16, min_freq=2, test_frac=0.2, data_seed=0, n_logs=5, threads=1),
@@ -365,21 +365,39 @@ def sva_grid(ds, cfg: dict, out_dir: str) -> tuple[dict[str, pd.DataFrame], pd.D
     return roles, acc.to_frame(), pd.concat(logs, ignore_index=True)
 
 
-def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
-    """The SVA chapter's one-head model (:func:`qkov_lib.experiments.realdata.make_model` with
-    that chapter's settings for ``profile``: parameterization, width, optimizer, rates, steps)
-    trained on ``ds`` at the ratios and seeds of ``cfg``. Returns the mean attention mass per
-    token role (ratio x role, means over seeds), the test accuracy per ratio and the settings."""
-    from ..profiles import resolve
-    from . import realdata, sva_roles
+# The one-head model beside it: a qkov_lib.models.TokenModel (learned word and position
+# embeddings, one head read at the query) trained with AdamW at eta_OV = 1e-4 (the embeddings at
+# eta_OV too); ratios and seeds come from the Trainer's profile (SVA_PROFILES).
+ONE_HEAD_PROFILES: dict[str, dict] = profile_table(
+    dict(optimizer="adamw", eta_ov=1e-4, eta_other=None, parameterization="FAFO", init_scale=1e-2, d_model=64,
+         batch_size=64, weight_decay=0.0, n_logs=8, log_subsample=2000, data_seed=0),
+    dict(steps=40), dict(steps=2000), dict(steps=6000),
+)
 
-    rcfg = resolve(realdata.PROFILES["sva"], profile, ratios=list(cfg["ratios"]), seeds=list(cfg["seeds"]))
-    grid = [(r, s) for r in rcfg["ratios"] for s in rcfg["seeds"]]
-    models, _ = realdata.train_models(ds, rcfg, grid, device=torch.device("cpu"), probe=False)
+
+def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """The one-head model of :data:`ONE_HEAD_PROFILES` (a :class:`~qkov_lib.models.TokenModel`)
+    for ``profile``, trained on ``ds`` at the ratios and seeds of ``cfg`` as one stack
+    (:func:`qkov_lib.stacked.train_stacked`). Returns the mean attention mass per token role
+    (ratio x role, means over seeds), the test accuracy per ratio and the one-head settings."""
+    from ..models import TokenModel
+    from ..profiles import resolve
+    from ..stacked import train_stacked
+    from . import sva_roles
+
+    rcfg = {**resolve(ONE_HEAD_PROFILES, profile), "ratios": list(cfg["ratios"]), "seeds": list(cfg["seeds"])}
+    grid = [(float(r), s) for r in rcfg["ratios"] for s in rcfg["seeds"]]
+    models = [TokenModel(ds.vocab_size, rcfg["d_model"], ds.n_classes, ds.max_len, generator=seed_everything(s),
+                         parameterization=rcfg["parameterization"], init_scale=rcfg["init_scale"]) for _, s in grid]
+    cfgs = [TrainConfig(optimizer=rcfg["optimizer"], eta_ov=rcfg["eta_ov"], ratio=r, eta_other=rcfg["eta_other"],
+                        steps=rcfg["steps"], batch_size=rcfg["batch_size"], weight_decay=rcfg["weight_decay"],
+                        n_logs=rcfg["n_logs"], seed=s, progress=False, log_subsample=rcfg["log_subsample"],
+                        log_seed=rcfg["data_seed"]) for r, s in grid]
+    train_stacked(models, ds.train, cfgs, desc=f"{ds.name}: {len(grid)} one-head models", progress=True)
     rows = []
     for (ratio, seed), m in zip(grid, models):
         attn, probs = predict(m, ds.test)
-        rows.append({"ratio": float(ratio), "seed": seed,
+        rows.append({"ratio": ratio, "seed": seed,
                      "accuracy": prediction_metrics(probs, ds.test.y, ds.n_classes)["accuracy"],
                      **sva_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask), QUERY_SELF: 0.0})
     f = pd.DataFrame(rows).drop(columns="seed").groupby("ratio").mean()

@@ -1,17 +1,20 @@
-"""The protocol map of each real-data chapter: a model that learns the task, a validation split,
-base-rate grids for AdamW and SGD, and the R1-R3 verdicts over the map.
+"""The protocol map of each real-data chapter: a model whose prediction passes through the
+analysed head, a validation split, base-rate grids for AdamW and SGD, the necessity check and
+the R1-R3 verdicts over the map.
 
-Per dataset (``sva``, ``hatexplain``, ``squad``), :data:`PROFILES` fixes the model that feeds the
-analysed head (SVA: :class:`~qkov_lib.models.TokenModel` on the Marvin & Linzen prefixes;
-HateXplain: the stackable convolution encoder of :mod:`.encoder_head`; SQuAD: the best casting of
-:mod:`.squad_casting`), the splits (HateXplain: the official validation split; SVA and SQuAD: a
-seeded part of the training split held out), the base-rate grid of each optimizer, the ratios,
-seeds and the step budget with early stopping on validation loss.
+Per dataset (``sva``, ``hatexplain``, ``squad``), :data:`PROFILES` fixes the options of the
+analysed-head model (:class:`qkov_lib.head_model.HeadModel`, :data:`HEAD_OPTIONS`), the splits
+(HateXplain: the official validation split; SVA and SQuAD: a seeded part of the training split
+held out; SQuAD as the answer-word task of :func:`qkov_lib.head_model.word_task`), the base-rate
+grid of each optimizer, the ratios, seeds and the step budget with early stopping on validation
+loss.
 
 :func:`run_map` trains the whole map with :func:`.protocol.train_grid` and returns a
 :class:`MapResult` (the run table with the trained-run flag, the validation-chosen base rates,
-the phase table, per-column verdicts and the region verdicts); :func:`map_facts` and
-:func:`claims_rows` turn it into the sentences and scorecard rows a chapter quotes.
+the phase table, the necessity table of the tuned models, per-column verdicts and the region
+verdicts); :func:`tuned_evaluations` evaluates the tuned models for the chapters' attention
+analyses; the ``*_facts`` functions return the numbers a chapter glues and :func:`claims_rows`
+its scorecard rows.
 """
 
 from __future__ import annotations
@@ -26,61 +29,68 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .. import claims
+from .. import claims, head_model
 from .. import faithfulness as fa
 from ..data.batch import Batch
-from ..data.text import TextDataset
+from ..data.text import TextDataset, load_text_dataset
+from ..runtime import seed_everything
 from ..metrics import prediction_metrics, seed_half_width, summarize
 from ..profiles import profile_table
 from ..training import TrainConfig, predict
-from . import encoder_head, protocol, realdata, squad_casting
+from . import encoder_head, protocol, realdata
 from .sva_roles import split_validation
 
 DATASETS = ("sva", "hatexplain", "squad")
+# the options of qkov_lib.head_model.HeadModel a map config may set
+# (config name, model argument); "head_query", as "query" names the SVA loader's query token
+HEAD_OPTIONS = {"readout": "readout", "encoder": "encoder", "layers": "layers", "window": "window",
+                "positions": "positions", "match": "match", "head_query": "query", "values": "values",
+                "relative": "relative", "ov_init": "ov_init"}
 OPTIMIZERS = ("adamw", "sgd")
 MAP_FRACS = (0.01, 0.05, 0.1, 0.2, 0.5)
 RATIOS = [1.0, 3.0, 10.0, 30.0, 100.0]
 
-# Shared by every dataset: both optimizers, the paper's ratios, early stopping on validation loss
-# (evaluated every eval_every steps, best weights restored), sufficiency on n_eraser instances.
-_COMMON = dict(optimizers=["adamw", "sgd"], ratios=RATIOS, map_seeds=[0, 1, 2], parameterization="FAFO",
+# Shared by every dataset: both optimizers, early stopping on validation loss (evaluated every
+# eval_every steps, best weights restored), sufficiency on n_eraser instances; the analysed head
+# of qkov_lib.head_model (HEAD_OPTIONS) fed by a convolution over the keys, token-local values.
+_COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=[0, 1, 2, 3], parameterization="FAFO",
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
-               eval_every=100, patience=4, n_eraser=300, threads=1,
-               adamw_rates=[1e-4, 3e-4, 1e-3, 3e-3], sgd_rates=[0.03, 0.1, 0.3, 1.0])
+               eval_every=100, patience=4, n_eraser=300, threads=2, model="head", readout="class", encoder="conv",
+               layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
+               relative=False, ov_init=0.0, adamw_rates=[1e-3, 3e-3, 1e-2], sgd_rates=[0.3, 1.0, 3.0])
+# every profile's map of the test profile: seconds (CI)
+_TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=40,
+             sgd_steps=40, eval_every=10, n_eraser=50, threads=1)
+# full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer
+_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000)
 
-# test = seconds (CI); cpu = the map within the chapter's 15-minute budget on 2 cores (one chapter
-# runs at a time, so the map uses both); full = GPU. Measured cpu maps (2 cores shared by two maps):
-# SVA 120 runs in 97 s; SQuAD 40 runs in 440 s; HateXplain 80 runs in 920 s (2400-step budget).
+# cpu = the map within a chapter's 12-minute budget on 2 cores (one chapter runs at a time, so the
+# map uses both); its sizes are measured in the chapters' closing budget table.
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "sva": profile_table(
-        dict(_COMMON, model="token", d_model=64, max_len=16, min_freq=2, test_frac=0.2, readout="class",
-             adamw_steps=2000, sgd_steps=4000),
-        dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=40,
-             sgd_steps=40, eval_every=10, n_train=400, n_test=200, n_eraser=50),
-        dict(n_train=None, n_test=None, threads=2),
-        dict(map_seeds=[0, 1, 2, 3, 4], adamw_steps=6000, sgd_steps=12000, n_train=None, n_test=None, n_eraser=2000,
-             adamw_rates=[3e-5, 1e-4, 3e-4, 1e-3, 3e-3], sgd_rates=[0.01, 0.03, 0.1, 0.3, 1.0]),
+        dict(_COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2,
+             adamw_steps=2000, sgd_steps=2000),
+        dict(_TEST, n_train=400, n_test=200),
+        dict(n_train=None, n_test=None),
+        dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None,
+             adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
     ),
     "hatexplain": profile_table(
-        dict(_COMMON, model="conv", encoder="conv", d_embed=64, d_model=64, kernel=3, dropout=0.0, max_len=64,
-             min_freq=2, adamw_steps=2400, sgd_steps=2400, eval_every=120, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2]),
-        dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=40,
-             sgd_steps=40, eval_every=10, d_embed=16, d_model=16, n_train=300, n_test=100, n_val=100, n_eraser=50),
-        dict(map_seeds=[0, 1], n_train=None, n_test=None, n_val=None, adamw_steps=1500, sgd_steps=1500, threads=2),
-        dict(map_seeds=[0, 1, 2, 3, 4], max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924,
-             adamw_steps=4800, sgd_steps=4800),
+        dict(_COMMON, d_model=64, max_len=64, min_freq=2, adamw_steps=1500, sgd_steps=1500, eval_every=120,
+             plausibility=True),
+        dict(_TEST, d_model=16, n_train=300, n_test=100, n_val=100),
+        dict(n_train=None, n_test=None, n_val=None),
+        dict(_FULL, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
+             sgd_steps=4800, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
     ),
     "squad": profile_table(
-        dict(_COMMON, model="casting", casting="match+conv", d_model=32, window=5, max_len=128, min_freq=10,
-             oov_buckets=1000, keys="context", adamw_steps=800, sgd_steps=800, eval_every=100, patience=3),
-        dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=20,
-             sgd_steps=20, eval_every=10, n_train=300, n_test=100, n_eraser=50),
-        dict(map_seeds=[0, 1], n_train=8000, n_test=2000, threads=2),
-        # full: d_model 64, window 9, 128 words and every exact-span training question. At ratio 1 with
-        # AdamW at 1e-3 (seed 0) this reached 27.7% dev accuracy on 2000 dev questions, stopping at step
-        # 3000 (69 s on 2 CPU threads); a 256-word cut did not learn at all in the same budget (1.3%).
-        dict(map_seeds=[0, 1, 2, 3, 4], d_model=64, window=9, max_len=128, n_train=None, n_test=None, n_eraser=2000,
-             adamw_steps=8000, sgd_steps=8000, eval_every=500, patience=3),
+        dict(_COMMON, readout="words", layers=2, window=5, match=True, head_query="question", relative=True,
+             ov_init=1.0, d_model=32, max_len=128, min_freq=10, oov_buckets=1000, batch_size=32, adamw_steps=800,
+             sgd_steps=800, eval_every=100, patience=3, sgd_rates=[0.1, 0.3, 1.0]),
+        dict(_TEST, adamw_steps=20, sgd_steps=20, n_train=300, n_test=100, layers=1),
+        dict(n_train=20000, n_test=3100),
+        dict(_FULL, d_model=64, layers=3, batch_size=64, n_train=None, n_test=None, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2],
+             sgd_rates=[0.03, 0.1, 0.3, 1.0], adamw_steps=8000, sgd_steps=8000, eval_every=500),
     ),
 }
 
@@ -102,7 +112,13 @@ def load_splits(name: str, cfg: Mapping[str, Any], data_dir=None) -> tuple[TextD
         return hatexplain.load_with_val(data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"],
                                         n_train=cfg.get("n_train"), n_test=cfg.get("n_test"), n_val=cfg.get("n_val"),
                                         seed=cfg["data_seed"])
-    ds = squad_casting.load(cfg, data_dir) if name == "squad" else realdata.load({**cfg, "dataset": name}, data_dir)
+    if name == "squad":
+        ds = head_model.word_task(load_text_dataset("squad", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"],
+                                                    n_train=cfg["n_train"], n_test=cfg["n_test"], seed=cfg["data_seed"],
+                                                    query="wh", keys="context", oov_buckets=cfg["oov_buckets"]))
+    else:
+        ds = load_text_dataset("sva", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
+                               n_test=cfg["n_test"], seed=cfg["data_seed"], test_frac=cfg["test_frac"])
     ds.train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
     ds.report["val_held_out"] = len(val)
     ds.notes.append(f"Validation: {len(val):,} training instances held out at random (seed {cfg['data_seed']}) "
@@ -111,17 +127,14 @@ def load_splits(name: str, cfg: Mapping[str, Any], data_dir=None) -> tuple[TextD
 
 
 def make_model(ds: TextDataset, cfg: Mapping[str, Any], seed: int) -> nn.Module:
-    """The seeded model of a map config: ``model`` = ``"token"`` (the SVA chapter's
-    :class:`~qkov_lib.models.TokenModel`), ``"conv"`` (the HateXplain convolution encoder under the
-    head) or ``"casting"`` (a SQuAD casting)."""
+    """The seeded model of a map config: ``model`` = ``"head"``, the analysed-head model of
+    :func:`qkov_lib.head_model.for_dataset` with the options of :data:`HEAD_OPTIONS`."""
     kind = cfg["model"]
-    if kind == "token":
-        return realdata.make_model(ds, cfg, seed)
-    if kind == "conv":
-        return encoder_head.make_model(ds.vocab_size, ds.n_classes, cfg, seed)
-    if kind == "casting":
-        return squad_casting.make_model(ds, cfg, seed)
-    raise ValueError(f"unknown map model {kind!r}; expected 'token', 'conv' or 'casting'")
+    if kind == "head":
+        return head_model.for_dataset(ds, cfg["d_model"], generator=seed_everything(seed),
+                                      parameterization=cfg["parameterization"], init_scale=cfg["init_scale"],
+                                      **{arg: cfg[k] for k, arg in HEAD_OPTIONS.items() if k in cfg})
+    raise ValueError(f"unknown map model {kind!r}; expected 'head'")
 
 
 def base_rates(cfg: Mapping[str, Any]) -> dict[str, list[float]]:
@@ -179,25 +192,35 @@ class MapResult:
     chance: float
     models: dict[protocol.Cell, nn.Module] = field(repr=False, default_factory=dict)
     val: Batch | None = field(repr=False, default=None)
+    necessity: pd.DataFrame | None = None
 
 
-def analyse(table: pd.DataFrame, chance_rate: float,
-            models: Mapping[protocol.Cell, nn.Module] | None = None) -> MapResult:
+def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Cell, nn.Module] | None = None,
+            test: Batch | None = None) -> MapResult:
     """The protocol's analysis of a run table (:func:`.protocol.train_grid`): trained-run flag,
-    validation-chosen base rates, phase table, column verdicts and region verdicts."""
+    validation-chosen base rates, phase table, the necessity check of the tuned models on
+    ``test`` (:func:`necessity_table`, when ``models`` and ``test`` are given), column verdicts
+    (R3 is not tested in a tuned column whose head is not necessary) and region verdicts."""
     table = table.assign(trained=protocol.trained(table, chance_rate))
     selected = protocol.select_base_rates(table)
-    phase = protocol.phase_table(table)
-    cells = protocol.cell_verdicts(phase)
-    return MapResult(table, selected, phase, cells, protocol.region_verdicts(cells, selected), chance_rate,
-                     dict(models or {}))
+    phase = protocol.phase_table(table, chance=chance_rate)
+    result = MapResult(table, selected, phase, pd.DataFrame(), {}, chance_rate, dict(models or {}))
+    necessary: dict[tuple[str, float], bool | None] = {}
+    if models and test is not None:
+        result.necessity = necessity_table(result, test)
+        for opt, g in result.necessity.groupby("optimizer"):
+            ref = g[g["ratio"] == 1.0]
+            necessary[(opt, float(g["eta_ov"].iloc[0]))] = bool(ref["necessary"].iloc[0]) if len(ref) else None
+    result.cells = protocol.cell_verdicts(phase, necessary=necessary)
+    result.regions = protocol.region_verdicts(result.cells, selected)
+    return result
 
 
 def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.device | None = None,
             desc: str | None = None) -> MapResult:
     """Train the map of ``cfg`` (optimizers × their base rates × ratios × ``map_seeds``) on
     ``ds.train`` with early stopping on ``val``, measure every run on ``val`` and ``ds.test``,
-    and analyse it (:func:`analyse`)."""
+    and analyse it (:func:`analyse`, with the necessity check on ``ds.test``)."""
     device = device or torch.device("cpu")
     cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
     models: dict[protocol.Cell, nn.Module] = {}
@@ -205,32 +228,155 @@ def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.d
         cells, lambda s: make_model(ds, cfg, s).to(device), ds.train.to(device), val.to(device), ds.test.to(device),
         lambda c: cell_config(cfg, c), lambda m, b: measure(m, b, cfg["n_eraser"]), desc=desc or ds.name,
         models_out=models, threads=cfg.get("threads"))
-    result = analyse(table, chance(val), models)
+    result = analyse(table, chance(val), models, ds.test.to(device))
     result.val = val
     return result
 
 
-def compare_castings(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], eta_ov: float,
-                     names: Sequence[str] | None = None, seed: int = 0) -> pd.DataFrame:
-    """Every SQuAD casting of :data:`.squad_casting.CASTINGS` (or ``names``) trained like a map cell
-    (AdamW at ``eta_ov``, ratio 1, early stopping on ``val``) from seed ``seed``: one row per
-    casting with its options, validation and dev (test) accuracy, the stopping step and the mean
-    attention mass per token role on the dev split."""
+def necessity_table(result: MapResult, test: Batch) -> pd.DataFrame:
+    """The necessity check (:func:`qkov_lib.head_model.necessity`) of the trained models at each
+    optimizer's tuned base rate, at ratio 1 and at the highest ratio at which a run trained: per
+    (optimizer, ratio) the seed means of the test accuracy with the model's attention, with
+    uniform attention over the same keys and with oracle attention (all mass on the relevant
+    tokens), the chance rate, the number of seeds and whether the head is necessary
+    (:func:`qkov_lib.claims.head_necessary` on the seed means). Fractions in [0, 1]."""
     rows = []
-    cell = protocol.Cell("adamw", float(eta_ov), 1.0, int(seed))
-    for name in names or list(squad_casting.CASTINGS):
-        c = {**cfg, "casting": name}
-        models: dict[protocol.Cell, nn.Module] = {}
-        t = protocol.train_grid([cell], lambda s: squad_casting.make_model(ds, c, s), ds.train, val, ds.test,
-                                lambda x: cell_config(c, x), lambda m, b: measure(m, b, 0), desc=name,
-                                models_out=models, threads=cfg.get("threads")).iloc[0]
-        opts = {"readout": "tied", **squad_casting.CASTINGS[name]}
-        row = {"casting": name, **opts, "diverged": bool(t["diverged"]), "stop_step": t["stop_step"],
-               "val_accuracy": t.get("val_accuracy", math.nan), "dev_accuracy": t.get("accuracy", math.nan)}
-        if cell in models:
-            row.update({f"mass_{k}": v for k, v in squad_casting.attention_by_role(models[cell], ds).items()})
-        rows.append(row)
-    return pd.DataFrame(rows).set_index("casting")
+    for opt, eta in result.selected.items():
+        runs = tuned_runs(result, opt)
+        ratios = sorted(set(runs["ratio"]))
+        for r in dict.fromkeys([1.0, ratios[-1]] if ratios else []):
+            got = [head_model.necessity(result.models[protocol.Cell(opt, eta, r, int(s))], test)
+                   for s in runs[runs["ratio"] == r]["seed"]
+                   if protocol.Cell(opt, eta, r, int(s)) in result.models]
+            if not got:
+                continue
+            mean = {k: float(np.mean([g[k] for g in got])) for k in ("model", "uniform", "oracle", "chance")}
+            rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r, "seeds": len(got), **mean,
+                         "necessary": claims.head_necessary(mean["model"], mean["uniform"], mean["chance"])})
+    return pd.DataFrame(rows, columns=["optimizer", "eta_ov", "ratio", "seeds", "model", "uniform", "oracle",
+                                       "chance", "necessary"])
+
+
+NECESSITY_RULE = (f"the head's attention is necessary when uniform attention over the same keys loses at least "
+                  f"{claims.threshold_text('NECESSITY_SHARE')} of the test accuracy above chance "
+                  "(model − uniform ≥ share × (model − chance), seed means of the tuned models at ratio 1)")
+
+
+def necessity_facts(result: MapResult) -> dict[str, str]:
+    """Numbers a chapter glues from :func:`necessity_table` (percent): per optimizer ``nec_<opt>_<what>_<at>``
+    for what in model / uniform / oracle / chance and at = ``lo`` (ratio 1) / ``hi`` (the highest
+    trained ratio, ``nec_<opt>_r_hi``), ``nec_<opt>_necessary`` (yes / no / undecided at ratio 1),
+    and ``nec_rule`` (the rule's text); "n/a" where a model is missing."""
+    f: dict[str, str] = {"nec_rule": NECESSITY_RULE}
+    t = result.necessity if result.necessity is not None else pd.DataFrame(columns=["optimizer"])
+    for opt in OPTIMIZERS:
+        g = t[t["optimizer"] == opt].sort_values("ratio") if len(t) else t
+        for at, row in (("lo", g.iloc[0] if len(g) else None), ("hi", g.iloc[-1] if len(g) else None)):
+            for what in ("model", "uniform", "oracle", "chance"):
+                f[f"nec_{opt}_{what}_{at}"] = "n/a" if row is None else f"{100 * float(row[what]):.1f}%"
+        f[f"nec_{opt}_r_hi"] = f"{float(g['ratio'].iloc[-1]):g}" if len(g) else "n/a"
+        nec = g["necessary"].iloc[0] if len(g) else None
+        f[f"nec_{opt}_necessary"] = {True: "yes", False: "no"}.get(nec, "undecided")
+    return f
+
+
+def attention_facts(result: MapResult) -> dict[str, str]:
+    """Per optimizer at its tuned base rate, ratio 1 (``lo``) and the highest trained ratio
+    (``hi``): test accuracy, AC@0.5 and mean attention on the relevant tokens, seed mean ± 95%
+    half-width (``att_<opt>_<metric>_<at>``, metric in accuracy / AC / mass), the ratio
+    (``att_<opt>_r_hi``) and the seeds per cell (``att_<opt>_seeds``)."""
+    f: dict[str, str] = {}
+    for opt in OPTIMIZERS:
+        runs = tuned_runs(result, opt)
+        ratios = sorted(set(runs["ratio"])) if len(runs) else []
+        f[f"att_{opt}_r_hi"] = f"{ratios[-1]:g}" if ratios else "n/a"
+        f[f"att_{opt}_seeds"] = str(int(runs[runs["ratio"] == 1.0]["seed"].nunique())) if len(runs) else "0"
+        for at, r in (("lo", 1.0), ("hi", ratios[-1] if ratios else None)):
+            sub = runs[runs["ratio"] == r] if r is not None else runs.iloc[0:0]
+            for key, col in (("accuracy", "accuracy"), ("AC", "AC@0.5"), ("mass", "attn_relevant")):
+                v = list(sub[col]) if col in sub else []
+                f[f"att_{opt}_{key}_{at}"] = (_pm(v) if key != "mass" else _pm_raw(v))
+    return f
+
+
+def _pm_raw(values: Sequence[float]) -> str:
+    """Seed mean ± 95% half-width of values in [0, 1], as fractions with 3 decimals."""
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    return realdata.pm(float(v.mean()), seed_half_width(v), pct=False, digits=3) if len(v) else "n/a"
+
+
+def data_facts(ds: TextDataset) -> dict[str, str]:
+    """Sizes a chapter glues: training and test instances (``data_n_train``, ``data_n_test``) and,
+    for SQuAD's word task, the questions its filter dropped per split (``data_dropped_*``)."""
+    f = {"data_n_train": f"{len(ds.train):,}", "data_n_test": f"{len(ds.test):,}"}
+    for split in ("train", "test"):
+        keys = [k for k in ds.report if k.startswith(f"{split}_word_task_") and not k.endswith("_kept")]
+        f[f"data_dropped_{split}"] = f"{sum(int(ds.report[k]) for k in keys):,}"
+    return f
+
+
+def plot_dtap(evals: Mapping[str, Sequence[realdata.RealRun]], result: MapResult):
+    """DTAP heatmaps (:func:`qkov_lib.plotting.dtap_grid`) of the tuned models, averaged over seeds:
+    one row per optimizer (labelled with its tuned base rate), one column per ratio; None when
+    no tuned model has a histogram."""
+    from ..plotting import dtap_grid
+
+    hists, ratios = {}, set()
+    for opt, runs in evals.items():
+        label = f"{opt} (eta_ov {result.selected[opt]:g})"
+        for (_, r), h in realdata.mean_dtap(runs).items():
+            hists[(label, r)] = h
+            ratios.add(r)
+    if not hists:
+        return None
+    return dtap_grid(hists, rows=list(dict.fromkeys(k[0] for k in hists)), cols=sorted(ratios), row_label="")
+
+
+def correctness_table(evals: Mapping[str, Sequence[realdata.RealRun]]) -> pd.DataFrame:
+    """Mean attention on the relevant tokens among right and wrong test predictions of the tuned
+    models, per optimizer and ratio (mean over seeds), with the mean count of instances."""
+    frames = [realdata.mass_by_correctness(runs).assign(optimizer=opt) for opt, runs in evals.items() if runs]
+    if not frames:
+        return pd.DataFrame()
+    f = pd.concat(frames, ignore_index=True)
+    return f.groupby(["optimizer", "ratio", "prediction"])[["attn_relevant", "n"]].mean().unstack("prediction").round(3)
+
+
+def squad_roles(model: nn.Module, ds: TextDataset) -> dict[str, float]:
+    """Mean attention mass of ``model`` on the SQuAD test split by token role
+    (:func:`qkov_lib.data.squad.squad_roles`: answer, context words in the question, question, rest)."""
+    from ..data import squad
+    from ..metrics import mass_by_role
+
+    attn = test_attention(model, ds.test)
+    return mass_by_role(attn, squad.squad_roles(ds), ds.test.key_mask)
+
+
+def titled(frame: pd.DataFrame, title: str):
+    """``frame`` for display with ``title`` as its caption (a pandas Styler; the frame is unchanged)."""
+    return frame.style.set_caption(title)
+
+
+def map_record(result: MapResult) -> dict[str, Any]:
+    """The map's part of a chapter's results file: run table, phase table, chosen base rates,
+    per-column verdicts and the necessity table (JSON-ready records)."""
+    nec = result.necessity if result.necessity is not None else pd.DataFrame()
+    return {"map": result.table.to_dict("records"), "map_phase": result.phase.to_dict("records"),
+            "map_selected": dict(result.selected), "map_cells": result.cells.to_dict("records"),
+            "necessity": nec.to_dict("records")}
+
+
+def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]) -> dict[str, list[realdata.RealRun]]:
+    """Every trained model at each optimizer's tuned base rate evaluated on the test split with
+    its own, uniform and random attention (:func:`.realdata.evaluate_run`: the metrics table, the
+    DTAP histogram, per-instance mass and correctness), keyed by optimizer: what the DTAP
+    heatmaps, the tau sweep, the focus and baseline tables and the attention by correctness,
+    question type or token role are computed from."""
+    ecfg = {"taus": realdata.TAU_SWEEP, "fracs": list(MAP_FRACS), "n_eraser": cfg["n_eraser"],
+            "plausibility": bool(cfg.get("plausibility", False))}
+    return {opt: [realdata.evaluate_run(ds, r.model, None, r.ratio, r.seed, ecfg)
+                  for r in sorted(runs_at(result, opt), key=lambda r: (r.ratio, r.seed))]
+            for opt in result.selected}
 
 
 def map_config(name: str, profile: str | None, **overrides: Any) -> dict[str, Any]:
@@ -373,6 +519,20 @@ def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
         "ratio": float(top["ratio"])}
 
 
+def necessity_sentence(result: MapResult) -> str:
+    """One sentence per optimizer on the necessity check at ratio 1 and the highest trained ratio:
+    test accuracy with the model's, uniform and oracle attention, and chance (percent)."""
+    t = result.necessity
+    if t is None or not len(t):
+        return "Necessity check: no tuned model."
+    parts = []
+    for opt, g in t.groupby("optimizer", sort=False):
+        cells = [f"ratio {r.ratio:g}: model {100 * r.model:.1f}%, uniform {100 * r.uniform:.1f}%, oracle "
+                 f"{100 * r.oracle:.1f}%" for r in g.sort_values("ratio").itertuples()]
+        parts.append(f"{opt} " + "; ".join(cells) + f" (chance {100 * float(g['chance'].iloc[0]):.1f}%)")
+    return "Necessity check (test accuracy with the model's / uniform / oracle attention): " + " | ".join(parts) + "."
+
+
 def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> list[dict[str, str]]:
     """Scorecard rows R1-R3 of a dataset chapter from its map: the verdict at the tuned base rates
     (:func:`qkov_lib.claims.tuned_region`), our numbers at those rates and the region."""
@@ -393,7 +553,8 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
                          f"relevant tokens {d['attn_relevant']:+.3f}, sufficiency {d['sufficiency']:+.3f}")
         ours = (f"{dataset}, base-rate x ratio map ({len(result.table)} runs, "
                 f"{int((~result.table['trained']).sum())} did not train): "
-                + ("; ".join(parts) or "no base rate trained at ratio 1") + f". Reproduced in: {region}")
+                + ("; ".join(parts) or "no base rate trained at ratio 1") + f". Reproduced in: {region}. "
+                + necessity_sentence(result))
         rows.append(claims.claim(cid, claims.CLAIMS[cid], ours, v, ch))
     return rows
 
@@ -506,7 +667,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 __all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
-           "chance", "analyse", "run_map", "compare_castings", "chapter_map", "map_config", "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
+           "chance", "analyse", "run_map", "chapter_map", "map_config", "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
            "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
 
 
