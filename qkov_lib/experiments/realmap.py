@@ -76,11 +76,11 @@ PROFILES: dict[str, dict[str, dict[str, Any]]] = {
              adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
     ),
     "hatexplain": profile_table(
-        dict(_COMMON, d_model=64, max_len=64, min_freq=2, adamw_steps=1500, sgd_steps=1500, eval_every=120,
+        dict(_COMMON, d_model=32, max_len=64, min_freq=2, adamw_steps=1000, sgd_steps=1000, eval_every=100,
              plausibility=True),
         dict(_TEST, d_model=16, n_train=300, n_test=100, n_val=100),
         dict(n_train=None, n_test=None, n_val=None),
-        dict(_FULL, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
+        dict(_FULL, d_model=64, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
              sgd_steps=4800, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
     ),
     "squad": profile_table(
