@@ -548,6 +548,10 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
             if d["ratio"] == 1.0:
                 parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): no run above ratio 1 trained")
                 continue
+            if not math.isfinite(d["accuracy"]):  # no seed trained at both ratio 1 and the top ratio
+                parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): no seed trained at both ratio 1 and "
+                             f"ratio {d['ratio']:g}")
+                continue
             parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): at ratio {d['ratio']:g} vs 1, accuracy "
                          f"{100 * d['accuracy']:+.1f} points, AC@0.5 {100 * d['AC@0.5']:+.1f} points, attention on "
                          f"relevant tokens {d['attn_relevant']:+.3f}, sufficiency {d['sufficiency']:+.3f}")
