@@ -64,8 +64,8 @@ _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_ra
 # full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer
 _FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000)
 
-# cpu = the map within a chapter's 12-minute budget on 2 cores (one chapter runs at a time, so the
-# map uses both); its sizes are measured in the chapters' closing budget table.
+# cpu = sized so that a chapter, map included, runs in about 12 minutes on 2 cores (one chapter runs
+# at a time, so the map uses both threads; SQuAD costs most: 72 runs of 800 steps).
 PROFILES: dict[str, dict[str, dict[str, Any]]] = {
     "sva": profile_table(
         dict(_COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2,
