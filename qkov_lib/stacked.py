@@ -269,7 +269,8 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
                   probe: Probe | None = None, val: Batch | None = None, on_nonfinite: str = "raise",
                   groups: GroupsFn = default_groups, batches: BatchesFn = default_batches,
                   prepare: Callable[[Batch], Batch] | None = None, desc: str = "stacked",
-                  progress: bool | None = None, threads: int | None = None) -> list[History]:
+                  progress: bool | None = None, threads: int | None = None,
+                  on_step: Callable[[int], None] | None = None) -> list[History]:
     """Train ``models`` (one architecture; forward ``(tokens, key_mask) -> (logits, attention)``)
     on ``data`` together, each with its config (one, or one per model; they may differ in
     ``eta_ov``, ``ratio``, ``eta_other``, ``weight_decay``, ``momentum``, ``seed``,
@@ -282,7 +283,8 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
     of minibatch indices (default: :func:`default_batches`); ``prepare(batch)`` transforms a
     minibatch before the forward pass (``B = 1`` only, e.g. trimming padding);
     ``on_nonfinite`` is ``"raise"`` or ``"freeze"``; ``threads`` sets torch's intra-op threads
-    while training (None: unchanged)."""
+    while training (None: unchanged); ``on_step(step)``, if given, is called after every
+    optimizer step (e.g. to report progress from another process)."""
     models = list(models)
     cfgs = [cfgs] * len(models) if isinstance(cfgs, TrainConfig) else list(cfgs)
     if len(cfgs) != len(models):
@@ -299,7 +301,7 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
     retain_freed_memory()
     with torch_threads(threads):
         return _Trainer(models, data, cfgs, c0, probe, val, on_nonfinite, groups, batches, prepare).run(
-            desc, c0.progress if progress is None else progress)
+            desc, c0.progress if progress is None else progress, on_step)
 
 
 class _Trainer:
@@ -460,7 +462,7 @@ class _Trainer:
         if bool(bad.any()):
             self._fail(step, bad, "parameter", values)
 
-    def run(self, desc: str, show: bool) -> list[History]:
+    def run(self, desc: str, show: bool, on_step: Callable[[int], None] | None = None) -> list[History]:
         logs = set(log_schedule(self.c0))
         for step in tqdm(range(self.c0.steps + 1), desc=desc, disable=not show, leave=False, mininterval=1.0):
             if not self.rows:  # every model diverged or stopped early
@@ -470,5 +472,7 @@ class _Trainer:
             if step == self.c0.steps or not self.rows:
                 break
             self._step(step)
+            if on_step is not None:
+                on_step(step)
         self._finish(list(range(len(self.rows))))
         return self.hists

@@ -139,6 +139,43 @@ def test_train_grid_on_a_tiny_task_learns_and_is_deterministic():
     assert fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
 
 
+def _tiny_model(seed):
+    return TokenModel(12, 8, 4, 8, parameterization="CACO", generator=torch.Generator().manual_seed(seed))
+
+
+def _tiny_config(c):
+    return TrainConfig(optimizer=c.optimizer, eta_ov=c.eta_ov, ratio=c.ratio, steps=40, batch_size=64, seed=c.seed,
+                       n_logs=4, progress=False, patience=5)
+
+
+def _tiny_measure(model, batch):
+    return {k: v for k, v in evaluate(model, batch).items() if k in ("accuracy", "attn_relevant")}
+
+
+def _failing_measure(model, batch):
+    raise ValueError("measure broke on purpose")
+
+
+def test_train_grid_in_two_processes_gives_the_numbers_and_models_of_one_thread():
+    """The two optimizers' stacks in two spawned processes: the same table and the same weights
+    as one process on one thread (module-level callables: they are pickled to the workers)."""
+    train, val, test = P.synthetic_demo(n=200)
+    cells = P.grid(["adamw", "sgd"], {"adamw": [0.05], "sgd": [0.5]}, [1, 10], [0, 1])
+    one_m, two_m = {}, {}
+    one = P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, models_out=one_m, threads=1)
+    two = P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, models_out=two_m,
+                       processes=2)
+    pd.testing.assert_frame_equal(one, two)
+    assert set(one_m) == set(two_m) == set(cells)
+    for c in cells:
+        for (k, a), b in zip(one_m[c].state_dict().items(), two_m[c].state_dict().values()):
+            assert torch.equal(a, b), (c, k)
+    with pytest.raises(RuntimeError, match="measure broke on purpose"):
+        P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _failing_measure, processes=2)
+    with pytest.raises(ValueError, match="processes must be a positive integer"):
+        P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, processes=0)
+
+
 def _column_verdicts(t, **kw):
     t = t.assign(trained=P.trained(t, chance=0.5)) if "trained" not in t else t
     return P.cell_verdicts(P.phase_table(t, chance=kw.pop("chance", None)), **kw).set_index(

@@ -183,11 +183,14 @@ def test_measure_on_hand_made_attention():
 
 
 def test_tiny_sva_map_end_to_end_is_deterministic():
+    """Twice, the second time with the two optimizers in two processes (one thread each, as the
+    test profile's one process): the same table."""
     cfg = profiles.resolve(M.PROFILES["sva"], "test")
+    assert cfg["threads"] == 1 and cfg["processes"] == 1
     ds, val = M.load_splits("sva", cfg)
     assert len(val) == round(cfg["val_frac"] * (len(ds.train) + len(val)))
     a = M.run_map(ds, val, cfg)
-    b = M.run_map(ds, val, cfg)
+    b = M.run_map(ds, val, {**cfg, "processes": 2})
     cols = ["val_accuracy", "accuracy", "attn_relevant", "sufficiency"]
     assert len(a.table) == 2 * 2 * len(cfg["ratios"]) * len(cfg["map_seeds"])
     pd.testing.assert_frame_equal(a.table[cols], b.table[cols])

@@ -67,7 +67,7 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
                test: Batch, config: Callable[[Cell], TrainConfig],
                measure: Callable[[nn.Module, Batch], Mapping[str, float]], max_stack: int = 64,
                desc: str = "map", models_out: dict[Cell, nn.Module] | None = None,
-               threads: int | None = None) -> pd.DataFrame:
+               threads: int | None = None, processes: int = 1) -> pd.DataFrame:
     """Train every cell and measure it: one row per cell with its settings, ``diverged``,
     ``stop_step``, the validation metrics (``val_<metric>``) and the test metrics.
 
@@ -76,26 +76,128 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     ``measure(model, batch)`` the metrics of a trained model on a split. Cells are trained in
     stacks of at most ``max_stack`` models that share an optimizer. ``models_out``, if given,
     receives every trained model that did not diverge, keyed by its cell (for later analyses);
-    ``threads`` sets torch's intra-op threads while training."""
+    ``threads`` sets torch's intra-op threads while training.
+
+    ``processes`` > 1 trains the stacks in that many spawned processes at once, each with one
+    torch thread (:func:`_train_in_processes`; ``make_model``, ``config`` and ``measure`` must
+    then pickle, e.g. :func:`functools.partial` of module-level functions). Every stack is then
+    trained exactly as with ``processes=1, threads=1``, so the numbers are the same; on a shared
+    2-core machine two one-thread processes lose least when another job takes a core."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive integer, got {processes!r}")
+    units = _stack_units(cells, max_stack)
+    if processes > 1 and len(units) > 1:
+        done = _train_in_processes(units, make_model, train, val, test, config, measure, desc, processes)
+    else:
+        done = [_train_unit(u, make_model, train, val, test, config, measure, desc, threads) for u in units]
     rows = []
+    for unit_rows, unit_models in done:
+        rows += unit_rows
+        if models_out is not None:
+            models_out.update(unit_models)
+    return pd.DataFrame(rows)
+
+
+def _stack_units(cells: Sequence[Cell], max_stack: int) -> list[tuple[str, list[Cell]]]:
+    """The stacks of :func:`train_grid`: ``(label, cells)``, cells of one optimizer, at most
+    ``max_stack`` each, in the order of ``cells``."""
     by_opt: dict[str, list[Cell]] = {}
     for c in cells:
         by_opt.setdefault(c.optimizer, []).append(c)
-    for opt, group in by_opt.items():
-        for i in range(0, len(group), max_stack):
-            chunk = group[i:i + max_stack]
-            models = [make_model(c.seed) for c in chunk]
-            hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
-                                  desc=f"{desc} {opt} {i // max_stack + 1}", progress=True, threads=threads)
-            for c, m, h in zip(chunk, models, hists):
-                row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
-                if h.diverged_step is None:
-                    row.update({f"val_{k}": v for k, v in measure(m, val).items()})
-                    row.update(measure(m, test))
-                    if models_out is not None:
-                        models_out[c] = m
-                rows.append(row)
-    return pd.DataFrame(rows)
+    return [(f"{opt} {i // max_stack + 1}", group[i:i + max_stack])
+            for opt, group in by_opt.items() for i in range(0, len(group), max_stack)]
+
+
+def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, config, measure, desc: str,
+                threads: int | None, on_step: Callable[[int], None] | None = None,
+                ) -> tuple[list[dict], dict[Cell, nn.Module]]:
+    """Train and measure one stack of :func:`_stack_units`: its rows and its non-diverged models."""
+    label, chunk = unit
+    models = [make_model(c.seed) for c in chunk]
+    hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
+                          desc=f"{desc} {label}", progress=on_step is None, threads=threads, on_step=on_step)
+    rows, kept = [], {}
+    for c, m, h in zip(chunk, models, hists):
+        row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
+        if h.diverged_step is None:
+            row.update({f"val_{k}": v for k, v in measure(m, val).items()})
+            row.update(measure(m, test))
+            kept[c] = m
+        rows.append(row)
+    return rows, kept
+
+
+_STEP_REPORT = 20  # a worker reports its progress every this many optimizer steps
+
+
+def _worker(units, make_model, train, val, test, config, measure, desc, queue) -> None:
+    """One process of :func:`_train_in_processes`: train ``units`` (``(index, unit)`` pairs) on one
+    torch thread; send ``("step", n)`` progress, ``("unit", index, payload)`` per finished stack
+    (rows and models through :func:`torch.save`) or ``("error", text)``."""
+    import io
+    import traceback
+
+    torch.set_num_threads(1)
+    try:
+        for index, unit in units:
+            def report(step: int) -> None:
+                if (step + 1) % _STEP_REPORT == 0:
+                    queue.put(("step", _STEP_REPORT))
+
+            got = _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=report)
+            buf = io.BytesIO()
+            torch.save(got, buf)
+            queue.put(("unit", index, buf.getvalue()))
+    except BaseException:  # the parent raises it, with the worker's traceback
+        queue.put(("error", traceback.format_exc()))
+
+
+def _train_in_processes(units, make_model, train, val, test, config, measure, desc: str, processes: int,
+                        ) -> list[tuple[list[dict], dict[Cell, nn.Module]]]:
+    """:func:`_train_unit` of every unit, spread round-robin over ``processes`` spawned one-thread
+    processes (spawn, not fork: a process forked after torch ran with two threads can hang in the
+    OpenMP pool); one progress bar over all their steps, which ends full when stacks stop early."""
+    import io
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    from tqdm.auto import tqdm
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    shares = [[(i, u) for i, u in enumerate(units) if i % processes == w] for w in range(processes)]
+    procs = [ctx.Process(target=_worker, args=(share, make_model, train, val, test, config, measure, desc, q),
+                         daemon=True) for share in shares if share]
+    totals = [config(u[1][0]).steps for u in units]  # a stack runs at most its first config's steps
+    out: dict[int, tuple] = {}
+    bar = tqdm(total=sum(totals), desc=f"{desc} ({len(procs)} processes)", unit="step", mininterval=1.0)
+    try:
+        for p in procs:
+            p.start()
+        while len(out) < len(units):
+            try:
+                msg = q.get(timeout=10)
+            except queue_mod.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a training process died with exit code {dead[0].exitcode} "
+                                       f"({len(out)} of {len(units)} stacks done)") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"a training process failed:\n{msg[1]}")
+            if msg[0] == "step":
+                bar.update(min(msg[1], bar.total - bar.n))
+                continue
+            _, index, payload = msg
+            out[index] = torch.load(io.BytesIO(payload), weights_only=False)
+        bar.update(bar.total - bar.n)  # stacks that stopped early: the bar ends full
+    finally:
+        bar.close()
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+    return [out[i] for i in range(len(units))]
 
 
 def trained(table: pd.DataFrame, chance: float, metric: str = "val_accuracy") -> pd.Series:

@@ -19,6 +19,7 @@ its scorecard rows.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,16 +54,20 @@ RATIOS = [1.0, 3.0, 10.0, 30.0, 100.0]
 # Shared by every dataset: both optimizers, early stopping on validation loss (evaluated every
 # eval_every steps, best weights restored), sufficiency on n_eraser instances; the analysed head
 # of qkov_lib.head_model (HEAD_OPTIONS) fed by a convolution over the keys, token-local values.
+# On CPU the two optimizers' stacks train in two one-thread processes at once: on an idle 2-core
+# machine as fast as one stack on two threads, and when another job holds a core about as fast
+# as one thread, where two threads ran twice as slow (benchmarks/bench_map_threads.py).
 _COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=[0, 1, 2, 3], parameterization="FAFO",
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
-               eval_every=100, patience=4, n_eraser=300, threads=2, model="head", readout="class", encoder="conv",
+               eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
+               encoder="conv",
                layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
                relative=False, ov_init=0.0, adamw_rates=[1e-3, 3e-3, 1e-2], sgd_rates=[0.3, 1.0, 3.0])
 # every profile's map of the test profile: seconds (CI)
 _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=40,
-             sgd_steps=40, eval_every=10, n_eraser=50, threads=1)
+             sgd_steps=40, eval_every=10, n_eraser=50, threads=1, processes=1)
 # full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer
-_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000)
+_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1)
 
 # cpu = sized so that a chapter, map included, runs in about 12 minutes on 2 cores (one chapter runs
 # at a time, so the map uses both threads; SQuAD costs most: 72 runs of 800 steps).
@@ -224,13 +229,23 @@ def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.d
     device = device or torch.device("cpu")
     cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
     models: dict[protocol.Cell, nn.Module] = {}
+    # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
     table = protocol.train_grid(
-        cells, lambda s: make_model(ds, cfg, s).to(device), ds.train.to(device), val.to(device), ds.test.to(device),
-        lambda c: cell_config(cfg, c), lambda m, b: measure(m, b, cfg["n_eraser"]), desc=desc or ds.name,
-        models_out=models, threads=cfg.get("threads"))
+        cells, functools.partial(_cell_model, ds, cfg, device), ds.train.to(device), val.to(device),
+        ds.test.to(device), functools.partial(cell_config, cfg), functools.partial(_measure, cfg["n_eraser"]),
+        desc=desc or ds.name, models_out=models, threads=cfg.get("threads"),
+        processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1)
     result = analyse(table, chance(val), models, ds.test.to(device))
     result.val = val
     return result
+
+
+def _cell_model(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device, seed: int) -> nn.Module:
+    return make_model(ds, cfg, seed).to(device)
+
+
+def _measure(n_eraser: int, model: nn.Module, data: Batch) -> dict[str, float]:
+    return measure(model, data, n_eraser)
 
 
 def necessity_table(result: MapResult, test: Batch) -> pd.DataFrame:
