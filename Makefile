@@ -24,10 +24,10 @@ data-check:  ## before set-up, with the system python: stop at once if data is m
 	$(PYTHON) qkov_lib/data/sources.py check --probe
 
 data: setup  ## download the official releases into $(QKOV_DATA_DIR), verify their sha256, build the data folder
-	$(BIN)/python -m qkov_lib.data.sources fetch --dest "$(QKOV_DATA_DIR)"
+	$(BIN)/python -m qkov_lib.data.fetch fetch --dest "$(QKOV_DATA_DIR)"
 
 book: data-check setup  ## execute every chapter (profile $(PROFILE)) and build _build/html
-	$(BIN)/python -m qkov_lib.data.sources check --fetch
+	$(BIN)/python -m qkov_lib.data.fetch check --fetch
 	rm -rf _build/results
 	QKOV_PROFILE=$(PROFILE) $(BIN)/jupyter-book build . -W --keep-going --all
 
@@ -35,7 +35,7 @@ test: setup  ## the unit tests
 	$(BIN)/python -m pytest -q --ignore=tests/browser
 
 book-cached: data-check setup  ## like book, but reuse outputs keyed on the chapter cells AND qkov_lib
-	$(BIN)/python -m qkov_lib.data.sources check --fetch
+	$(BIN)/python -m qkov_lib.data.fetch check --fetch
 	QKOV_PROFILE=$(PROFILE) $(BIN)/qkov book --mode cache
 
 browser-test:  ## headless Chromium checks of the built _build/html (needs chromium + chromium-driver)

@@ -2,7 +2,7 @@
 
 Throughput is measured in model-steps per second on the main grid of the sweep chapter's
 profile (parameterization x ratio x seed): every grid cell is trained for ``--steps`` steps
-once with ``qkov_lib.training.train`` (one model after the other) and once with
+once with ``qkov_lib.train.train`` (one model after the other) and once with
 ``qkov_lib.engine.train_batched`` (all at once), in this one process, with the same data,
 configs, logging and probe. The chapter is timed end to end with
 ``python -m qkov_lib run sweep`` in a subprocess.

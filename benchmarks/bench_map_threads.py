@@ -2,7 +2,7 @@
 of a real-data protocol map.
 
 For each dataset, the map model of ``qkov_lib.experiments.realmap.PROFILES[<dataset>]["cpu"]``
-is built ``--models`` times and trained for ``--steps`` AdamW steps (:func:`qkov_lib.stacked.
+is built ``--models`` times and trained for ``--steps`` AdamW steps (:func:`qkov_lib.train.loop.
 train_stacked`): as one stack with one torch thread, as one stack with two, and as two stacks of
 half the models in two forked one-thread processes at once (what a map with one process per
 optimizer would do), with the same models, data and seeds. It prints wall milliseconds per step
@@ -20,7 +20,7 @@ import time
 
 from qkov_lib import profiles
 from qkov_lib.experiments import protocol, realmap
-from qkov_lib.stacked import train_stacked
+from qkov_lib.train import train_stacked
 
 
 def ms_per_step(ds, cfg, n_models: int, steps: int, threads: int, barrier=None, out=None) -> float:

@@ -341,7 +341,7 @@ def hide_injected_parameters(nb: Any) -> int:
 def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: str | os.PathLike) -> Path:
     """A copy of the book at ``stage`` in which every chapter notebook is replaced by its
     papermill-executed version from ``executed`` (``<name>.ipynb``, as written by
-    :func:`qkov_lib.cli.run_chapter`) and execution is switched off. papermill's
+    :func:`qkov_lib.chapters.run_chapter`) and execution is switched off. papermill's
     injected-parameters cells are hidden with a note (:func:`hide_injected_parameters`); the
     download menu still offers each chapter's ``.md`` from ``root`` (``qkov_source_dir``, read by
     :mod:`qkov_lib.bookhtml`). Raises FileNotFoundError naming the chapters that have no executed

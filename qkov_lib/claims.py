@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not tested")
@@ -626,3 +627,21 @@ RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T
 RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
          "T6": t6_factorized_qk, "S1": s1_heatmaps_differ, "S2": s2_which_pair, "S3": s3_ratio_sharpens,
          "R1": r1_performance_stable, "R2": r2_interpretability, "R3": r3_decoupled}
+
+
+def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+    """One verdict and its reason from several chapters' rows on a claim: ``not run`` when there
+    are none, ``not tested`` when nothing was tested, the common verdict when the tested ones
+    agree; when they disagree, ``partly``, and the reason names every chapter's verdict (and
+    reason), untested ones included, so that no chapter's negative is hidden."""
+    if not measurements:
+        return "not run", "no chapter in this build reported this claim"
+    tested = [m for m in measurements if m.get("verdict") != "not tested"]
+    if not tested:
+        return "not tested", "no chapter could make the comparison"
+    verdicts = {m.get("verdict") for m in tested}
+    if len(verdicts) == 1:
+        return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree"
+    return "partly", "chapters disagree: " + " · ".join(
+        f"{m.get('chapter')}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "")
+        for m in measurements)

@@ -407,7 +407,7 @@ def full_model_gradients(task, w: float, q: float) -> dict[str, torch.Tensor]:
     """Autograd of the full collapsed model's exact population loss at the symmetric state:
     ``loss`` and the matrix gradients ``W_QK`` (d, d), ``W_OV`` (K, d)."""
     from .data.synthetic import population
-    from .training import loss_fn
+    from .train import loss_fn
 
     model = _symmetric_model(task, w, q, "CACO")
     data = population(task)
@@ -433,7 +433,7 @@ def full_model_velocity(task, w: float, q: float, parameterization: str, eta_ov:
     ``dW_QK/dt = -eta_QK (W_K^T dL/dW_Q + (dL/dW_K)^T W_Q)`` and
     ``dW_OV/dt = -eta_OV ((dL/dW_O) W_V + W_O dL/dW_V)``, read out with :func:`scalars_of`."""
     from .data.synthetic import population
-    from .training import loss_fn
+    from .train import loss_fn
 
     model = _symmetric_model(task, w, q, parameterization)
     data = population(task)

@@ -1,6 +1,6 @@
 """Batched training of many small synthetic models at once.
 
-:func:`qkov_lib.training.train` runs one Python loop per model. For sweeps over
+:func:`qkov_lib.train.train` runs one Python loop per model. For sweeps over
 parameterizations, learning-rate ratios and seeds that loop is mostly interpreter overhead:
 every model is tiny. This engine trains ``B`` :class:`~qkov_lib.models.SyntheticModel` s (any mix
 of parameterizations, one task) together, with their weights stacked along a leading *model*
@@ -20,14 +20,14 @@ which is exactly the model's forward pass regrouped by type (this is also why
 ``O(N V C)`` instead of ``O(N T d)``.
 
 **Same results as the loop, by construction.** The engine takes the *initialised* models (so the
-initialisation is the library's own), their :class:`~qkov_lib.training.TrainConfig` s, and gets
+initialisation is the library's own), their :class:`~qkov_lib.train.TrainConfig` s, and gets
 every learning rate from :func:`~qkov_lib.models.param_groups`. The updates are those of
 ``torch.optim.SGD`` (``gd``/``sgd``, momentum and weight decay included) and
-``torch.optim.AdamW`` with a per-model learning rate, from :mod:`qkov_lib.optim` (the one
+``torch.optim.AdamW`` with a per-model learning rate, from :mod:`qkov_lib.train.optim` (the one
 implementation the token-model trainer uses too). Minibatch orders replay
-:func:`~qkov_lib.training.train`'s seeded ``randperm``. Logged records have the keys of
-:func:`~qkov_lib.training.evaluate` (with ``taus=()``), computed batched. The tests check
-equality with :func:`~qkov_lib.training.train` on a small grid.
+:func:`~qkov_lib.train.train`'s seeded ``randperm``. Logged records have the keys of
+:func:`~qkov_lib.train.evaluate` (with ``taus=()``), computed batched. The tests check
+equality with :func:`~qkov_lib.train.train` on a small grid.
 
 **Extras for sweeps.** ``stop_loss`` freezes each model at the first step where its full-batch
 training loss is ``<= stop_loss``; ``snapshot_loss`` instead keeps training and stores a copy
@@ -51,10 +51,10 @@ from tqdm.auto import tqdm
 from .data.batch import Batch
 from .metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
 from .models import SyntheticModel, group_of, param_groups
-from .optim import StackedOptimizer, rates_of, stack_rates
 from .runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
-from .stacked import NONFINITE_MODES, check_configs
-from .training import History, NonFiniteError, TrainConfig, log_steps
+from .train import History, NonFiniteError, TrainConfig, log_steps
+from .train.loop import NONFINITE_MODES, check_configs
+from .train.optim import StackedOptimizer, rates_of, stack_rates
 
 DEFAULT_THREADS = 1
 
@@ -238,7 +238,7 @@ class Stack:
         return logits, alpha
 
     def losses(self, bag: Bag) -> Tensor:
-        """Per-model training loss (B,) as :func:`qkov_lib.training.loss_fn`, through the
+        """Per-model training loss (B,) as :func:`qkov_lib.train.loss_fn`, through the
         generic :meth:`forward` (autograd graph attached)."""
         logits, _ = self.forward(bag)
         B, N, C = logits.shape
@@ -393,7 +393,7 @@ def relevant_and_confidence(alpha: Tensor, probs: Tensor, bag: Bag) -> tuple[Ten
 
 def evaluate_stack(stack: Stack, bag: Bag, taus: Sequence[float] = DEFAULT_TAUS,
                    dtap_bins: int | None = 10) -> tuple[list[dict[str, float]], list[Tensor] | None]:
-    """Per-model metric dicts (as :func:`qkov_lib.training.evaluate`) and, if ``dtap_bins``,
+    """Per-model metric dicts (as :func:`qkov_lib.train.evaluate`) and, if ``dtap_bins``,
     per-model DTAP histograms (bins, bins) on ``bag`` (unweighted instances; all NaN for a model
     whose outputs are not finite, e.g. one frozen after diverging)."""
     alpha, probs = predict_bag(stack, bag)
@@ -411,7 +411,7 @@ def evaluate_stack(stack: Stack, bag: Bag, taus: Sequence[float] = DEFAULT_TAUS,
 # --- training ------------------------------------------------------------------------------
 @dataclass
 class EngineHistory(History):
-    """A :class:`~qkov_lib.training.History` (``stop_step``: the step at which the run's training
+    """A :class:`~qkov_lib.train.History` (``stop_step``: the step at which the run's training
     loss first reached ``stop_loss``; ``diverged_step``) plus, with ``snapshot_loss``, the step,
     log record and weights where the loss first reached it."""
 
@@ -451,7 +451,7 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
                   stop_loss: float | None = None, on_nonfinite: str = "raise", desc: str = "batched",
                   progress: bool | None = None, threads: int | None = DEFAULT_THREADS,
                   snapshot_loss: float | None = None) -> list[EngineHistory]:
-    """Train ``models`` together, as :func:`qkov_lib.training.train` would train each one on
+    """Train ``models`` together, as :func:`qkov_lib.train.train` would train each one on
     its data (one shared :class:`Batch`, or one per model) with its config.
 
     Models may mix parameterizations but must share the task (embedding shape, classes);
@@ -599,36 +599,10 @@ def _task_key(m: SyntheticModel) -> tuple:
     return tuple(m.E.shape), m.E.dtype, m.attention.n_out
 
 
-def train_many(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch],
-               cfgs: TrainConfig | Sequence[TrainConfig], probe: BatchedProbe | None = None,
-               stop_loss: float | None = None, on_nonfinite: str = "raise",
-               progress: bool | None = None, threads: int | None = DEFAULT_THREADS,
-               snapshot_loss: float | None = None) -> list[EngineHistory]:
-    """:func:`train_batched` over models of possibly different tasks: models are grouped by
-    embedding shape, dtype and class count, each group is trained as one batch. Histories come
-    back in the input order."""
-    models = list(models)
-    B = len(models)
-    cfgs = _as_list(cfgs, B, "configs")
-    datas = data if isinstance(data, Batch) else _as_list(list(data), B, "data sets")
-    groups: dict[tuple, list[int]] = {}
-    for k, m in enumerate(models):
-        groups.setdefault(_task_key(m), []).append(k)
-    out: list[EngineHistory | None] = [None] * B
-    for idx in groups.values():
-        d = datas if isinstance(datas, Batch) else [datas[k] for k in idx]
-        hs = train_batched([models[k] for k in idx], d, [cfgs[k] for k in idx], probe=probe,
-                           stop_loss=stop_loss, on_nonfinite=on_nonfinite, progress=progress, threads=threads,
-                           snapshot_loss=snapshot_loss)
-        for k, h in zip(idx, hs):
-            out[k] = h
-    return out  # type: ignore[return-value]
-
-
 def evaluate_models(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch],
                     taus: Sequence[float] = DEFAULT_TAUS, dtap_bins: int | None = 10,
                     threads: int | None = DEFAULT_THREADS) -> tuple[list[dict[str, float]], list[Tensor] | None]:
-    """Test metrics (as :func:`qkov_lib.training.evaluate`) and DTAP histograms of each model on
+    """Test metrics (as :func:`qkov_lib.train.evaluate`) and DTAP histograms of each model on
     its data (one shared :class:`Batch`, or one per model), computed batched per task group;
     results in input order."""
     with torch_threads(threads):

@@ -28,7 +28,7 @@ The head's parameters are the ``qk`` (``W_QK`` or ``W_Q``, ``W_K``) and ``ov`` (
 ``W_O``, ``W_V``) groups of :func:`qkov_lib.models.param_groups`; everything else is ``other``.
 ``ov_init`` adds ``ov_init * I`` to the head's initial ``W_OV`` (``words`` readout: a copy-favouring
 start). ``forward(tokens, key_mask)`` returns ``(logits (B, C), attention (B, T))`` like every
-model of the project, so :func:`qkov_lib.stacked.train_stacked` trains stacks of it (``bigru``:
+model of the project, so :func:`qkov_lib.train.loop.train_stacked` trains stacks of it (``bigru``:
 one model per stack, as ``torch.func.vmap`` has no rule for ``aten::gru``); ``forward(...,
 attention=A)`` replaces the softmax row by a given (B, T) row, for :func:`necessity`.
 

@@ -7,6 +7,7 @@ tensors or floats in [0, 1] (fractions, not percent).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -181,3 +182,12 @@ def seed_half_width(values, level: float = 0.95) -> float:
     v = np.asarray(values, dtype=float)
     n = len(v)
     return float(stats.t.ppf(0.5 + level / 2, n - 1) * v.std(ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+
+
+def tag_frame(frame, **tags: Any):
+    """``frame`` (a pandas DataFrame, copied) with one leading column per tag, in the given order,
+    e.g. ``tag_frame(f, parameterization="FAFO", ratio=10.0, seed=0)``."""
+    out = frame.copy()
+    for i, (name, value) in enumerate(tags.items()):
+        out.insert(i, name, value)
+    return out

@@ -19,15 +19,6 @@ RESULTS_ENV = "QKOV_RESULTS_DIR"
 FAILED_SUFFIX = ".failed.json"  # <name>.failed.json: the results file of a run that failed
 
 
-def tag_frame(frame, **tags: Any):
-    """``frame`` (a pandas DataFrame, copied) with one leading column per tag, in the given order,
-    e.g. ``tag_frame(f, parameterization="FAFO", ratio=10.0, seed=0)``."""
-    out = frame.copy()
-    for i, (name, value) in enumerate(tags.items()):
-        out.insert(i, name, value)
-    return out
-
-
 def default_results_path(chapter: str) -> Path:
     """``$QKOV_RESULTS_DIR/<chapter>.json``, else ``<repo>/_build/results/<chapter>.json``."""
     root = Path(os.environ.get(RESULTS_ENV, REPO_ROOT / "_build" / "results"))

@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 
 from . import claims, results
+from .experiments.realdata import CHAPTERS
 
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
@@ -115,24 +116,6 @@ def per_dataset(measurements: Sequence[Mapping[str, Any]]) -> str:
     return " · ".join(f"{dataset_name(m.get('chapter', ''))} {m.get('verdict', 'not tested')}" for m in measurements)
 
 
-def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """One verdict and its reason from several chapters' rows on a claim: ``not run`` when there
-    are none, ``not tested`` when nothing was tested, the common verdict when the tested ones
-    agree; when they disagree, ``partly``, and the reason names every chapter's verdict (and
-    reason), untested ones included, so that no chapter's negative is hidden."""
-    if not measurements:
-        return "not run", "no chapter in this build reported this claim"
-    tested = [m for m in measurements if m.get("verdict") != "not tested"]
-    if not tested:
-        return "not tested", "no chapter could make the comparison"
-    verdicts = {m.get("verdict") for m in tested}
-    if len(verdicts) == 1:
-        return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree"
-    return "partly", "chapters disagree: " + " · ".join(
-        f"{m.get('chapter')}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "")
-        for m in measurements)
-
-
 def build(rows: pd.DataFrame) -> pd.DataFrame:
     """The scorecard: one row per claim ID -- the paper's claims in order, then our extensions,
     then any unknown IDs -- with its statement, ``kind`` (paper / extension / unknown), the list
@@ -144,7 +127,7 @@ def build(rows: pd.DataFrame) -> pd.DataFrame:
     for cid in ids:
         sub = rows[rows["id"] == cid] if len(rows) else rows
         ms = sub.to_dict("records")
-        verdict, reason = combine(ms)
+        verdict, reason = claims.combine(ms)
         kind = "paper" if cid in CLAIMS else "extension" if cid in EXTENSIONS else "unknown"
         text = CLAIMS.get(cid) or (EXTENSIONS[cid][1] if cid in EXTENSIONS else "(not a claim ID of the paper)")
         out.append({"id": cid, "claim": text, "kind": kind, "known": kind == "paper", "measurements": ms,
@@ -225,3 +208,82 @@ def provenance(results: Iterable[tuple[Path, Mapping[str, Any]]]) -> pd.DataFram
                      "wall time (s)": round(float(wall), 1) if isinstance(wall, (int, float)) else None,
                      "claims": len(doc["metrics"]["claims"]), "file": path.name})
     return pd.DataFrame(rows, columns=["chapter", "profile", "device", "git commit", "wall time (s)", "claims", "file"])
+
+
+# --- the real-data summary: the R1-R3 rows of the dataset chapters' results files ----------------
+def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
+    """The results document a dataset chapter wrote (``<results_dir>/<name>.json``, default
+    :func:`qkov_lib.results.default_results_path`), or None when the file does not exist."""
+    path = Path(results_dir) / f"{name}.json" if results_dir else results.default_results_path(name)
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"results file {path} is not valid JSON ({err}); rerun its chapter") from err
+
+
+def r_table(results_dir: str | Path | None = None, datasets: Sequence[str] = ("squad", "hatexplain", "sva")) -> pd.DataFrame:
+    """The R1-R3 table: one row per claim row a dataset chapter reported (a chapter may report
+    several rows on one claim, e.g. SVA's second R1 row for its natural-prefix models), with the
+    paper's statement, our measurement (with the profile and the seeds per cell of the chapter's
+    protocol map), the verdict, its rule and reason; one "not run" row per claim where a chapter
+    has written no results or no row on that claim."""
+    rows = []
+    for cid in ("R1", "R2", "R3"):
+        for name in datasets:
+            doc = read_results(name, results_dir)
+            base = {"claim": cid, "dataset": name, "chapter": CHAPTERS[name], "paper": claims.CLAIMS[cid],
+                    "rule": "", "reason": ""}
+            if doc is None:
+                rows.append({**base, "ours": f"not run: no results file for chapter {CHAPTERS[name]} in this build",
+                             "verdict": "not run", "profile": None})
+                continue
+            params = doc.get("params", {})
+            found = [c for c in doc.get("metrics", {}).get("claims", []) if c.get("id") == cid]
+            if not found:
+                rows.append({**base, "ours": "not reported by the chapter", "verdict": "not run",
+                             "profile": params.get("profile")})
+                continue
+            prof = f"{params.get('profile')} profile, protocol map: {len(params.get('map_seeds', []))} seed(s) per cell"
+            rows += [{**base, "ours": f"{c['ours']} [{prof}]", "verdict": c["verdict"], "rule": c.get("rule", ""),
+                      "reason": c.get("reason", ""), "profile": params.get("profile")} for c in found]
+    return pd.DataFrame(rows)
+
+
+def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str]]:
+    """One ``(verdict, reason)`` per claim across datasets, by :func:`qkov_lib.claims.combine`
+    (disagreeing datasets are named with their reasons)."""
+    return {cid: claims.combine([r for r in g.to_dict("records") if r["verdict"] != "not run"])
+            for cid, g in table.groupby("claim", sort=True)}
+
+
+def r_table_myst(table: pd.DataFrame) -> str:
+    """The R1-R3 table as MyST markdown: claim | paper | ours | verdict | rule."""
+    lines = ["| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |", "|---|---|---|---|---|"]
+    for cid, g in table.groupby("claim", sort=True):
+        for i, (_, r) in enumerate(g.iterrows()):
+            ours = myst_cell(r["ours"]) + (f" *Decided by:* {myst_cell(r['reason'])}" if r["reason"] else "")
+            lines.append(f"| {'**' + cid + '**' if i == 0 else ''} | {myst_cell(r['paper']) if i == 0 else ''} | "
+                         f"{ours} | **{r['verdict']}** | {myst_cell(r['rule'])} |")
+    return "\n".join(lines)
+
+
+def provenance_frame(results_dir: str | Path | None = None) -> pd.DataFrame:
+    """Where the summary's numbers come from: per dataset chapter, whether it ran, its profile,
+    the map's ratios, seeds per cell and step budget per optimizer (early stopping may end a run
+    sooner), the train/test instances used, wall time (s) and git commit."""
+    rows = []
+    for name in ("squad", "hatexplain", "sva"):
+        doc = read_results(name, results_dir)
+        if doc is None:
+            rows.append({"chapter": CHAPTERS[name], "status": "not run"})
+            continue
+        p, report = doc.get("params", {}), doc.get("metrics", {}).get("data_report", {})
+        steps = ", ".join(f"{o} {p[f'{o}_steps']}" for o in p.get("optimizers", []) if f"{o}_steps" in p)
+        rows.append({"chapter": CHAPTERS[name], "status": "ran", "profile": p.get("profile"),
+                     "ratios": p.get("ratios"), "seeds": len(p.get("map_seeds", [])), "steps": steps or None,
+                     "train instances": report.get("train_used"), "test instances": report.get("test_used"),
+                     "wall time (s)": round(doc["wall_time_s"], 1) if doc.get("wall_time_s") else None,
+                     "git commit": str(doc.get("git_commit", ""))[:12]})
+    return pd.DataFrame(rows).set_index("chapter")

@@ -1,7 +1,7 @@
 """Parameter sweeps over a chapter: a grid of papermill runs, a tidy results table, resume.
 
 A sweep expands a grid (``{"eta_ov": [0.25, 0.5], "steps": [30, 60]}`` = 4 runs) into runs of
-one chapter, each executed by :func:`qkov_lib.cli.run_chapter`. Every run gets a stable ID
+one chapter, each executed by :func:`qkov_lib.chapters.run_chapter`. Every run gets a stable ID
 (a hash of the chapter and its parameters), so rerunning a sweep skips the runs that already
 finished. A run that fails is recorded with its error and the sweep goes on.
 
@@ -47,7 +47,7 @@ from typing import Any
 
 import pandas as pd
 
-from .cli import chapter_parameters
+from .chapters import chapter_parameters
 from .results import replace_atomically, write_json
 
 EXECUTORS = ("local", "slurm", "submitit-local")
@@ -168,7 +168,7 @@ def _error_text(exc: BaseException) -> tuple[str, str]:
 def execute_run(spec: RunSpec) -> dict[str, Any]:
     """Execute one run through papermill and write its record; never raises for a failing
     notebook (the record then has ``status="failed"`` and the error)."""
-    from . import cli, runtime
+    from . import chapters, runtime
 
     out = Path(spec.out_dir)
     started = datetime.now(timezone.utc)
@@ -181,7 +181,7 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
     }
     try:
         with _thread_env(spec.threads):
-            cli.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
+            chapters.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
         doc = json.loads((out / record["results_file"]).read_text())
         record.update(status="ok", error=None, traceback=None)
         record["resolved_params"] = doc.get("params", {})
@@ -420,10 +420,10 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
     grid point, and the profile made explicit so that a run's ID pins it). Unknown parameter
     names, a grid axis whose values are not values of its parameter (``-g ratios '[1, 10]'`` for
     a list-valued ``ratios``: ``'[[1], [10]]'``) and values the chapter's ``profiles.resolve``
-    would reject (:func:`qkov_lib.cli.check_settings`) raise ValueError before anything runs."""
-    from . import cli, profiles
+    would reject (:func:`qkov_lib.chapters.check_settings`) raise ValueError before anything runs."""
+    from . import chapters, profiles
 
-    src = cli.chapter_path(chapter).resolve()
+    src = chapters.chapter_path(chapter).resolve()
     known = chapter_parameters(src)
     points = expand_grid(grid) if grid else [{}]
     fixed = dict(params or {})
@@ -434,7 +434,7 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
             raise ValueError(f"{name!r} is set by the sweep itself; do not pass it")
         if name not in known:
             raise ValueError(f"unknown parameter {name!r} of {src.name}; it takes {', '.join(sorted(known))}")
-    call = cli.settings_call(src)
+    call = chapters.settings_call(src)
     table, prof, kw = call or ({}, None, {})
     param_kw = {v: k for k, v in kw.items()}
     runs = []
@@ -448,7 +448,7 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
                 values = [q[axis] for q in points if axis in q]
                 raise ValueError(f"grid axis {axis!r}: each grid value is one run's {axis!r}, which is a list; "
                                  f"give a list of lists, e.g. -g {axis} '{json.dumps([[v] for v in values])}'")
-        cli.check_settings(src, p, call)
+        chapters.check_settings(src, p, call)
         runs.append(p)
     return src, runs
 

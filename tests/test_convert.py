@@ -1,4 +1,4 @@
-"""Converters of the official releases (qkov_lib.data.convert) and the derived fields computed by
+"""Converters of the official releases (in each dataset module, helpers in qkov_lib.data.convert) and the derived fields computed by
 our code: hand-worked cases, bad input, and -- where the real data folder is there -- the
 converters run on the real originals and compared with the curated files row by row."""
 
@@ -12,7 +12,7 @@ from collections import defaultdict
 
 import pytest
 
-from qkov_lib.data import convert, hatexplain, sources, squad, sva
+from qkov_lib.data import hatexplain, sources, squad, sva
 
 REAL, WHY = sources.find_data_dir()
 needs_real = pytest.mark.skipif(REAL is None, reason=WHY)
@@ -41,17 +41,17 @@ def test_unpickler_refuses_every_global_and_runs_no_code():
     assert pickle.loads(data) == {"sing_MS_MV": ["code ran"]} and CALLS == ["code ran"]   # a bare load runs it
     CALLS.clear()
     with pytest.raises(pickle.UnpicklingError, match="refused to load the global .*_record"):
-        convert.load_templates(data, "simple_agrmt")
+        sva.load_templates(data, "simple_agrmt")
     assert CALLS == []
     with pytest.raises(pickle.UnpicklingError, match="refused.*collections.OrderedDict"):
-        convert.load_templates(pickle.dumps(__import__("collections").OrderedDict(a=[])), "x")
+        sva.load_templates(pickle.dumps(__import__("collections").OrderedDict(a=[])), "x")
 
 
 def test_templates_must_be_dicts_of_sentence_pairs():
-    assert convert.load_templates(pickle.dumps({"k": [("a b", "a c")]}), "c") == {"k": [("a b", "a c")]}
+    assert sva.load_templates(pickle.dumps({"k": [("a b", "a c")]}), "c") == {"k": [("a b", "a c")]}
     for bad in ({"k": [("only one",)]}, {"k": "a b"}, [("a", "b")], {"k": [("a", 3)]}):
         with pytest.raises(ValueError, match="not a dict of lists of"):
-            convert.load_templates(pickle.dumps(bad), "c")
+            sva.load_templates(pickle.dumps(bad), "c")
 
 
 @pytest.mark.parametrize("sentence, condition, index", [
@@ -65,24 +65,24 @@ def test_templates_must_be_dicts_of_sentence_pairs():
     ("the author said the taxi driver laughs", "sent_comp", 5),
 ])
 def test_subject_index_hand_worked(sentence, condition, index):
-    assert convert.subject_index(sentence.split(), condition) == index
+    assert sva.subject_index(sentence.split(), condition) == index
 
 
 def test_minimal_pair_rows_and_their_checks():
-    row = convert.minimal_pair_row("prep_anim", "plur_MS_MV_sing_ES", 7, "the authors next to the guard laugh",
+    row = sva.minimal_pair_row("prep_anim", "plur_MS_MV_sing_ES", 7, "the authors next to the guard laugh",
                                    "the authors next to the guard laughs")
     assert row == {"condition": "prep_anim", "key": "plur_MS_MV_sing_ES", "pair_index": 7,
                    "sentence_good": "the authors next to the guard laugh", "sentence_bad": "the authors next to the guard laughs",
                    "target_number": "plur", "verb_index": 6, "verb_good": "laugh", "verb_bad": "laughs",
                    "subject_index": 1, "subject": "authors"}
     with pytest.raises(ValueError, match="exactly one token"):
-        convert.minimal_pair_row("c", "sing_x", 0, "the a b", "the c d")
+        sva.minimal_pair_row("c", "sing_x", 0, "the a b", "the c d")
     with pytest.raises(ValueError, match="sing_ or plur_"):
-        convert.minimal_pair_row("c", "dual_x", 0, "the a b", "the a c")
+        sva.minimal_pair_row("c", "dual_x", 0, "the a b", "the a c")
     with pytest.raises(ValueError, match="no first 'the'"):
-        convert.minimal_pair_row("c", "sing_x", 0, "a dog runs", "a dog run")
+        sva.minimal_pair_row("c", "sing_x", 0, "a dog runs", "a dog run")
     with pytest.raises(ValueError, match="both numbers"):
-        convert.marvin_linzen_rows({"c": {"sing_x": [("the sheep runs", "the sheep run")],
+        sva.marvin_linzen_rows({"c": {"sing_x": [("the sheep runs", "the sheep run")],
                                           "plur_x": [("the sheep run", "the sheep runs")]}})
 
 
@@ -93,7 +93,7 @@ def test_marvin_linzen_converter_reproduces_the_curated_file():
            for p in sorted((REAL / "raw" / "marvin_linzen2018").glob("*.pickle.gz"))}
     for did, data in raw.items():   # the real pickles are the manifest's downloads
         assert hashlib.sha256(data).hexdigest() == sources.downloads()[did]["sha256"], did
-    built = convert.marvin_linzen2018(raw)[sva.ML_FILE]
+    built = sva.convert_marvin_linzen2018(raw)[sva.ML_FILE]
     ours = [json.loads(line) for line in built.splitlines()]
     theirs = [json.loads(line) for line in _gunzip(REAL / sva.ML_FILE).splitlines()]
     differences = sum(a != b for a, b in zip(ours, theirs)) + abs(len(ours) - len(theirs))
@@ -156,7 +156,7 @@ def test_hatexplain_converter_hand_worked():
              "p3": _post("p3", ["offensive"] * 3, ["x"], [[1]]),
              "p4": _post("p4", ["normal"] * 3, ["in", "no", "split"])}
     div = {"train": ["p2", "p1"], "val": ["p3"], "test": []}
-    out = convert.hatexplain({"hatexplain/dataset.json": json.dumps(posts).encode(),
+    out = hatexplain.convert({"hatexplain/dataset.json": json.dumps(posts).encode(),
                               "hatexplain/post_id_divisions.json": json.dumps(div).encode()})
     assert set(out) == {hatexplain.TRAIN_JSONL, *hatexplain.SPLIT_FILES.values()}
     train = [json.loads(line) for line in out[hatexplain.TRAIN_JSONL].splitlines()]
@@ -166,11 +166,11 @@ def test_hatexplain_converter_hand_worked():
                         "rationales": [[0, 1], [1, 1]], "post_tokens": ["go", "away"]}
     assert out[hatexplain.SPLIT_FILES["test"]] == b""
     with pytest.raises(ValueError, match="1 post ids of the val split are not in dataset.json"):
-        convert.hatexplain({"a/dataset.json": json.dumps(posts).encode(),
+        hatexplain.convert({"a/dataset.json": json.dumps(posts).encode(),
                             "a/post_id_divisions.json": json.dumps({**div, "val": ["nope"]}).encode()})
     posts["p3"]["annotators"][0]["label"] = "rude"
     with pytest.raises(ValueError, match="post p3: label not in"):
-        convert.hatexplain({"a/dataset.json": json.dumps(posts).encode(),
+        hatexplain.convert({"a/dataset.json": json.dumps(posts).encode(),
                             "a/post_id_divisions.json": json.dumps(div).encode()})
 
 
@@ -188,7 +188,7 @@ def test_hatexplain_converter_gives_the_curated_val_and_test_bytes():
                               "annotators": [{"label": names[lab], "annotator_id": i, "target": t}
                                              for lab, i, t in zip(a["label"], a["annotator_id"], a["target"])]}
     div["train"] = []
-    out = convert.hatexplain({"h/dataset.json": json.dumps(posts).encode(),
+    out = hatexplain.convert({"h/dataset.json": json.dumps(posts).encode(),
                               "h/post_id_divisions.json": json.dumps(div).encode()})
     for split in ("val", "test"):
         rel = hatexplain.SPLIT_FILES[split]
@@ -213,14 +213,14 @@ def test_linzen_converter_hand_worked():
     files = {"numpred.val": b"VBZ\tthe dog\nVBP\tthe dogs\n", "numpred.test.1": b"VBZ\tthe dog of the cats\n",
              "numpred.test.2": b"VBP\tthe dogs near the cat and man\n", "numpred.test.3": b"",
              "numpred.test.4": b"", "numpred.test.5": b"VBZ\ta b c d e f\n"}
-    out = convert.linzen2016({"x/rnn_agr_simple.tar.gz": linzen_tar(files)})
+    out = sva.convert_linzen2016({"x/rnn_agr_simple.tar.gz": linzen_tar(files)})
     assert out[sva.LINZEN_TRAIN_FILE] == files["numpred.val"]
     assert out[sva.LINZEN_TEST_FILE] == (b"label\tprefix\tn_attractors\nVBZ\tthe dog of the cats\t1\n"
                                          b"VBP\tthe dogs near the cat and man\t2\nVBZ\ta b c d e f\t5\n")
     with pytest.raises(KeyError, match="no numpred.test.5"):
-        convert.linzen2016({"x/rnn_agr_simple.tar.gz": linzen_tar({k: v for k, v in files.items() if k != "numpred.test.5"})})
+        sva.convert_linzen2016({"x/rnn_agr_simple.tar.gz": linzen_tar({k: v for k, v in files.items() if k != "numpred.test.5"})})
     with pytest.raises(ValueError, match="label<TAB>prefix"):
-        convert.linzen2016({"x/rnn_agr_simple.tar.gz": linzen_tar({**files, "numpred.test.3": b"VBZ no tab\n"})})
+        sva.convert_linzen2016({"x/rnn_agr_simple.tar.gz": linzen_tar({**files, "numpred.test.3": b"VBZ no tab\n"})})
 
 
 @needs_real
@@ -232,6 +232,6 @@ def test_linzen_converter_gives_the_curated_bytes():
         row, k = line.rsplit(b"\t", 1)
         parts[f"numpred.test.{int(k)}"].append(row + b"\n")
     files = {"numpred.val": _gunzip(REAL / sva.LINZEN_TRAIN_FILE), **{k: b"".join(v) for k, v in parts.items()}}
-    out = convert.linzen2016({"l/rnn_agr_simple.tar.gz": linzen_tar(files)})
+    out = sva.convert_linzen2016({"l/rnn_agr_simple.tar.gz": linzen_tar(files)})
     for rel in (sva.LINZEN_TRAIN_FILE, sva.LINZEN_TEST_FILE):
         assert hashlib.sha256(out[rel]).hexdigest() == sources.manifest()[rel]["content_sha256"], rel

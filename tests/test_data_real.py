@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkov_lib.data import hatexplain, sources, squad, sva, text
-from qkov_lib.data.text import PAD_ID, QUERY_ID, UNK_ID, Vocabulary, load_text_dataset, truncate
+from qkov_lib.data import fetch, hatexplain, sources, squad, sva, text
+from qkov_lib.data.text import PAD_ID, QUERY_ID, UNK_ID, Vocabulary, truncate
+from qkov_lib.data.registry import load_text_dataset
 
 REAL, WHY = sources.find_data_dir()
 needs_real = pytest.mark.skipif(REAL is None, reason=WHY)
@@ -337,7 +338,7 @@ def test_data_file_records_the_sha256_of_what_was_used(fixture_dir):
 
 
 def test_manifest_is_complete():
-    from qkov_lib.data.convert import CONVERTERS
+    from qkov_lib.data.registry import CONVERTERS
 
     files, dls = sources.manifest(), sources.downloads()
     for rel, e in files.items():
@@ -554,10 +555,10 @@ def test_unchecksummed_train_file_beside_the_csv_is_refused(real_copy, monkeypat
     with pytest.raises(sources.UnverifiedError, match=name + r".*loaders read hatexplain/hatexplain_train_no_rationales"):
         load_text_dataset("hatexplain", real_copy)
     with pytest.raises(sources.DataUnavailable, match=name):
-        sources.preflight(real_copy, fetch=True)
+        fetch.ensure(real_copy)
     assert sources.main(["verify", "--data-dir", str(real_copy)]) == 1
     monkeypatch.setenv(sources.ALLOW_ENV, "1")
-    assert sources.preflight(real_copy, fetch=True) == {}
+    assert fetch.ensure(real_copy) == {}
     with pytest.raises(sources.RecordCountError, match=r"hatexplain_train.jsonl.gz: 300 posts, expected 15383"):
         load_text_dataset("hatexplain", real_copy)
 

@@ -5,7 +5,7 @@ import torch
 
 from qkov_lib.data import synthetic as syn
 from qkov_lib.models import SyntheticModel
-from qkov_lib.training import loss_fn
+from qkov_lib.train import loss_fn
 
 
 def test_sample_structure():

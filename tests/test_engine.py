@@ -9,7 +9,7 @@ from qkov_lib import engine
 from qkov_lib.data import synthetic as syn
 from qkov_lib.metrics import DEFAULT_TAUS, dtap_histogram, relevant_mass, confidence
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel, TokenModel
-from qkov_lib.training import NonFiniteError, TrainConfig, evaluate, predict, train
+from qkov_lib.train import NonFiniteError, TrainConfig, evaluate, predict, train
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 3))
 GAUSS = syn.SyntheticTask(n_classes=3, n_common_vocab=3, n_common=(1, 3), embedding="gaussian", d_model=5)
@@ -82,7 +82,7 @@ def test_gaussian_embeddings_and_per_model_data():
     ref = [_model(p, s, GAUSS) for p, _, s in grid]
     ref_h = [train(m, datas[s], c) for m, c, (_, _, s) in zip(ref, cfgs, grid)]
     ms = [_model(p, s, GAUSS) for p, _, s in grid]
-    hs = engine.train_many(ms, [datas[s] for _, _, s in grid], cfgs)
+    hs = engine.train_batched(ms, [datas[s] for _, _, s in grid], cfgs)
     _assert_same(ref, ref_h, ms, hs)
 
 
@@ -197,13 +197,17 @@ def test_nonfinite_raise_names_model_and_freeze_keeps_others():
 
 
 def test_mixed_grid_keeps_input_order():
-    """Interleaved parameterizations in one batch, and two tasks through train_many."""
+    """Interleaved parameterizations in one batch per task, each model back in its place."""
     grid = [("CACO", 1.0, 0, TASK), ("FAFO", 2.0, 0, GAUSS), ("CACO", 3.0, 1, TASK), ("FACO", 1.0, 1, TASK),
             ("CAFO", 5.0, 2, GAUSS)]
     datas = [syn.population(t) for *_, t in grid]
     cfgs = [_cfg("gd", r, s, steps=10) for _, r, s, _ in grid]
     ms = [_model(p, s, t) for p, _, s, t in grid]
-    hs = engine.train_many(ms, datas, cfgs)
+    hs = [None] * len(grid)
+    for task in (TASK, GAUSS):
+        idx = [k for k, g in enumerate(grid) if g[3] is task]
+        for k, h in zip(idx, engine.train_batched([ms[k] for k in idx], [datas[k] for k in idx], [cfgs[k] for k in idx])):
+            hs[k] = h
     for (p, r, s, t), h, m, d in zip(grid, hs, ms, datas):
         assert h.config["ratio"] == r and m.attention.param.name == p
         ref = _model(p, s, t)

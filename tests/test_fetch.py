@@ -21,7 +21,7 @@ import pytest
 
 from qkov_lib.data import fetch as fetchmod
 from qkov_lib.data import hatexplain, sources, squad, sva
-from qkov_lib.data.text import load_text_dataset
+from qkov_lib.data.registry import load_text_dataset
 from test_convert import linzen_tar
 
 
@@ -225,7 +225,7 @@ def site(server, tmp_path, monkeypatch):
 
 
 def fetch(dest, **kw):
-    return sources.fetch(dest, progress=False, backoff=0, **kw)
+    return fetchmod.fetch(dest, progress=False, backoff=0, **kw)
 
 
 def data_files(root: Path) -> set[str]:
@@ -365,7 +365,7 @@ def test_offline_preflight_stops_with_one_message(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv(sources.MANIFEST_ENV, str(write_manifest(tmp_path / "m.json", closed_port_url())))
     dest = tmp_path / "nothing"
     with pytest.raises(sources.DataUnavailable) as err:
-        sources.preflight(dest, fetch=True, timeout=2)
+        fetchmod.ensure(dest, timeout=2)
     msg = str(err.value)
     for rel in (squad.DEV_FILE, hatexplain.SPLIT_FILES["test"], sva.ML_FILE, sva.LINZEN_TEST_FILE):
         assert f"  - {rel}" in msg
@@ -375,7 +375,7 @@ def test_offline_preflight_stops_with_one_message(tmp_path, monkeypatch, capsys)
     assert "1. set QKOV_DATA_DIR" in msg and "2. run `qkov data fetch`" in msg
     assert not dest.exists()                                # nothing created
     monkeypatch.setenv(sources.DATA_ENV, str(dest))
-    assert sources.main(["check", "--fetch"]) == 1
+    assert fetchmod.main(["check", "--fetch"]) == 1
     out = capsys.readouterr()
     assert out.err.count("Two ways out") == 1 and out.out == ""
 
@@ -385,7 +385,7 @@ def test_fetch_offline_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setenv(sources.MANIFEST_ENV, str(write_manifest(tmp_path / "m.json", closed_port_url())))
     with pytest.raises(fetchmod.DownloadError, match=r"could not download http://127.0.0.1:\d+/squad/dev-v1.1.json after 2 attempts"):
         fetch(tmp_path / "d", only=[squad.DEV_FILE], retries=1)
-    assert sources.main(["fetch", "--dest", str(tmp_path / "d"), "--only", "squad"]) == 1
+    assert fetchmod.main(["fetch", "--dest", str(tmp_path / "d"), "--only", "squad"]) == 1
 
 
 def test_preflight_needs_no_network_when_the_files_are_there(site, monkeypatch, tmp_path, capsys):
@@ -393,10 +393,10 @@ def test_preflight_needs_no_network_when_the_files_are_there(site, monkeypatch, 
     probed = sources.preflight(dest, probe_network=True)  # reachable: the files would be fetched
     assert len(probed) == 9 and set(probed.values()) == {"missing (reachable: will be fetched)"}
     assert {m for m, p, r in server.log} == {"HEAD"} and not dest.exists()
-    fetched = sources.preflight(dest, fetch=True, backoff=0, progress=False)
+    fetched = fetchmod.ensure(dest, backoff=0, progress=False)
     assert set(fetched) >= {squad.DEV_FILE, sva.ML_FILE, hatexplain.TRAIN_JSONL}
     monkeypatch.setenv(sources.MANIFEST_ENV, str(write_manifest(tmp_path / "m.json", closed_port_url())))
-    assert sources.preflight(dest, fetch=True) == {}        # all there: no download, no probe
+    assert fetchmod.ensure(dest) == {}        # all there: no download, no probe
     assert sources.main(["check", "--data-dir", str(dest)]) == 0
     assert "every file the chapters need is in" in capsys.readouterr().out
 
@@ -495,9 +495,9 @@ def test_unverified_file_is_refused_beside_a_checksummed_one_and_used_only_when_
     with pytest.raises(sources.UnverifiedError, match=want):
         load_text_dataset("hatexplain", dest, max_len=10, min_freq=1)
     with pytest.raises(sources.DataUnavailable, match=want + r"(.|\n)*QKOV_ALLOW_UNVERIFIED=1"):
-        sources.preflight(dest, fetch=True)
+        fetchmod.ensure(dest)
     before = len(server.log)
-    assert sources.main(["check", "--fetch", "--data-dir", str(dest)]) == 1
+    assert fetchmod.main(["check", "--fetch", "--data-dir", str(dest)]) == 1
     assert len(server.log) == before                       # stopped before fetching what is missing (squad, sva)
     err = capsys.readouterr().err
     assert err.count("hatexplain_train.jsonl.gz has no checksum") == 1 and "Nothing was run" in err

@@ -1,13 +1,13 @@
-"""qkov_lib.optim: every row of a stacked update equals torch.optim on that row alone, with torch's
+"""qkov_lib.train.optim: every row of a stacked update equals torch.optim on that row alone, with torch's
 fused kernels and with the plain fallback."""
 
 import pytest
 import torch
 from torch import nn
 
-from qkov_lib import optim
+from qkov_lib.train import optim
 from qkov_lib.models import TokenModel, param_groups
-from qkov_lib.optim import RowRates, StackedOptimizer, rates_of, runs_of, stack_rates, update_kernel
+from qkov_lib.train.optim import RowRates, StackedOptimizer, rates_of, runs_of, stack_rates, update_kernel
 
 # per row: (lr, weight_decay, momentum); rows 0-1 share their rates (one run), the others differ
 ROWS = [(0.1, 0.0, 0.9), (0.1, 0.0, 0.9), (0.03, 0.01, 0.5), (0.3, 0.2, 0.0)]

@@ -6,7 +6,7 @@ import re
 import jupytext
 import pytest
 
-from qkov_lib import cache, cli, profiles
+from qkov_lib import cache, chapters, profiles
 from qkov_lib.experiments import realmap
 from qkov_lib.experiments import synthetic as exp
 
@@ -100,15 +100,15 @@ def test_map_settings_are_checked_before_anything_trains(monkeypatch):
     assert realmap.map_config("sva", "test", adamw_rates=[1e-3])["adamw_rates"] == [1e-3]
 
 
-@pytest.mark.parametrize("src", cache.chapters(cli.REPO_ROOT), ids=lambda p: p.stem)
+@pytest.mark.parametrize("src", cache.chapters(chapters.REPO_ROOT), ids=lambda p: p.stem)
 def test_each_chapter_resolves_every_parameter_in_its_settings_cell(src):
     """The cell after the parameters cell hands every parameter to a checking resolver, so a bad
     value stops the chapter there, before any cell trains."""
     code = [c for c in jupytext.read(src).cells if c.cell_type == "code"]
     i = next(i for i, c in enumerate(code) if "parameters" in c.metadata.get("tags", []))
     settings = code[i + 1].source if i + 1 < len(code) else ""
-    unchecked = [p for p in cli.chapter_parameters(src) if p not in PATH_PARAMETERS
+    unchecked = [p for p in chapters.chapter_parameters(src) if p not in PATH_PARAMETERS
                  and not re.search(rf"\b{p}\s*=\s*{p}\b", settings)]
     assert not unchecked, f"{src.name}: parameters not resolved in the settings cell: {unchecked}"
-    if any(p not in PATH_PARAMETERS for p in cli.chapter_parameters(src)):
+    if any(p not in PATH_PARAMETERS for p in chapters.chapter_parameters(src)):
         assert "resolve(" in settings or "map_config(" in settings

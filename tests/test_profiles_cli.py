@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from qkov_lib import claims, cli, profiles, results
+from qkov_lib import chapters, claims, cli, profiles, results
 from qkov_lib.experiments import synthetic as exp
 
 
@@ -45,15 +45,15 @@ def test_claim_verdicts():
 
 
 def test_chapter_path():
-    assert cli.chapter_path("synthetic").name == "01_synthetic.md"
+    assert chapters.chapter_path("synthetic").name == "01_synthetic.md"
     with pytest.raises(FileNotFoundError, match="no single chapter 'nope'"):
-        cli.chapter_path("nope")
+        chapters.chapter_path("nope")
 
 
 def test_papermill_rerun_writes_results_that_follow_the_parameters(tmp_path, monkeypatch):
     monkeypatch.setenv(profiles.PROFILE_ENV, "test")
-    nb1, res1 = cli.run_chapter("synthetic", tmp_path, {"steps": 10}, name="default")
-    nb2, res2 = cli.run_chapter("synthetic", tmp_path, {"steps": 10, "ratios": [100.0], "parameterizations": ["FAFO"]},
+    nb1, res1 = chapters.run_chapter("synthetic", tmp_path, {"steps": 10}, name="default")
+    nb2, res2 = chapters.run_chapter("synthetic", tmp_path, {"steps": 10, "ratios": [100.0], "parameterizations": ["FAFO"]},
                                     name="fafo_r100")
     assert nb1.exists() and nb2.exists()
     d1, d2 = json.loads(res1.read_text()), json.loads(res2.read_text())
@@ -73,7 +73,7 @@ def test_papermill_wrong_type_fails_with_message(tmp_path, monkeypatch):
 
     monkeypatch.setenv(profiles.PROFILE_ENV, "test")
     with pytest.raises(pm.PapermillExecutionError, match="parameter 'ratios' must be"):
-        cli.run_chapter("synthetic", tmp_path, {"ratios": "ten"})
+        chapters.run_chapter("synthetic", tmp_path, {"ratios": "ten"})
 
 
 def test_qkov_run_rejects_unknown_parameter_names(tmp_path, capsys):
@@ -82,7 +82,7 @@ def test_qkov_run_rejects_unknown_parameter_names(tmp_path, capsys):
     assert rc == 2 and "'ratio'" in err and "valid names:" in err and "ratios" in err
     assert not list(tmp_path.iterdir())  # nothing ran, nothing written
     with pytest.raises(ValueError, match="unknown parameter 'ratio'"):
-        cli.run_chapter("synthetic", tmp_path, {"ratio": [100]})
+        chapters.run_chapter("synthetic", tmp_path, {"ratio": [100]})
 
 
 def test_qkov_data_is_the_data_tool(capsys):
@@ -151,7 +151,7 @@ def test_a_failed_run_leaves_no_results_that_look_finished(tmp_path, capsys):
     # a run that fails before writing anything removes the earlier run's file too
     results.save_results("staged", {"fail": False}, {"claims": []}, path=out / "staged.json")
     with pytest.raises(Exception, match="early failure"):
-        cli.run_chapter(src, out, {"fail": "early"})
+        chapters.run_chapter(src, out, {"fail": "early"})
     assert not (out / "staged.json").exists() and not (out / "staged.failed.json").exists()
 
 
@@ -190,12 +190,12 @@ def test_a_kernel_that_dies_at_start_is_started_again(tmp_path, monkeypatch):
     def flaky(*a, **k):
         calls.append(1)
         if len(calls) == 1:
-            raise RuntimeError(cli.KERNEL_DIED)
+            raise RuntimeError(chapters.KERNEL_DIED)
         return real(*a, **k)
 
     monkeypatch.setattr(pm, "execute_notebook", flaky)
     monkeypatch.setenv(profiles.PROFILE_ENV, "test")
-    nb, res = cli.run_chapter("synthetic", tmp_path, {"steps": 5, "ratios": [1.0], "parameterizations": ["FAFO"]})
+    nb, res = chapters.run_chapter("synthetic", tmp_path, {"steps": 5, "ratios": [1.0], "parameterizations": ["FAFO"]})
     assert len(calls) == 2 and res.exists()
 
     def broken(*a, **k):
@@ -205,5 +205,5 @@ def test_a_kernel_that_dies_at_start_is_started_again(tmp_path, monkeypatch):
     calls.clear()
     monkeypatch.setattr(pm, "execute_notebook", broken)
     with pytest.raises(RuntimeError, match="something else"):
-        cli.run_chapter("synthetic", tmp_path, {"steps": 5})
+        chapters.run_chapter("synthetic", tmp_path, {"steps": 5})
     assert len(calls) == 1

@@ -11,7 +11,7 @@ import torch
 from qkov_lib import claims
 from qkov_lib.experiments import protocol as P
 from qkov_lib.models import TokenModel
-from qkov_lib.training import TrainConfig, evaluate
+from qkov_lib.train import TrainConfig, evaluate
 
 
 def test_grid_needs_ratio_one_and_base_rates():

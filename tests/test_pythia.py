@@ -140,7 +140,7 @@ def test_one_head_roles_trains_token_models_with_its_profile_settings():
     from qkov_lib.experiments import sva_roles
     from qkov_lib.models import TokenModel
     from qkov_lib.runtime import seed_everything
-    from qkov_lib.training import TrainConfig, predict, train
+    from qkov_lib.train import TrainConfig, predict, train
 
     ds = _tiny_sva()
     roles, acc, rcfg = pythia.one_head_roles(ds, {"ratios": [1.0, 10.0], "seeds": [0]}, "test")

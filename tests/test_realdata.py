@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from qkov_lib import claims, metrics, results
+from qkov_lib import claims, metrics, results, scorecard
 from qkov_lib.data.text import Example, finish
 from qkov_lib.experiments import realdata as exp
-from qkov_lib.training import TrainConfig, train
+from qkov_lib.train import TrainConfig, train
 
 
 def test_macro_f1_by_hand():
@@ -104,33 +104,33 @@ def _rows(verdicts):
 def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     both = (("R1", "reproduced"), ("R2", "reproduced"), ("R3", "reproduced"))
     results.save_results("sva", _map_params(), {"claims": _rows(both)}, path=tmp_path / "sva.json")
-    table = exp.r_table(tmp_path)
+    table = scorecard.r_table(tmp_path)
     assert len(table) == 9
     sva = table[table["dataset"] == "sva"]
     assert list(sva["verdict"]) == ["reproduced"] * 3 and list(sva["rule"]) == ["rule"] * 3
     assert all("[cpu profile, protocol map: 3 seed(s) per cell]" in o for o in sva["ours"])
     missing = table[table["dataset"] == "squad"]
     assert list(missing["verdict"]) == ["not run"] * 3 and "not run" in missing["ours"].iloc[0]
-    assert {k: v for k, (v, _) in exp.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",
+    assert {k: v for k, (v, _) in scorecard.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",
                                                                         "R3": "reproduced"}
-    md = exp.r_table_myst(table)
+    md = scorecard.r_table_myst(table)
     assert md.splitlines()[0] == "| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |"
     # a second R1 row (SVA's natural-prefix models) is a row of its own and enters the claim's verdict
     two = (*both, ("R1", "not reproduced"))
     results.save_results("sva", _map_params(), {"claims": _rows(two)}, path=tmp_path / "sva.json")
-    t2 = exp.r_table(tmp_path)
+    t2 = scorecard.r_table(tmp_path)
     r1 = t2[(t2["claim"] == "R1") & (t2["dataset"] == "sva")]
     assert len(t2) == 10 and list(r1["verdict"]) == ["reproduced", "not reproduced"]
-    v = exp.r_verdicts(t2)
+    v = scorecard.r_verdicts(t2)
     assert v["R1"][0] == "partly" and v["R2"][0] == "reproduced"
-    assert exp.r_table_myst(t2).count("**not reproduced**") == 1
+    assert scorecard.r_table_myst(t2).count("**not reproduced**") == 1
     # a chapter that wrote no row on a claim
     results.save_results("sva", _map_params(), {"claims": _rows(both[:1])}, path=tmp_path / "sva.json")
-    t3 = exp.r_table(tmp_path)
+    t3 = scorecard.r_table(tmp_path)
     assert t3.query("dataset == 'sva' and claim == 'R2'")["ours"].iloc[0] == "not reported by the chapter"
     (tmp_path / "hatexplain.json").write_text("{broken")
     with pytest.raises(ValueError, match="not valid JSON"):
-        exp.r_table(tmp_path)
+        scorecard.r_table(tmp_path)
     assert json.loads((tmp_path / "sva.json").read_text())["params"]["profile"] == "cpu"
 
 
@@ -139,7 +139,7 @@ def test_provenance_frame_reads_results_and_marks_missing(tmp_path):
            "metrics": {"data_report": {"train_used": 500, "test_used": 200}}, "wall_time_s": 12.345,
            "git_commit": "0123456789abcdef"}
     (tmp_path / "sva.json").write_text(json.dumps(doc))
-    f = exp.provenance_frame(tmp_path)
+    f = scorecard.provenance_frame(tmp_path)
     assert f.loc["07_sva", "status"] == "ran" and f.loc["07_sva", "seeds"] == 4
     assert f.loc["07_sva", "steps"] == "adamw 2000, sgd 1500" and f.loc["07_sva", "ratios"] == [1.0, 10.0, 100.0]
     assert f.loc["07_sva", "train instances"] == 500 and f.loc["07_sva", "wall time (s)"] == 12.3

@@ -61,12 +61,12 @@ def test_find_doc_maps_names_to_numbered_pages(book: Path):
 def test_combine_verdicts_names_disagreeing_chapters():
     def m(v, ch="a", reason=""):
         return {"verdict": v, "chapter": ch, "reason": reason}
-    assert scorecard.combine([])[0] == "not run"
-    assert scorecard.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters agree")
-    v, why = scorecard.combine([m("reproduced", "01_synthetic", "4/4 up"), m("not reproduced", "04_sweep", "0/4 up")])
+    assert claims.combine([])[0] == "not run"
+    assert claims.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters agree")
+    v, why = claims.combine([m("reproduced", "01_synthetic", "4/4 up"), m("not reproduced", "04_sweep", "0/4 up")])
     assert v == "partly" and "01_synthetic: reproduced (4/4 up)" in why and "04_sweep: not reproduced (0/4 up)" in why
-    assert scorecard.combine([m("not tested")])[0] == "not tested"
-    assert scorecard.combine([m("not tested"), m("not reproduced")])[0] == "not reproduced"
+    assert claims.combine([m("not tested")])[0] == "not tested"
+    assert claims.combine([m("not tested"), m("not reproduced")])[0] == "not reproduced"
 
 
 def test_scorecard_from_results(tmp_path: Path, book: Path):

@@ -12,7 +12,7 @@ import torch
 from qkov_lib import metrics
 from qkov_lib.data import squad
 from qkov_lib.data.batch import Batch
-from qkov_lib.data.text import load_text_dataset
+from qkov_lib.data.registry import load_text_dataset
 
 SEP, V = 3, 12
 # pad pad | q: 5 6 7 4 | <sep> | context: 6 8 5 9 7 4 | query 2; 4 plays a stopword (ignored)

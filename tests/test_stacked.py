@@ -1,4 +1,4 @@
-"""qkov_lib.stacked: a stack of models trains each one exactly as training.train trains it alone."""
+"""qkov_lib.train.loop: a stack of models trains each one exactly as train.train trains it alone."""
 
 import itertools
 
@@ -9,8 +9,8 @@ from qkov_lib import runtime
 from qkov_lib.data.batch import Batch
 from qkov_lib.head_model import HeadModel
 from qkov_lib.models import PARAMETERIZATIONS, TokenModel, param_groups
-from qkov_lib.stacked import log_subsample, train_stacked
-from qkov_lib.training import NonFiniteError, TrainConfig, evaluate, predict, train
+from qkov_lib.train.loop import log_subsample, train_stacked
+from qkov_lib.train import NonFiniteError, TrainConfig, evaluate, predict, train
 
 V, C, T = 12, 3, 7
 

@@ -8,7 +8,8 @@ import torch
 
 from qkov_lib.data import sources, sva
 from qkov_lib.data.batch import Batch, left_pad
-from qkov_lib.data.text import PAD_ID, load_text_dataset
+from qkov_lib.data.text import PAD_ID
+from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.experiments import sva_roles as sr
 
 NOUNS = frozenset("author authors pilot chef chefs parent driver drivers mechanic teacher tennis colleagues "

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qkov_lib import cli, sweeps
+from qkov_lib import chapters, sweeps
 from qkov_lib.cli import main
 
 FAKE = '''---
@@ -91,7 +91,7 @@ def test_run_id_depends_on_values_not_key_order():
 
 
 def test_chapter_parameters_and_plan(chapter: Path, tmp_path: Path):
-    assert cli.chapter_parameters(chapter) == {"profile": None, "x": None, "y": None, "fail": None,
+    assert chapters.chapter_parameters(chapter) == {"profile": None, "x": None, "y": None, "fail": None,
                                                   "results_path": None}
     assert sweeps.chapter_name(chapter) == "fake"
     src, runs = sweeps.plan(chapter, {"x": [1, 2]}, {"y": 3}, profile="test")
@@ -104,11 +104,11 @@ def test_chapter_parameters_and_plan(chapter: Path, tmp_path: Path):
     bad = tmp_path / "book" / "08_bad.md"
     bad.write_text(FAKE.replace("x = None", "print(1)"))
     with pytest.raises(ValueError, match="plain assignments"):
-        cli.chapter_parameters(bad)
+        chapters.chapter_parameters(bad)
     none = tmp_path / "book" / "09_none.md"
     none.write_text(FAKE.replace(":tags: [parameters]", ""))
     with pytest.raises(ValueError, match="no cell tagged 'parameters'"):
-        cli.chapter_parameters(none)
+        chapters.chapter_parameters(none)
 
 
 def test_record_row_flattens_parameters_metrics_claims_and_versions():

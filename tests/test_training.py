@@ -5,7 +5,7 @@ from qkov_lib.data import synthetic as syn
 from qkov_lib.experiments import synthetic as exp
 from qkov_lib.models import SyntheticModel
 from qkov_lib.profiles import resolve
-from qkov_lib.training import NonFiniteError, TrainConfig, log_schedule, log_steps, train
+from qkov_lib.train import NonFiniteError, TrainConfig, log_schedule, log_steps, train
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 3))
 

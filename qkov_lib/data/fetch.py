@@ -1,4 +1,6 @@
-"""Build the data folder from the datasets' official releases (``qkov data fetch``, ``make data``).
+"""Build the data folder from the datasets' official releases (``qkov data fetch``, ``make data``),
+and the data command line (:func:`main`: :mod:`qkov_lib.data.sources`'s check, verify and list,
+plus ``fetch`` and ``check --fetch``).
 
 Each download named in the manifest goes to ``<final>.part`` in its destination folder, with a
 progress bar (tqdm.auto). A broken connection is retried with exponential backoff and resumed
@@ -10,7 +12,7 @@ the final path. The loaders never read ``*.part`` files, so an interrupted downl
 
 A download without a published checksum (Linzen's ``rnn_agr_simple.tar.gz``) stays a part file
 until the files converted from it match their manifest checksums; only then is it kept. Files
-the converters build (:mod:`qkov_lib.data.convert`) are checked the same way before they are
+the converters build (:data:`qkov_lib.data.registry.CONVERTERS`) are checked the same way before they are
 written: against the manifest's content sha256, or, where none is published (the HateXplain
 train split, built from a checksummed download), against the expected number of lines, with a
 warning that prints the file's sha256. Such a file gets a provenance record beside it
@@ -232,18 +234,19 @@ def select(only: Iterable[str] | None) -> list[str]:
     return [t for g in groups if (t := sources.build_target(g))]
 
 
-def fetch(dest: str | os.PathLike, only: Iterable[str] | None = None, overwrite: bool = False,
+def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, overwrite: bool = False,
           progress: bool = True, retries: int = 4, backoff: float = 2.0, timeout: float = 60.0,
           allow_unverified: bool = False) -> dict[str, str]:
-    """Download the official releases and build the files of :func:`select` in ``dest``.
+    """Download the official releases and build the files of :func:`select` in ``dest`` (None:
+    the data folder, :func:`qkov_lib.data.sources.data_dir_location`).
 
     Returns ``{path: status}`` for every file built, kept or downloaded. Raises
     :class:`ChecksumError` (nothing written at the final path), :class:`OfflineError` or
     :class:`DownloadError`. A download without a published checksum is accepted only when a file
     converted from it matches a published checksum (or with ``allow_unverified``)."""
-    from .convert import CONVERTERS
+    from .registry import CONVERTERS
 
-    dest = Path(dest)
+    dest = sources.data_dir_location(dest)[0] if dest is None else Path(dest)
     files, dls = sources.manifest(), sources.downloads()
     targets = select(only)
     status: dict[str, str] = {}
@@ -331,3 +334,62 @@ def _raw(did: str, have: Mapping[str, Path], pending: Mapping[str, Path]) -> byt
         return pending[did].read_bytes()
     data = have[did].read_bytes()
     return gzip.decompress(data) if sources.downloads()[did]["store"] == "gzip" else data
+
+
+def ensure(data_dir: str | os.PathLike | None = None, timeout: float = 5.0, **fetch_kw: Any) -> dict[str, str]:
+    """:func:`qkov_lib.data.sources.preflight` (stops on a bad file, or on a missing one that
+    cannot be fetched), then download and build what is missing (:func:`fetch` with
+    ``fetch_kw``). Returns ``{path: status}`` of what was fetched; empty when nothing was missing."""
+    missing = sources.preflight(data_dir, probe_network=True, timeout=timeout)
+    if not missing:
+        return {}
+    return fetch(sources.data_dir_location(data_dir)[0], only=list(missing), **fetch_kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``qkov data`` / ``python -m qkov_lib.data.fetch``: ``fetch [--dest DIR] [--only ...]
+    [--overwrite] [--no-progress]`` and ``check --fetch [--data-dir DIR]`` here; ``check
+    [--probe]``, ``verify`` and ``list`` are :func:`qkov_lib.data.sources.main`. Exit status 1,
+    with one message on stderr, when data cannot be fetched or fails its check."""
+    import argparse
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["check"] and "--fetch" in argv:
+        c = argparse.ArgumentParser(prog="qkov data check", description="check the data folder; fetch what is missing")
+        c.add_argument("--fetch", action="store_true", required=True)
+        c.add_argument("--data-dir", default=None)
+        args = c.parse_args(argv[1:])
+        try:
+            fetched = ensure(args.data_dir)
+        except sources.DataUnavailable as err:
+            print(err, file=sys.stderr)
+            return 1
+        except (ValueError, OSError) as err:  # ChecksumError, DownloadError
+            print(f"qkov data check: {err}", file=sys.stderr)
+            return 1
+        if fetched:
+            print(f"data: the missing files were fetched and built in {sources.data_dir_location(args.data_dir)[0]}")
+            return 0
+        return sources.main(["check"] + (["--data-dir", args.data_dir] if args.data_dir else []))
+    if argv[:1] != ["fetch"]:
+        return sources.main(argv)
+    f = argparse.ArgumentParser(prog="qkov data fetch",
+                                description="download the official releases, verify their sha256 and build the data folder")
+    f.add_argument("--dest", default=None, help=f"data folder to fill (default: ${sources.DATA_ENV}, else ../shared/data)")
+    f.add_argument("--only", nargs="*", default=None, help="file paths or dataset names (squad, hatexplain, sva, sva_linzen)")
+    f.add_argument("--overwrite", action="store_true", help="rebuild files that are already there")
+    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = f.parse_args(argv[1:])
+    try:
+        status = fetch(args.dest, args.only, args.overwrite, progress=not args.no_progress)
+    except (ValueError, OSError) as err:  # ChecksumError, FileNotFoundError, DownloadError, a bad --only
+        print(f"qkov data fetch: {err}", file=sys.stderr)
+        return 1
+    for rel, s in status.items():
+        print(f"{rel}: {s}")
+    print(f"data folder: {sources.data_dir_location(args.dest)[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

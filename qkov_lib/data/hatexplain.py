@@ -29,12 +29,14 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
-from . import sources
 import torch
 
+from . import sources
 from .batch import Batch
+from .convert import by_name, hf_jsonl
 from .text import (PAD_ID, Example, TextDataset, Vocabulary, capped_words, count, encode, finish, subsample,
                    truncate)
 
@@ -201,3 +203,39 @@ def official_split_sizes(data_dir: str | os.PathLike | None = None, verify: bool
     sizes = {k: len(v) for k, v in doc.items()}
     sources.check_records(DIVISIONS, sizes, verify)
     return sizes
+
+
+# --- the converter of the official release ---------------------------------------------------
+CONVERTED = {"train": TRAIN_JSONL, "val": SPLIT_FILES["val"], "test": SPLIT_FILES["test"]}
+
+
+def hatexplain_row(post_id: str, post: Mapping[str, Any]) -> dict[str, Any]:
+    """One post of ``dataset.json`` in the Hugging Face layout; ValueError naming the post for
+    an unknown label."""
+    ann = post["annotators"]
+    try:
+        labels = [CLASS_NAMES.index(a["label"]) for a in ann]
+    except ValueError as err:
+        raise ValueError(f"HateXplain post {post_id}: label not in {CLASS_NAMES}: {[a['label'] for a in ann]}") from err
+    return {"id": post_id,
+            "annotators": {"label": labels, "annotator_id": [a["annotator_id"] for a in ann],
+                           "target": [a["target"] for a in ann]},
+            "rationales": post["rationales"], "post_tokens": post["post_tokens"]}
+
+
+def convert(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The converter of the release: ``dataset.json`` + ``post_id_divisions.json`` of the
+    authors' repository -> one JSON-lines file per official split in the Hugging Face layout
+    (labels as ints 0 hatespeech, 1 normal, 2 offensive; ``annotators`` as lists), posts in the
+    order of the split file; the train split keeps its rationales. ValueError if a post id of
+    the split file is not in the dataset."""
+    posts = json.loads(by_name(inputs, "dataset.json"))
+    divisions = json.loads(by_name(inputs, PurePosixPath(DIVISIONS).name))
+    out = {}
+    for split, rel in CONVERTED.items():
+        ids = divisions[split]
+        absent = [i for i in ids if i not in posts]
+        if absent:
+            raise ValueError(f"{len(absent)} post ids of the {split} split are not in dataset.json, e.g. {absent[:3]}")
+        out[rel] = hf_jsonl([hatexplain_row(i, posts[i]) for i in ids])
+    return out

@@ -23,8 +23,9 @@
   pairs) and :func:`check_records` compares them with the manifest's ``records``; a different
   count raises :class:`RecordCountError` naming the file, the expected and the found count.
 * **Preflight.** :func:`preflight` checks the sha256 of the file the loaders read of every group
-  the chapters need (:func:`check_needed`) and lists the missing ones, then fetches what is
-  missing or stops with one message naming every bad or missing file and the ways out.
+  the chapters need (:func:`check_needed`) and lists the missing ones that could be fetched
+  (:func:`qkov_lib.data.fetch.ensure` then fetches them), or stops with one message naming
+  every bad or missing file and the ways out.
   ``make book`` runs it before anything else; it needs only the standard library, so it also
   runs as ``python3 qkov_lib/data/sources.py check --probe`` before the virtual environment
   exists. ``verify`` checks every file of the folder and exits with status 1 when a needed
@@ -33,9 +34,9 @@
   cache outside the repository (``QKOV_CACHE_DIR``, else ``~/.cache/qkov/datasets``); it works
   with ``HF_DATASETS_OFFLINE=1``. A corrupt JSON line becomes a ValueError naming file and line.
 
-Command line (also ``qkov data ...``): ``python -m qkov_lib.data.sources
-{check [--fetch|--probe] | fetch [--dest DIR] | verify | list}``; exit status 1 with the message
-on stderr when something is missing, fails its check or cannot be fetched.
+Command line: ``python -m qkov_lib.data.sources {check [--probe] | verify | list}``; the full one,
+with fetching, is ``qkov data ...`` (:func:`qkov_lib.data.fetch.main`). Exit status 1 with the
+message on stderr when something is missing, fails its check or cannot be fetched.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ PROVENANCE_SUFFIX = ".provenance.json"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 MANIFEST_PATH = Path(__file__).with_name("manifest.json")
-FETCH_HINT = "qkov data fetch"  # the same as `python -m qkov_lib.data.sources fetch`
+FETCH_HINT = "qkov data fetch"  # the same as `python -m qkov_lib.data.fetch fetch`
 BAD_FILE_FIX = (f"delete it and run `{FETCH_HINT}` (or `make data`) to download and build it again, or set "
                 f"{DATA_ENV} to a folder that holds a good copy")
 # Public Hugging Face hub names, for users with internet (source="hub"); SVA has none.
@@ -508,18 +509,18 @@ def invalid_message(bad: Mapping[str, str], missing: list[list[str]], root: Path
     return "\n".join(lines)
 
 
-def preflight(data_dir: str | os.PathLike | None = None, fetch: bool = False, probe_network: bool = True,
-              timeout: float = 5.0, **fetch_kw: Any) -> dict[str, str]:
+def preflight(data_dir: str | os.PathLike | None = None, probe_network: bool = True,
+              timeout: float = 5.0) -> dict[str, str]:
     """Make sure the files the chapters need are in the data folder, and sound, before any chapter runs.
 
     First the sha256 of every needed file that is there (:func:`check_needed`): if any fails,
     raises :class:`DataUnavailable` with one message naming each bad file (and the missing
     ones) and what to do; nothing is deleted or fetched. Returns ``{path: status}`` of the
-    files it fetched (empty when nothing was missing). With files missing: ``fetch=True``
-    downloads and builds them (if every host needed answers :func:`probe`);
-    ``fetch=False, probe_network=True`` only checks that they could be fetched; otherwise, or
-    when a host is unreachable, raises :class:`DataUnavailable` with one message listing the
-    missing files and the two ways out (``QKOV_DATA_DIR``, ``qkov data fetch``)."""
+    files that are missing and could be fetched (empty when nothing is missing): with files
+    missing and ``probe_network``, it checks that every host needed answers :func:`probe`;
+    without it, or when a host is unreachable, raises :class:`DataUnavailable` with one message
+    listing the missing files and the two ways out (``QKOV_DATA_DIR``, ``qkov data fetch``).
+    Downloading them is :func:`qkov_lib.data.fetch.ensure`, which starts with this check."""
     root, origin = data_dir_location(data_dir)
     missing = missing_files(root)
     bad = {rel: s for rel, s in check_needed(root).items() if s.startswith("FAILED")}
@@ -528,32 +529,13 @@ def preflight(data_dir: str | os.PathLike | None = None, fetch: bool = False, pr
     if not missing:
         return {}
     targets = [build_target(g) for g in missing]
-    if not (fetch or probe_network) or None in targets:
+    if not probe_network or None in targets:
         raise DataUnavailable(unavailable_message(missing, root, origin, None))
     urls = [downloads()[d]["url"] for d in downloads_for(targets)]
     down = probe(urls, timeout)
     if down:
         raise DataUnavailable(unavailable_message(missing, root, origin, down))
-    if not fetch:
-        return {t: "missing (reachable: will be fetched)" for t in targets}
-    return _fetch_module().fetch(root, only=targets, **fetch_kw)
-
-
-def _fetch_module():
-    """:mod:`qkov_lib.data.fetch`, also when this file runs as a script (before the package is importable by name)."""
-    if __package__:
-        from . import fetch
-        return fetch
-    sys.path.insert(0, str(REPO_ROOT))
-    from qkov_lib.data import fetch  # noqa: E402 - script mode only
-    return fetch
-
-
-def fetch(dest: str | os.PathLike | None = None, only: Iterable[str] | None = None, overwrite: bool = False,
-          **kw: Any) -> dict[str, str]:
-    """Build the data folder ``dest`` (default: the data folder) from the official downloads;
-    see :func:`qkov_lib.data.fetch.fetch`."""
-    return _fetch_module().fetch(data_dir_location(dest)[0], only=only, overwrite=overwrite, **kw)
+    return {t: "missing (reachable: will be fetched)" for t in targets}
 
 
 # --- reading through the datasets library --------------------------------------------------
@@ -643,21 +625,17 @@ def use_hub(source: str | None) -> bool:
 
 # --- command line ---------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qkov_lib.data.sources`` / ``qkov data``: check, fetch, verify, list. Returns
-    the exit status: 1, with one message on stderr, when data is missing and cannot be fetched, or
-    fails its check (``check``: the files the chapters read; ``verify``: every file)."""
-    ap = argparse.ArgumentParser(prog="qkov data", description="The real-data files: check, fetch, verify, list.")
+    """``python -m qkov_lib.data.sources``: check, verify, list (standard library only, so it
+    also runs as a plain script before set-up); ``qkov data`` adds fetching
+    (:func:`qkov_lib.data.fetch.main`). Returns the exit status: 1, with one message on stderr,
+    when data is missing and cannot be fetched, or fails its check (``check``: the files the
+    chapters read; ``verify``: every file)."""
+    ap = argparse.ArgumentParser(prog="qkov data", description="The real-data files: check, verify, list "
+                                                               "(qkov data: also fetch).")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("check", help="are the files the chapters need there? (make book runs this first)")
     c.add_argument("--data-dir", default=None, help=f"data folder (default: ${DATA_ENV}, else ../shared/data)")
-    how = c.add_mutually_exclusive_group()
-    how.add_argument("--fetch", action="store_true", help="download and build what is missing")
-    how.add_argument("--probe", action="store_true", help="only check that what is missing could be downloaded")
-    f = sub.add_parser("fetch", help="download the official releases, verify their sha256 and build the data folder")
-    f.add_argument("--dest", default=None, help=f"data folder to fill (default: ${DATA_ENV}, else ../shared/data)")
-    f.add_argument("--only", nargs="*", default=None, help="file paths or dataset names (squad, hatexplain, sva, sva_linzen)")
-    f.add_argument("--overwrite", action="store_true", help="rebuild files that are already there")
-    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.add_argument("--probe", action="store_true", help="only check that what is missing could be downloaded")
     v = sub.add_parser("verify", help="check every file of a data folder against the manifest (status 1 if any fails "
                                       "or a needed one is missing)")
     v.add_argument("--data-dir", default=None)
@@ -666,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "check":
             t0 = time.perf_counter()
-            status = preflight(args.data_dir, fetch=args.fetch, probe_network=args.probe or args.fetch)
+            status = preflight(args.data_dir, probe_network=args.probe)
             root = data_dir_location(args.data_dir)[0]
             checked = check_needed(root)  # cached: no second read of the files
             for rel, s in checked.items():
@@ -675,14 +653,9 @@ def main(argv: list[str] | None = None) -> int:
             if not status:
                 print(f"data: every file the chapters need is in {root}; {len(checked)} checked against the "
                       f"manifest in {time.perf_counter() - t0:.2f} s")
-            elif args.fetch:
-                print(f"data: the missing files were fetched and built in {root}")
             else:
                 print(f"data: {len(status)} file(s) missing from {root}; the download servers answer, "
                       "so they are fetched before the chapters run")
-        elif args.cmd == "fetch":
-            status = fetch(args.dest, args.only, args.overwrite, progress=not args.no_progress)
-            print(f"data folder: {data_dir_location(args.dest)[0]}")
         elif args.cmd == "verify":
             status = verify_all(args.data_dir)
             bad = problems(status)

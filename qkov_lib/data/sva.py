@@ -23,9 +23,14 @@ otherwise the truncation is counted. The query token ``<query>`` stands at the v
 from __future__ import annotations
 
 import os
+import io
+import json
+from collections.abc import Mapping
+from pathlib import PurePosixPath
 from typing import Any
 
 from . import sources
+from .convert import NoGlobalsUnpickler, by_name, tar_members
 from .text import Example, TextDataset, capped_words, count, finish, subsample, truncate
 
 CLASS_NAMES = ["singular", "plural"]
@@ -90,8 +95,6 @@ def template_lexicon(rows: list[dict]) -> tuple[frozenset[str], frozenset[str]]:
     """``(nouns, verb_forms)`` of :func:`prefix_roles` from all Marvin & Linzen rows: the
     subjects, the head noun of every sentence's first noun phrase (e.g. ``mechanic`` in
     ``sent_comp``, never a subject) and :data:`LONG_VP_NOUNS`; and every target verb form."""
-    from .convert import COMPOUND_MODIFIERS  # lazy: convert imports this module
-
     def first_noun(words: list[str]) -> str:  # "the N ..." or "the taxi N ..."
         return words[2] if words[1] in COMPOUND_MODIFIERS and len(words) > 2 else words[1]
 
@@ -222,3 +225,103 @@ def _no_extra(kw: dict[str, Any]) -> None:
     kw.pop("source", None)
     if kw:
         raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
+
+
+# --- the converters of the official releases -------------------------------------------------
+LINZEN_ATTRACTORS = (1, 2, 3, 4, 5)
+# Conditions whose target verb is the embedded one, so the subject is the second noun phrase.
+EMBEDDED_TARGET = ("sent_comp", "obj_rel_within_anim", "obj_rel_within_inanim",
+                   "obj_rel_no_comp_within_anim", "obj_rel_no_comp_within_inanim")
+COMPOUND_MODIFIERS = ("taxi",)  # "taxi driver(s)": the head noun is the next word
+
+
+def linzen_lines(data: bytes) -> list[bytes]:
+    """The lines of a ``numpred.*`` file (``label\\tprefix``), without line ends; ValueError for
+    a line without exactly one tab."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    bad = [i + 1 for i, line in enumerate(lines) if line.count(b"\t") != 1]
+    if bad:
+        raise ValueError(f"numpred lines {bad[:5]} do not have the form 'label<TAB>prefix'")
+    return lines
+
+
+def convert_linzen2016(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The converter of Linzen et al. (2016): ``rnn_agr_simple.tar.gz`` -> ``numpred.val`` as
+    it is, and ``numpred.test.{1..5}`` joined under a header with the file number as
+    ``n_attractors``. The archive is read in memory; nothing is extracted to disk."""
+    names = ["numpred.val"] + [f"numpred.test.{k}" for k in LINZEN_ATTRACTORS]
+    files = tar_members(by_name(inputs, "rnn_agr_simple.tar.gz"), names)
+    linzen_lines(files["numpred.val"])  # format check only: the file is kept byte for byte
+    test = [b"label\tprefix\tn_attractors"]
+    for k in LINZEN_ATTRACTORS:
+        test += [line + b"\t" + str(k).encode() for line in linzen_lines(files[f"numpred.test.{k}"])]
+    return {LINZEN_TRAIN_FILE: files["numpred.val"], LINZEN_TEST_FILE: b"\n".join(test) + b"\n"}
+
+
+def load_templates(data: bytes, condition: str) -> dict[str, list[tuple[str, str]]]:
+    """``{key: [(good sentence, bad sentence), ...]}`` of one template pickle; ValueError if it
+    holds anything else."""
+    obj = NoGlobalsUnpickler(io.BytesIO(data)).load()
+    ok = isinstance(obj, dict) and all(
+        isinstance(k, str) and isinstance(v, list)
+        and all(isinstance(p, tuple) and len(p) == 2 and all(isinstance(s, str) for s in p) for p in v)
+        for k, v in obj.items())
+    if not ok:
+        raise ValueError(f"template pickle {condition!r} is not a dict of lists of (good, bad) sentence pairs")
+    return obj
+
+
+def subject_index(words: list[str], condition: str) -> int:
+    """The token index of the subject the target verb agrees with: the noun after the first
+    ``the`` (main-clause conditions) or after the second ``the`` (:data:`EMBEDDED_TARGET`: the
+    target is the embedded verb); for a compound such as ``taxi driver`` the head, one further."""
+    thes = [i for i, w in enumerate(words) if w == "the"]
+    k = 1 if condition in EMBEDDED_TARGET else 0
+    if len(thes) <= k:
+        raise ValueError(f"{condition}: {' '.join(words)!r} has no {'second' if k else 'first'} 'the'")
+    s = thes[k] + 1
+    return s + 1 if words[s] in COMPOUND_MODIFIERS else s
+
+
+def minimal_pair_row(condition: str, key: str, i: int, good: str, bad: str) -> dict[str, Any]:
+    """One row of the agreement file: the pair, its target number (from the key), the verb (the
+    only differing token) and the subject (:func:`subject_index`)."""
+    g, b = good.split(), bad.split()
+    diff = [j for j, (x, y) in enumerate(zip(g, b)) if x != y]
+    if len(g) != len(b) or len(diff) != 1:
+        raise ValueError(f"{condition}/{key}[{i}]: good and bad must differ in exactly one token: {good!r} / {bad!r}")
+    number = key.split("_")[0]
+    if number not in ("sing", "plur"):
+        raise ValueError(f"{condition}/{key}: key does not start with sing_ or plur_")
+    v, s = diff[0], subject_index(g, condition)
+    return {"condition": condition, "key": key, "pair_index": i, "sentence_good": good, "sentence_bad": bad,
+            "target_number": number, "verb_index": v, "verb_good": g[v], "verb_bad": b[v],
+            "subject_index": s, "subject": g[s]}
+
+
+def marvin_linzen_rows(templates: Mapping[str, Mapping[str, list[tuple[str, str]]]]) -> list[dict[str, Any]]:
+    """All rows, conditions in alphabetical order, keys and pairs in file order. ValueError if
+    a noun is used as both a singular and a plural subject within a condition (the check that
+    the subject rule picked the agreeing noun)."""
+    rows = []
+    for cond in sorted(templates):
+        part = [minimal_pair_row(cond, key, i, g, b) for key, pairs in templates[cond].items()
+                for i, (g, b) in enumerate(pairs)]
+        sing = {r["subject"] for r in part if r["target_number"] == "sing"}
+        plur = {r["subject"] for r in part if r["target_number"] == "plur"}
+        if sing & plur:
+            raise ValueError(f"{cond}: subjects {sorted(sing & plur)[:5]} occur with both numbers; the subject rule is wrong here")
+        rows += part
+    return rows
+
+
+def convert_marvin_linzen2018(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
+    """The converter of Marvin & Linzen (2018): the 15 agreement template pickles (download ids
+    ``.../<condition>.pickle``) -> one row per minimal pair, read with
+    :class:`~qkov_lib.data.convert.NoGlobalsUnpickler`. ``verb_index`` is the one token where the
+    good and bad sentence differ; ``subject_index`` follows from the template (:func:`subject_index`)."""
+    templates = {PurePosixPath(k).name.removesuffix(".pickle"): load_templates(v, k) for k, v in inputs.items()}
+    rows = marvin_linzen_rows(templates)
+    return {ML_FILE: "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")}

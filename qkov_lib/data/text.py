@@ -32,7 +32,6 @@ from .batch import Batch, left_pad
 PAD, UNK, QUERY = "<pad>", "<unk>", "<query>"
 SPECIALS: tuple[str, ...] = (PAD, UNK, QUERY)
 PAD_ID, UNK_ID, QUERY_ID = 0, 1, 2
-DATASETS: tuple[str, ...] = ("squad", "hatexplain", "sva", "sva_linzen")
 
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
@@ -250,35 +249,3 @@ def capped_words(text: Any, max_len: int, side: str, report: dict[str, int], spl
     if t.n_cut:
         count(report, f"{split}_truncated_{what}_over_cap")
     return t.tokens
-
-
-DEFAULT_MAX_LEN = {"squad": 192, "hatexplain": 96, "sva": 16, "sva_linzen": 48}
-
-
-def load_text_dataset(name: str, data_dir=None, max_len: int | None = None, min_freq: int = 2,
-                      n_train: int | None = None, n_test: int | None = None, seed: int = 0,
-                      **kw: Any) -> TextDataset:
-    """Load dataset ``name`` ("squad", "hatexplain", "sva" = Marvin & Linzen with the exact
-    subject index, "sva_linzen" = Linzen's numpred.val train pool with the attractor test sets)
-    from the data directory (``data_dir`` or ``$QKOV_DATA_DIR``).
-
-    ``max_len`` caps the padded length including the query (default per dataset:
-    :data:`DEFAULT_MAX_LEN`); ``n_train``/``n_test`` subsample with ``seed`` (None: all);
-    further keywords go to the dataset's loader (see its module)."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(DATASETS)}")
-    max_len = DEFAULT_MAX_LEN[name] if max_len is None else max_len
-    if not isinstance(max_len, int) or max_len < 2:
-        raise ValueError(f"max_len must be an integer >= 2 (words + query), got {max_len!r}")
-    args = dict(data_dir=data_dir, max_len=max_len, min_freq=min_freq, n_train=n_train, n_test=n_test, seed=seed, **kw)
-    if name == "squad":
-        from . import squad
-
-        return squad.load(**args)
-    if name == "hatexplain":
-        from . import hatexplain
-
-        return hatexplain.load(**args)
-    from . import sva
-
-    return sva.load(**args) if name == "sva" else sva.load_linzen(**args)

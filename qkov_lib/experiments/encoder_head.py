@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..data.batch import Batch
 from ..metrics import mass_by_role, prediction_metrics
-from ..training import predict
+from ..train import predict
 
 
 # --- where the attention goes ----------------------------------------------------------------

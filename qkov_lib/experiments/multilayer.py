@@ -13,7 +13,6 @@ by their mass ("rank 1" = the sharpest head of that layer in that run) before av
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,9 +28,9 @@ from ..data.batch import Batch
 from ..knob import knob_groups
 from ..metrics import macro_f1, relevant_mass, seed_half_width
 from .. import claims
-from ..results import tag_frame
+from ..metrics import tag_frame
 from ..runtime import pick_device, seed_everything
-from ..training import TrainConfig, train
+from ..train import TrainConfig, train
 
 DATASETS = ("sva", "hatexplain")
 DISPLAY = {"sva": "SVA", "hatexplain": "HateXplain"}
@@ -254,7 +253,7 @@ def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: to
     """Train one :class:`EncoderClassifier` with AdamW over the ``qk``/``ov``/``other`` groups of
     :func:`qkov_lib.knob.knob_groups` (qk: ``eta_ov * ratio``; ov: ``eta_ov``; other:
     ``eta_other`` or ``eta_ov``) for ``cfg["steps"]`` minibatch steps with
-    :func:`qkov_lib.training.train` (batches of similar lengths, trimmed padding), logging
+    :func:`qkov_lib.train.train` (batches of similar lengths, trimmed padding), logging
     :func:`_monitor` on the first ``n_monitor`` test instances; then evaluate on the test split.
     ``data`` is a :class:`qkov_lib.data.text.TextDataset`."""
     device = device or pick_device()
@@ -285,7 +284,7 @@ def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: to
 
 def load_data(cfg: dict, data_dir=None) -> dict:
     """The :class:`TextDataset` of each dataset in ``cfg["datasets"]`` (data split seed 0)."""
-    from ..data.text import load_text_dataset
+    from ..data.registry import load_text_dataset
 
     out = {}
     for name in cfg["datasets"]:

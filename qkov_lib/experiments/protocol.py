@@ -5,7 +5,7 @@ used is unknown. So each dataset chapter maps the claim over a grid of base rate
 ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validation split:
 
 1. :func:`grid` lists the runs (optimizer × base rate × ratio × seed); :func:`train_grid` trains
-   them with :func:`qkov_lib.stacked.train_stacked` (one stack per optimizer) and evaluates each
+   them with :func:`qkov_lib.train.loop.train_stacked` (one stack per optimizer) and evaluates each
    on the validation and the test split.
 2. :func:`trained` marks the runs that learned the task (validation accuracy above chance by
    :data:`qkov_lib.claims.TRAINED_MARGIN`); failed runs are counted, not averaged in.
@@ -34,8 +34,8 @@ from torch import nn
 
 from .. import claims
 from ..data.batch import Batch
-from ..stacked import train_stacked
-from ..training import TrainConfig
+from ..train import train_stacked
+from ..train import TrainConfig
 
 PHASE_METRICS = ("accuracy", "macro_f1", "attn_relevant", "AC@0.5", "ACMC@0.5", "sufficiency")
 

@@ -6,7 +6,7 @@ of the Pythia suite (parallel attention and MLP residual, rotary embeddings on a
 head's dimensions, GELU, untied input/output embeddings, biases, LayerNorm) and random weights;
 nothing is downloaded. It learns the synthetic distinct/common-token task
 (:mod:`qkov_lib.data.synthetic`) as a language model: after the query token, predict the
-distinct token (its id is the class). It is trained with AdamW by :func:`qkov_lib.training.train` over the groups of
+distinct token (its id is the class). It is trained with AdamW by :func:`qkov_lib.train.train` over the groups of
 :func:`qkov_lib.knob.knob_groups`, which splits each layer's fused ``query_key_value`` (heads
 interleaved as ``[n_heads, 3, d_head]``) into per-head Q, K and V slices, at several
 ``eta_QK/eta_OV``. Measured per layer and head: the query position's attention on the distinct
@@ -30,7 +30,7 @@ from ..knob import KnobReport, knob_groups, knob_optimizer, tensor_value
 from ..metrics import prediction_metrics
 from ..profiles import profile_table
 from ..runtime import seed_everything, torch_threads
-from ..training import TrainConfig, predict, train
+from ..train import TrainConfig, predict, train
 from . import multilayer as ml
 
 DATASET = "synthetic"
@@ -127,7 +127,7 @@ def evaluate(model: nn.Module, test: Batch) -> tuple[dict[str, float], pd.DataFr
 
 class QueryReadout(nn.Module):
     """The causal LM as a ``(tokens, key_mask) -> (logits at the query (N, V), attention (N, T))``
-    module, so that :func:`qkov_lib.training.train` trains it: the attention returned (for the
+    module, so that :func:`qkov_lib.train.train` trains it: the attention returned (for the
     trainer's logs) is the last layer's head-averaged row at the query; padding is read from the
     token ids, as in :func:`query_readout`."""
 
@@ -150,7 +150,7 @@ def _layer_means(model: nn.Module, test: Batch) -> dict[str, float]:
 
 def train_one(cfg: dict, ratio: float, seed: int, test: Batch | None = None, progress: bool = False) -> ml.Run:
     """Train one Pythia-architecture model for ``cfg["steps"]`` AdamW steps with
-    :func:`qkov_lib.training.train` over the knob's groups (qk: ``eta_ov * ratio``; ov and
+    :func:`qkov_lib.train.train` over the knob's groups (qk: ``eta_ov * ratio``; ov and
     other: ``eta_ov``), on one epoch of ``steps * batch_size`` i.i.d. sequences of the synthetic
     task, then evaluate on ``test`` (default: :func:`test_set`). Deterministic given ``seed``."""
     task = task_of(cfg)
@@ -267,7 +267,7 @@ QUERY_SELF = "query itself"  # a causal LM's query also attends to its own posit
 def load_sva(cfg: dict, data_dir=None):
     """The Marvin & Linzen SVA :class:`~qkov_lib.data.text.TextDataset` of ``cfg`` (prefix split
     seed ``data_seed``; ``test_info["roles"]``: every word's token role)."""
-    from ..data.text import load_text_dataset
+    from ..data.registry import load_text_dataset
 
     return load_text_dataset("sva", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
                              n_test=cfg["n_test"], seed=cfg["data_seed"], test_frac=cfg["test_frac"])
@@ -378,11 +378,11 @@ ONE_HEAD_PROFILES: dict[str, dict] = profile_table(
 def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """The one-head model of :data:`ONE_HEAD_PROFILES` (a :class:`~qkov_lib.models.TokenModel`)
     for ``profile``, trained on ``ds`` at the ratios and seeds of ``cfg`` as one stack
-    (:func:`qkov_lib.stacked.train_stacked`). Returns the mean attention mass per token role
+    (:func:`qkov_lib.train.loop.train_stacked`). Returns the mean attention mass per token role
     (ratio x role, means over seeds), the test accuracy per ratio and the one-head settings."""
     from ..models import TokenModel
     from ..profiles import resolve
-    from ..stacked import train_stacked
+    from ..train import train_stacked
     from . import sva_roles
 
     rcfg = {**resolve(ONE_HEAD_PROFILES, profile), "ratios": list(cfg["ratios"]), "seeds": list(cfg["seeds"])}

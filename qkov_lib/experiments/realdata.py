@@ -23,23 +23,20 @@ The summary chapter reads the R1-R3 rows the dataset chapters wrote into their r
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from .. import claims
 from .. import faithfulness as fa
 from ..data.batch import Batch
 from ..data.text import TextDataset
 from ..metrics import confidence, dtap_histogram, prediction_metrics, relevant_mass, summarize
-from ..training import History, predict
+from ..train import History, predict
 from .synthetic import format_summary, seed_summary
 
 TAU_SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
@@ -231,71 +228,6 @@ def pm(value: float, ci: float, pct: bool = True, digits: int = 1) -> str:
     return f"{value * s:.{digits}f}{unit}" + ("" if math.isnan(ci) else f" ± {ci * s:.{digits}f}{unit if pct else ''}")
 
 
-# --- summary chapter -----------------------------------------------------------------------
-def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
-    """The results document a dataset chapter wrote (``<results_dir>/<name>.json``, default
-    :func:`qkov_lib.results.default_results_path`), or None when the file does not exist."""
-    from ..results import default_results_path
-
-    path = Path(results_dir) / f"{name}.json" if results_dir else default_results_path(name)
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"results file {path} is not valid JSON ({err}); rerun its chapter") from err
-
-
-def r_table(results_dir: str | Path | None = None, datasets: Sequence[str] = ("squad", "hatexplain", "sva")) -> pd.DataFrame:
-    """The R1-R3 table: one row per claim row a dataset chapter reported (a chapter may report
-    several rows on one claim, e.g. SVA's second R1 row for its natural-prefix models), with the
-    paper's statement, our measurement (with the profile and the seeds per cell of the chapter's
-    protocol map), the verdict, its rule and reason; one "not run" row per claim where a chapter
-    has written no results or no row on that claim."""
-    rows = []
-    for cid in ("R1", "R2", "R3"):
-        for name in datasets:
-            doc = read_results(name, results_dir)
-            base = {"claim": cid, "dataset": name, "chapter": CHAPTERS[name], "paper": claims.CLAIMS[cid],
-                    "rule": "", "reason": ""}
-            if doc is None:
-                rows.append({**base, "ours": f"not run: no results file for chapter {CHAPTERS[name]} in this build",
-                             "verdict": "not run", "profile": None})
-                continue
-            params = doc.get("params", {})
-            found = [c for c in doc.get("metrics", {}).get("claims", []) if c.get("id") == cid]
-            if not found:
-                rows.append({**base, "ours": "not reported by the chapter", "verdict": "not run",
-                             "profile": params.get("profile")})
-                continue
-            prof = f"{params.get('profile')} profile, protocol map: {len(params.get('map_seeds', []))} seed(s) per cell"
-            rows += [{**base, "ours": f"{c['ours']} [{prof}]", "verdict": c["verdict"], "rule": c.get("rule", ""),
-                      "reason": c.get("reason", ""), "profile": params.get("profile")} for c in found]
-    return pd.DataFrame(rows)
-
-
-def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str]]:
-    """One ``(verdict, reason)`` per claim across datasets, by :func:`qkov_lib.scorecard.combine`
-    (disagreeing datasets are named with their reasons)."""
-    from ..scorecard import combine
-
-    return {cid: combine([r for r in g.to_dict("records") if r["verdict"] != "not run"])
-            for cid, g in table.groupby("claim", sort=True)}
-
-
-def r_table_myst(table: pd.DataFrame) -> str:
-    """The R1-R3 table as MyST markdown: claim | paper | ours | verdict | rule."""
-    from ..scorecard import myst_cell
-
-    lines = ["| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |", "|---|---|---|---|---|"]
-    for cid, g in table.groupby("claim", sort=True):
-        for i, (_, r) in enumerate(g.iterrows()):
-            ours = myst_cell(r["ours"]) + (f" *Decided by:* {myst_cell(r['reason'])}" if r["reason"] else "")
-            lines.append(f"| {'**' + cid + '**' if i == 0 else ''} | {myst_cell(r['paper']) if i == 0 else ''} | "
-                         f"{ours} | **{r['verdict']}** | {myst_cell(r['rule'])} |")
-    return "\n".join(lines)
-
-
 # --- chapter tables and figures ------------------------------------------------------------
 ATTENTION_METRICS = ["attn_relevant", "AC@0.5", "ACMC@0.5", "AC@0.9", "ACMC@0.9", "comprehensiveness", "sufficiency",
                      "token_f1", "iou_f1", "auprc"]
@@ -376,23 +308,3 @@ def plot_attractors(frame: pd.DataFrame):
     ax.legend(title="eta_QK/eta_OV", frameon=False)
     fig.tight_layout()
     return fig
-
-
-def provenance_frame(results_dir: str | Path | None = None) -> pd.DataFrame:
-    """Where the summary's numbers come from: per dataset chapter, whether it ran, its profile,
-    the map's ratios, seeds per cell and step budget per optimizer (early stopping may end a run
-    sooner), the train/test instances used, wall time (s) and git commit."""
-    rows = []
-    for name in ("squad", "hatexplain", "sva"):
-        doc = read_results(name, results_dir)
-        if doc is None:
-            rows.append({"chapter": CHAPTERS[name], "status": "not run"})
-            continue
-        p, report = doc.get("params", {}), doc.get("metrics", {}).get("data_report", {})
-        steps = ", ".join(f"{o} {p[f'{o}_steps']}" for o in p.get("optimizers", []) if f"{o}_steps" in p)
-        rows.append({"chapter": CHAPTERS[name], "status": "ran", "profile": p.get("profile"),
-                     "ratios": p.get("ratios"), "seeds": len(p.get("map_seeds", [])), "steps": steps or None,
-                     "train instances": report.get("train_used"), "test instances": report.get("test_used"),
-                     "wall time (s)": round(doc["wall_time_s"], 1) if doc.get("wall_time_s") else None,
-                     "git commit": str(doc.get("git_commit", ""))[:12]})
-    return pd.DataFrame(rows).set_index("chapter")

@@ -33,11 +33,12 @@ from torch import nn
 from .. import claims, head_model
 from .. import faithfulness as fa
 from ..data.batch import Batch
-from ..data.text import TextDataset, load_text_dataset
+from ..data.text import TextDataset
+from ..data.registry import load_text_dataset
 from ..runtime import seed_everything
 from ..metrics import prediction_metrics, seed_half_width, summarize
 from ..profiles import profile_table
-from ..training import TrainConfig, predict
+from ..train import TrainConfig, predict
 from . import encoder_head, protocol, realdata
 from .sva_roles import split_validation
 

@@ -31,12 +31,13 @@ from torch import Tensor, nn
 from .. import claims
 from ..data.batch import Batch
 from ..data.sva import ROLE_CODES
-from ..data.text import TextDataset, load_text_dataset
+from ..data.text import TextDataset
+from ..data.registry import load_text_dataset
 from ..metrics import mass_by_role
 from ..profiles import profile_table
 from ..runtime import seed_everything
-from ..stacked import train_stacked
-from ..training import History, TrainConfig, predict
+from ..train import train_stacked
+from ..train import History, TrainConfig, predict
 
 ROLES: tuple[str, ...] = tuple(ROLE_CODES.values())  # subject, attractor, verb, last, rest
 LAST_ANY = "last position"  # mass on the word right before the verb, whatever its role (not exclusive)
@@ -135,7 +136,7 @@ def natural_train_config(cfg: Mapping[str, Any], ratio: float, seed: int) -> Tra
 def train_natural(ds: TextDataset, cfg: Mapping[str, Any], grid: Sequence[tuple[float, int]],
                   device: torch.device | None = None) -> tuple[list[nn.Module], list[History]]:
     """Train one :func:`make_natural_model` per ``(ratio, seed)`` of ``grid`` as one stack
-    (:func:`qkov_lib.stacked.train_stacked`) on ``ds.train`` minus the validation part
+    (:func:`qkov_lib.train.loop.train_stacked`) on ``ds.train`` minus the validation part
     (``cfg["val_frac"]``), with early stopping on validation loss when ``cfg["patience"]``."""
     device = device or torch.device("cpu")
     train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])

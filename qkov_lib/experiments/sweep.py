@@ -5,7 +5,7 @@ matched-loss comparison and the S2 ranking.
 
 Every run is built exactly as :func:`qkov_lib.experiments.synthetic.train_one` builds it (same
 seeding, embeddings, data and init), so a cell of this sweep equals the corresponding run of
-the synthetic chapter; the engine is tested to equal :func:`qkov_lib.training.train`.
+the synthetic chapter; the engine is tested to equal :func:`qkov_lib.train.train`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..claims import Verdict, claim
 from ..metrics import circuit_scalars, dtap_distance  # noqa: F401  (dtap_distance re-exported for the chapter)
 from ..models import PARAMETERIZATIONS, SyntheticModel
 from ..runtime import seed_everything
-from ..training import TrainConfig
+from ..train import TrainConfig
 from . import synthetic as base
 from .theory import equal_or_lowest as equal_rate  # 1 (equal rates) when run, else the lowest ratio
 
@@ -179,7 +179,7 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
              desc: str = "sweep") -> Grid:
     """Train every (parameterization, ratio, seed) with the batched engine and evaluate on each
     seed's test sample. Diverging runs are frozen, not fatal. Each run's ``test`` dict has the
-    metrics of :func:`qkov_lib.training.evaluate` plus ``weak_attn_confident`` and ``diverged``
+    metrics of :func:`qkov_lib.train.evaluate` plus ``weak_attn_confident`` and ``diverged``
     (0/1). With ``matched_loss`` the engine also snapshots each run where its training loss
     first reaches that value (``Grid.matched``)."""
     parameterizations = list(parameterizations or cfg["parameterizations"])
@@ -220,14 +220,14 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
 def throughput(cfg: dict, steps: int, n_loop: int | None = None,
                threads: int | None = engine.DEFAULT_THREADS) -> dict[str, float]:
     """Model-steps per second of the main grid of ``cfg`` trained for ``steps`` steps, one model
-    at a time with :func:`qkov_lib.training.train` (on ``n_loop`` evenly spread grid cells, all
+    at a time with :func:`qkov_lib.train.train` (on ``n_loop`` evenly spread grid cells, all
     if None) and all at once with :func:`qkov_lib.engine.train_batched`. Same work per model:
     data, configs, logging and the circuit-scalar probe. Also returns the largest parameter
     difference between the two on the looped cells (float tolerance expected). Both run with
     ``threads`` torch threads (the engine's default, 1)."""
     import time
 
-    from ..training import train
+    from ..train import train
 
     b = _Builder(cfg)
     grid = list(itertools.product(cfg["parameterizations"], [float(r) for r in cfg["ratios"]], cfg["seeds"]))

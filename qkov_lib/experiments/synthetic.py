@@ -18,9 +18,9 @@ from ..claims import Verdict
 from ..metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
                        seed_half_width, summarize)
 from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..results import tag_frame
+from ..metrics import tag_frame
 from ..runtime import pick_device, seed_everything, torch_threads
-from ..training import History, TrainConfig, predict, train
+from ..train import History, TrainConfig, predict, train
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
 PROFILES: dict[str, dict] = {

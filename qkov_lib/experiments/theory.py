@@ -20,7 +20,7 @@ from ..models import PARAMETERIZATIONS, SyntheticModel
 from .. import claims as C
 from ..claims import Verdict, claim
 from ..runtime import seed_everything
-from ..training import TrainConfig, train
+from ..train import TrainConfig, train
 
 # Chapter 02 (reduction): machine checks. ``eta_max`` is the larger of the two learning rates
 # (eta_OV = eta_max / ratio when ratio > 1), so every overlay run has the same Euler step. The
@@ -129,7 +129,7 @@ def _probe(task: syn.SyntheticTask, E: torch.Tensor, w0: float, q0: float):
 
 def train_symmetric(task: syn.SyntheticTask, parameterization: str, w0: float, q0: float, eta_ov: float,
                     ratio: float, steps: int, n_logs: int = 40) -> pd.DataFrame:
-    """Full-model gradient descent (``qkov_lib.training.train``, float64, exact population loss)
+    """Full-model gradient descent (``qkov_lib.train.train``, float64, exact population loss)
     from the symmetric state ``(w0, q0)`` (balanced factors); one row per logged step with the
     loss, attention on the distinct token, the scalars ``ov``/``qk``, the drift of the
     conserved quantities and the distance from the symmetric subspace."""

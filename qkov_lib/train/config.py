@@ -1,12 +1,11 @@
-"""Training with separate learning rates for the QK and OV circuits.
+"""What one training run is: its config (optimizer, the QK and OV rates, length, batching,
+logging, early stopping, seed), its logged history, the logged steps and the error of a run
+that goes non-finite.
 
 The knob is ``ratio = eta_QK / eta_OV``; ``eta_ov`` is the OV learning rate, the QK group gets
 ``eta_ov * ratio``, everything else ``eta_other``. Optimizers: ``gd`` (full-batch gradient
 descent), ``sgd`` (minibatch, optional momentum) and ``adamw``, as ``torch.optim`` defines them
-(implemented once, in :mod:`qkov_lib.optim`).
-
-:func:`train` trains one model; it is :func:`qkov_lib.stacked.train_stacked` with a stack of one,
-so a single run and a stacked grid share one training loop.
+(implemented once, in :mod:`qkov_lib.train.optim`); the loop is :mod:`qkov_lib.train.loop`.
 """
 
 from __future__ import annotations
@@ -17,13 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
-from .data.batch import Batch
-from .metrics import DEFAULT_TAUS, summarize
-from .models import check_rate
+from ..models import check_rate
 
 OPTIMIZERS = ("gd", "sgd", "adamw")
 
@@ -102,33 +97,6 @@ def log_schedule(cfg: TrainConfig) -> list[int]:
     return log_steps(cfg.steps, cfg.n_logs)
 
 
-def loss_fn(logits: Tensor, y: Tensor, weight: Tensor | None) -> Tensor:
-    """Cross-entropy; an expectation under ``weight`` (population batches) or a plain mean."""
-    ce = F.cross_entropy(logits, y, reduction="none")
-    return ce.mean() if weight is None else (weight.to(ce.dtype) * ce).sum()
-
-
-@torch.no_grad()
-def predict(model: nn.Module, data: Batch, chunk: int = 4096) -> tuple[Tensor, Tensor]:
-    """``(attention (N, T), probabilities (N, C))`` of ``model`` on ``data``, in chunks."""
-    was = model.training
-    model.eval()
-    attn, probs = [], []
-    for i in range(0, len(data), chunk):
-        b = data.index(slice(i, i + chunk))
-        logits, a = model(b.tokens, b.key_mask)
-        attn.append(a)
-        probs.append(torch.softmax(logits.double(), -1))
-    model.train(was)
-    return torch.cat(attn), torch.cat(probs)
-
-
-def evaluate(model: nn.Module, data: Batch, taus=DEFAULT_TAUS) -> dict[str, float]:
-    """:func:`qkov_lib.metrics.summarize` of the model's predictions on ``data``."""
-    attn, probs = predict(model, data)
-    return summarize(attn, probs, data.relevant, data.y, taus, data.weight)
-
-
 @dataclass
 class History:
     """Logged training records (one dict per logged step) and where the run ended early:
@@ -152,13 +120,3 @@ class History:
 Probe = Callable[[nn.Module], dict[str, float]]
 
 
-def train(model: nn.Module, data: Batch, cfg: TrainConfig, probe: Probe | None = None,
-          desc: str = "train", val: Batch | None = None, **kwargs) -> History:
-    """Train ``model`` on ``data`` with ``cfg``; at the logged steps record the loss, accuracy
-    and mean attention on relevant tokens on the training data (or its ``cfg.log_subsample``),
-    on ``val`` if given (``val_*``), plus ``probe(model)``. Raises :class:`NonFiniteError`
-    naming the step and group if anything goes non-finite. A stack of one in
-    :func:`qkov_lib.stacked.train_stacked` (whose keyword arguments ``kwargs`` accepts)."""
-    from .stacked import train_stacked  # stacked builds on this module's config and history
-
-    return train_stacked([model], data, [cfg], probe=probe, val=val, desc=desc, **kwargs)[0]

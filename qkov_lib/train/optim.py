@@ -21,7 +21,7 @@ the call or disagrees, every later step uses the plain update (the same numbers 
 with temporaries) and a warning says so. ``QKOV_PLAIN_OPTIM=1`` forces the plain update;
 :func:`update_kernel` tells which one runs.
 
-Used by :mod:`qkov_lib.stacked` (every token-model training run, :func:`qkov_lib.training.train`
+Used by :mod:`qkov_lib.train.loop` (every token-model training run, :func:`qkov_lib.train.train`
 included) and by the synthetic engine :mod:`qkov_lib.engine`.
 """
 

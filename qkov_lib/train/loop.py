@@ -6,25 +6,25 @@ along a leading model dimension (``torch.func.stack_module_state``) and one forw
 models is ``torch.func.vmap`` over ``torch.func.functional_call`` of the models' own ``forward``,
 so the stacked model computes exactly what each model computes. One backward pass of the summed
 per-model losses gives each model its own gradient (the models share no parameter), and
-:class:`qkov_lib.optim.StackedOptimizer` applies torch's SGD / AdamW update with each model's own
+:class:`qkov_lib.train.optim.StackedOptimizer` applies torch's SGD / AdamW update with each model's own
 per-group rates (``qk`` at ``ratio * eta_ov``, ``ov``, ``other``; from
 :func:`qkov_lib.models.param_groups` or any ``groups`` function).
 
 Each model keeps its own initialisation (the models are built by the caller), its own minibatch
 order (a generator seeded with its ``TrainConfig.seed``, the same permutations
-:func:`qkov_lib.training.train` draws) and its own rates. With ``B = 1`` the model's own
+:func:`qkov_lib.train.train` draws) and its own rates. With ``B = 1`` the model's own
 parameters are trained in place with a plain forward call (this is
-:func:`qkov_lib.training.train`); ``tests/test_stacked.py`` checks that a stack equals training
+:func:`qkov_lib.train.train`); ``tests/test_stacked.py`` checks that a stack equals training
 each model alone.
 
 Logging (at the log steps of the shared config): the metrics of
-:func:`qkov_lib.training.evaluate` on a fixed seeded subsample of the training data
+:func:`qkov_lib.train.evaluate` on a fixed seeded subsample of the training data
 (``TrainConfig.log_subsample``; None = all of it, 0 = none), the same metrics on optional
 validation data (keys prefixed ``val_``), computed in the same pass, and an optional per-model
 ``probe``. With ``TrainConfig.patience`` a model stops once its validation loss has not improved
 for ``patience`` evaluations and, with ``restore_best``, gets the weights of its best evaluation
 back. A model whose loss, gradient or parameters go non-finite raises
-:class:`~qkov_lib.training.NonFiniteError` (``on_nonfinite="raise"``) or is frozen and reported
+:class:`~qkov_lib.train.NonFiniteError` (``on_nonfinite="raise"``) or is frozen and reported
 in ``History.diverged_step`` (``"freeze"``), as in the synthetic engine. Finished models are
 dropped from the stack, so they cost nothing afterwards.
 """
@@ -46,12 +46,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
-from .data.batch import Batch
-from .metrics import summarize
-from .models import group_of, param_groups
+from ..data.batch import Batch
+from ..metrics import DEFAULT_TAUS, summarize
+from ..models import group_of, param_groups
+from ..runtime import torch_threads
+from .config import History, NonFiniteError, Probe, TrainConfig, log_schedule
 from .optim import StackedOptimizer, rates_of, stack_rates
-from .runtime import torch_threads
-from .training import History, NonFiniteError, Probe, TrainConfig, log_schedule
 
 NONFINITE_MODES = ("raise", "freeze")
 # Configs of one stack must agree on these (they fix the step loop and the optimizer kind).
@@ -228,7 +228,7 @@ class ModelStack:
 def stacked_loss(logits: Tensor, y: Tensor, weight: Tensor | None) -> Tensor:
     """Per-model cross-entropy (B,) of ``logits`` (B, n, C) against ``y`` (B, n): a plain mean,
     or an expectation under ``weight`` (B, n) (population batches), as
-    :func:`qkov_lib.training.loss_fn` per model."""
+    :func:`qkov_lib.train.loss_fn` per model."""
     B, n, C = logits.shape
     ce = F.cross_entropy(logits.reshape(B * n, C), y.reshape(B * n), reduction="none").view(B, n)
     return ce.mean(1) if weight is None else (weight.to(ce.dtype) * ce).sum(1)
@@ -265,6 +265,44 @@ def check_configs(cfgs: Sequence[TrainConfig], shared: Sequence[str] = SHARED_FI
     return c0
 
 
+def loss_fn(logits: Tensor, y: Tensor, weight: Tensor | None) -> Tensor:
+    """Cross-entropy; an expectation under ``weight`` (population batches) or a plain mean."""
+    ce = F.cross_entropy(logits, y, reduction="none")
+    return ce.mean() if weight is None else (weight.to(ce.dtype) * ce).sum()
+
+
+@torch.no_grad()
+def predict(model: nn.Module, data: Batch, chunk: int = 4096) -> tuple[Tensor, Tensor]:
+    """``(attention (N, T), probabilities (N, C))`` of ``model`` on ``data``, in chunks."""
+    was = model.training
+    model.eval()
+    attn, probs = [], []
+    for i in range(0, len(data), chunk):
+        b = data.index(slice(i, i + chunk))
+        logits, a = model(b.tokens, b.key_mask)
+        attn.append(a)
+        probs.append(torch.softmax(logits.double(), -1))
+    model.train(was)
+    return torch.cat(attn), torch.cat(probs)
+
+
+def evaluate(model: nn.Module, data: Batch, taus=DEFAULT_TAUS) -> dict[str, float]:
+    """:func:`qkov_lib.metrics.summarize` of the model's predictions on ``data``."""
+    attn, probs = predict(model, data)
+    return summarize(attn, probs, data.relevant, data.y, taus, data.weight)
+
+
+def train(model: nn.Module, data: Batch, cfg: TrainConfig, probe: Probe | None = None,
+          desc: str = "train", val: Batch | None = None, **kwargs) -> History:
+    """Train ``model`` on ``data`` with ``cfg``; at the logged steps record the loss, accuracy
+    and mean attention on relevant tokens on the training data (or its ``cfg.log_subsample``),
+    on ``val`` if given (``val_*``), plus ``probe(model)``. Raises :class:`NonFiniteError`
+    naming the step and group if anything goes non-finite. A stack of one in
+    :func:`train_stacked` (whose keyword arguments ``kwargs`` accepts), so a single run and a
+    stacked grid share one training loop."""
+    return train_stacked([model], data, [cfg], probe=probe, val=val, desc=desc, **kwargs)[0]
+
+
 def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | Sequence[TrainConfig],
                   probe: Probe | None = None, val: Batch | None = None, on_nonfinite: str = "raise",
                   groups: GroupsFn = default_groups, batches: BatchesFn = default_batches,
@@ -274,7 +312,7 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
     """Train ``models`` (one architecture; forward ``(tokens, key_mask) -> (logits, attention)``)
     on ``data`` together, each with its config (one, or one per model; they may differ in
     ``eta_ov``, ``ratio``, ``eta_other``, ``weight_decay``, ``momentum``, ``seed``,
-    ``patience``). Returns one :class:`~qkov_lib.training.History` per model, in order, and
+    ``patience``). Returns one :class:`~qkov_lib.train.History` per model, in order, and
     leaves the trained weights in ``models``.
 
     ``probe(model)`` adds per-model values to each log record; ``val`` is validation data
