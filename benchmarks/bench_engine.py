@@ -3,7 +3,7 @@
 Throughput is measured in model-steps per second on the main grid of the sweep chapter's
 profile (parameterization x ratio x seed): every grid cell is trained for ``--steps`` steps
 once with ``qkov_lib.train.train`` (one model after the other) and once with
-``qkov_lib.engine.train_batched`` (all at once), in this one process, with the same data,
+``qkov_lib.train.engine.train_batched`` (all at once), in this one process, with the same data,
 configs, logging and probe. The chapter is timed end to end with
 ``python -m qkov_lib run sweep`` in a subprocess.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 from qkov_lib import profiles, runtime
-from qkov_lib.experiments import sweep
+from qkov_lib.studies import synthetic_sweeps
 
 
 def chapter_wall_time(profile: str, out_dir: str) -> float:
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1:
         ap.error("--steps must be >= 1")
     threads = args.threads or None
-    cfg = profiles.resolve(sweep.PROFILES, args.profile)
+    cfg = profiles.resolve(synthetic_sweeps.PROFILES, args.profile)
     result: dict = {"profile": args.profile, "cpu_count": os.cpu_count(),
                     "load_average_before": list(os.getloadavg())}
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chapter sweep ({args.profile} profile): {wall:.1f} s wall  [{out}]")
 
     grid = len(cfg["parameterizations"]) * len(cfg["ratios"]) * len(cfg["seeds"])
-    tp = sweep.throughput(cfg, args.steps, args.loop_models, threads=threads)
+    tp = synthetic_sweeps.throughput(cfg, args.steps, args.loop_models, threads=threads)
     print(f"throughput: {grid} models x {args.steps} steps, torch threads {tp['threads']}")
     result.update(throughput=tp, load_average_after=list(os.getloadavg()), versions=runtime.versions())
     print(f"  loop    (training.train, {tp['n_loop']} models): {tp['loop_model_steps_per_s']:8.0f} model-steps/s "

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from qkov_lib.experiments.pythia import pythia_config
+from qkov_lib.studies.pythia import pythia_config
 from qkov_lib.knob import knob_optimizer
 
 CONFIGS = {  # name: (d_model, layers, heads, sequence length, batch size)

@@ -1,7 +1,7 @@
 """Benchmark: one torch thread, two threads, or two one-thread processes for the stacked models
 of a real-data protocol map.
 
-For each dataset, the map model of ``qkov_lib.experiments.realmap.PROFILES[<dataset>]["cpu"]``
+For each dataset, the map model of ``qkov_lib.studies.realmap.MAPS[<dataset>].profiles["cpu"]``
 is built ``--models`` times and trained for ``--steps`` AdamW steps (:func:`qkov_lib.train.loop.
 train_stacked`): as one stack with one torch thread, as one stack with two, and as two stacks of
 half the models in two forked one-thread processes at once (what a map with one process per
@@ -19,7 +19,8 @@ import os
 import time
 
 from qkov_lib import profiles
-from qkov_lib.experiments import protocol, realmap
+from qkov_lib import protocol
+from qkov_lib.studies import realmap
 from qkov_lib.train import train_stacked
 
 
@@ -70,7 +71,7 @@ def main() -> None:
     a = p.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     for name in a.dataset:
-        cfg = profiles.resolve(realmap.PROFILES[name], "cpu")
+        cfg = profiles.resolve(realmap.MAPS[name].profiles, "cpu")
         ds, _ = realmap.load_splits(name, cfg)
         one, two = (ms_per_step(ds, cfg, a.models, a.steps, t) for t in (1, 2))
         procs = ms_per_step_two_processes(ds, cfg, a.models, a.steps)

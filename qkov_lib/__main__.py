@@ -1,5 +1,5 @@
 import sys
 
-from .cli import main
+from qkov_lib.tooling.cli import main
 
 sys.exit(main())

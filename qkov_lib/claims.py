@@ -418,7 +418,7 @@ class Change:
     def of(cls, values: Sequence[float]) -> "Change":
         """The change from the per-seed differences ``values`` (non-finite values are ignored;
         none left: mean NaN, n 0), with :func:`qkov_lib.metrics.seed_half_width`."""
-        from .metrics import seed_half_width
+        from qkov_lib.metrics import seed_half_width
 
         v = _finite(list(values))
         if not v:

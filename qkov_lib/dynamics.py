@@ -41,7 +41,7 @@ import torch
 from scipy.integrate import solve_ivp
 from scipy.special import expi, expit, lambertw
 
-from .models import PARAMETERIZATIONS, parse_parameterization
+from qkov_lib.models import PARAMETERIZATIONS, parse_parameterization
 
 ArrayLike = float | np.ndarray
 
@@ -393,8 +393,8 @@ def predicted_gradients(w: float, q: float, task) -> tuple[torch.Tensor, torch.T
 
 
 def _symmetric_model(task, w: float, q: float, parameterization: str):
-    from .data.synthetic import make_embeddings
-    from .models import SyntheticModel
+    from qkov_lib.data.synthetic import make_embeddings
+    from qkov_lib.models import SyntheticModel
 
     E = make_embeddings(task, dtype=torch.float64)
     model = SyntheticModel(E, task.n_classes, parameterization=parameterization, init_scale=0.0,
@@ -406,8 +406,8 @@ def _symmetric_model(task, w: float, q: float, parameterization: str):
 def full_model_gradients(task, w: float, q: float) -> dict[str, torch.Tensor]:
     """Autograd of the full collapsed model's exact population loss at the symmetric state:
     ``loss`` and the matrix gradients ``W_QK`` (d, d), ``W_OV`` (K, d)."""
-    from .data.synthetic import population
-    from .train import loss_fn
+    from qkov_lib.data.synthetic import population
+    from qkov_lib.train import loss_fn
 
     model = _symmetric_model(task, w, q, "CACO")
     data = population(task)
@@ -419,7 +419,7 @@ def full_model_gradients(task, w: float, q: float) -> dict[str, torch.Tensor]:
 
 def scalars_of(W_QK: torch.Tensor, W_OV: torch.Tensor, task) -> tuple[float, float]:
     """``(w, q)`` of effective matrices, by :func:`qkov_lib.metrics.circuit_scalars` (linear)."""
-    from .metrics import circuit_scalars
+    from qkov_lib.metrics import circuit_scalars
 
     E = torch.eye(task.width, dtype=W_QK.dtype)
     s = circuit_scalars(W_QK, W_OV, E[task.distinct_ids], E[task.common_ids], E[task.query_id])
@@ -432,8 +432,8 @@ def full_model_velocity(task, w: float, q: float, parameterization: str, eta_ov:
     factorized circuit, from balanced factors of the symmetric state), by autograd:
     ``dW_QK/dt = -eta_QK (W_K^T dL/dW_Q + (dL/dW_K)^T W_Q)`` and
     ``dW_OV/dt = -eta_OV ((dL/dW_O) W_V + W_O dL/dW_V)``, read out with :func:`scalars_of`."""
-    from .data.synthetic import population
-    from .train import loss_fn
+    from qkov_lib.data.synthetic import population
+    from qkov_lib.train import loss_fn
 
     model = _symmetric_model(task, w, q, parameterization)
     data = population(task)

@@ -45,9 +45,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from .data.batch import Batch, left_pad
-from .data.hatexplain import NORMAL as HATEXPLAIN_NORMAL
-from .data.text import PAD_ID
+from qkov_lib.data.batch import Batch, left_pad
+from qkov_lib.data.hatexplain import NORMAL as HATEXPLAIN_NORMAL
+from qkov_lib.data.text import PAD_ID
 
 DEFAULT_FRACS: tuple[float, ...] = (0.01, 0.05, 0.1, 0.2, 0.5)
 _EPS_CEIL = 1e-9  # so that e.g. 0.07 * 100 = 7.000000000000001 selects 7 keys, not 8

@@ -49,10 +49,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .data import squad
-from .data.batch import Batch
-from .data.text import PAD_ID, TextDataset
-from .models import QKOVAttention
+from qkov_lib.data import squad
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.text import PAD_ID, TextDataset
+from qkov_lib.models import QKOVAttention
 
 ENCODERS = ("none", "conv", "bigru")
 READOUTS = ("class", "words")

@@ -75,7 +75,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention, check_rate
+from qkov_lib.models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention, check_rate
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
 
-from .knob import KnobReport, default_no_decay, knob_optimizer
-from .models import check_rate
+from qkov_lib.knob import KnobReport, default_no_decay, knob_optimizer
+from qkov_lib.models import check_rate
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .runtime import is_batched
+from qkov_lib.runtime import is_batched
 
 PARAMETERIZATIONS: tuple[str, ...] = ("FAFO", "CAFO", "FACO", "CACO")
 GROUPS: tuple[str, ...] = ("qk", "ov", "other")

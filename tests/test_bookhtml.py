@@ -1,7 +1,7 @@
 """The built pages: static progress bars from saved widget state, the .md/.ipynb download menu,
 MathJax from the build, and papermill's injected cell hidden without machine paths.
 
-Unit tests of :mod:`qkov_lib.bookhtml` and :func:`qkov_lib.cache.hide_injected_parameters`, plus
+Unit tests of :mod:`qkov_lib.tooling.bookhtml` and :func:`qkov_lib.tooling.cache.hide_injected_parameters`, plus
 two real Sphinx builds of a one-chapter project with the book's extensions: one executes a
 chapter that uses ``tqdm.auto`` (force mode, as ``make book``), one renders a papermill-executed
 notebook without executing it (as ``qkov book --mode executed``)."""
@@ -17,7 +17,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from qkov_lib import bookhtml, cache
+from qkov_lib.tooling import bookhtml, cache
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE_DIR = "/home/alice/qkov/runs/full"  # a path of "the machine that ran it"
@@ -143,7 +143,7 @@ print("results written to /home/alice/qkov/_build/results/alpha.json")
 def _sphinx(src: Path, conf: str) -> str:
     """Build ``src`` (``index`` -> ``alpha``) with the book's extensions; the HTML of ``alpha``."""
     (src / "conf.py").write_text(
-        "extensions = ['myst_nb', 'sphinx_book_theme', 'qkov_lib.bookhtml', 'sphinx-mathjax-offline']\n"
+        "extensions = ['myst_nb', 'sphinx_book_theme', 'qkov_lib.tooling.bookhtml', 'sphinx-mathjax-offline']\n"
         "html_theme = 'sphinx_book_theme'\nmathjax_path = 'mathjax/tex-chtml.js'\nnb_ipywidgets_js = {}\n"
         "myst_enable_extensions = ['dollarmath', 'amsmath']\nhtml_sourcelink_suffix = ''\n"
         "exclude_patterns = ['_build']\n" + conf)

@@ -11,7 +11,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from qkov_lib import cache
+from qkov_lib.tooling import cache
 
 
 def _lib(tmp_path: Path) -> Path:
@@ -116,7 +116,7 @@ def _project(tmp_path: Path, mode: str) -> tuple[Path, Path]:
     src, lib = tmp_path / "src", _lib(tmp_path)
     src.mkdir()
     (src / "conf.py").write_text(
-        f"extensions = ['myst_nb', 'qkov_lib.cache']\nnb_execution_mode = {mode!r}\n"
+        f"extensions = ['myst_nb', 'qkov_lib.tooling.cache']\nnb_execution_mode = {mode!r}\n"
         f"qkov_library_dir = {str(lib)!r}\nexclude_patterns = ['_build']\n")
     (src / "index.md").write_text("# Home\n\n```{toctree}\nchapter\nscorecard\n```\n")
     (src / "chapter.md").write_text(PAGE.format(extra="", title="Chapter", counter=str(tmp_path / "n_chapter"),
@@ -200,6 +200,13 @@ def test_cache_key_covers_data_manifest_requirements_and_pinned_versions(tmp_pat
     monkeypatch.setattr(cache, "_version", real)
     assert key() == k3
     assert cache.key_parts(lib, {"QKOV_DATA_DIR": str(tmp_path / "nope")}, req)["data"] == {}
+
+
+def test_the_key_hashes_the_whole_library_and_the_repository_requirements():
+    import qkov_lib
+
+    assert cache.PACKAGE_DIR == Path(qkov_lib.__file__).resolve().parent  # every subpackage, not the tooling alone
+    assert cache.REQUIREMENTS == cache.PACKAGE_DIR.parent / "requirements.txt" and cache.REQUIREMENTS.is_file()
 
 
 def test_pinned_packages_reads_requirements(tmp_path: Path):

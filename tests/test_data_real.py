@@ -510,9 +510,11 @@ def test_truncated_file_stops_the_preflight_before_any_chapter(real_copy):
     before = _tree(real_copy)
     script = sources.REPO_ROOT / "qkov_lib" / "data" / "sources.py"
     env = {"PATH": "/usr/bin:/bin", sources.DATA_ENV: str(real_copy)}
-    for how in ("--probe", "--fetch"):
-        r = subprocess.run([sys.executable, "-S", str(script), "check", how], capture_output=True, text=True, env=env,
-                           timeout=120)
+    # the probe as `make book` runs it before set-up (a plain script, standard library only), and
+    # the check that fetches what is missing (`qkov data check --fetch`, in the environment)
+    for cmd in ([sys.executable, "-S", str(script), "check", "--probe"],
+                [sys.executable, "-m", "qkov_lib.data.fetch", "check", "--fetch"]):
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, cwd=sources.REPO_ROOT)
         assert r.returncode == 1, r.stderr
         assert f"  - {bad}: not a readable gzip file" in r.stderr and r.stderr.count("fail their check") == 1
         assert "qkov data fetch" in r.stderr and "QKOV_DATA_DIR" in r.stderr and r.stdout == ""

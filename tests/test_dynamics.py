@@ -15,7 +15,7 @@ import torch
 
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
-from qkov_lib.experiments import theory as th
+from qkov_lib.studies import theory as th
 from qkov_lib.models import PARAMETERIZATIONS
 from qkov_lib.profiles import resolve
 

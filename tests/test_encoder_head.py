@@ -1,4 +1,4 @@
-"""HateXplain analysis helpers (qkov_lib.experiments.encoder_head): rationale roles and the word
+"""HateXplain analysis helpers (qkov_lib.studies.rationales): rationale roles and the word
 table by hand, clear errors, HateXplain's own protocol per ratio, and the official validation
 split the HateXplain map stops on (real data)."""
 
@@ -10,7 +10,7 @@ import torch
 from qkov_lib.data import sources
 from qkov_lib.data.batch import Batch, left_pad
 from qkov_lib.data.hatexplain import pad_to
-from qkov_lib.experiments import encoder_head as hm
+from qkov_lib.studies import rationales as hm
 
 V, C = 20, 3
 
@@ -96,7 +96,7 @@ def test_validation_split_on_real_data():
 def test_protocol_rows_average_seeds_per_ratio_and_need_models():
     from types import SimpleNamespace
 
-    from qkov_lib.experiments.protocol import synthetic_demo
+    from qkov_lib.protocol import synthetic_demo
     from qkov_lib.models import TokenModel
 
     _, _, test = synthetic_demo(n=120)

@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 
-from qkov_lib import engine
+from qkov_lib.train import engine
 from qkov_lib.data import synthetic as syn
 from qkov_lib.metrics import DEFAULT_TAUS, dtap_histogram, relevant_mass, confidence
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel, TokenModel
@@ -248,16 +248,16 @@ def test_clear_errors():
 
 def test_sweep_cells_equal_the_synthetic_chapter_runs():
     """A sweep cell (batched engine, shared builder) equals exp.train_one (the loop)."""
-    from qkov_lib.experiments import sweep
-    from qkov_lib.experiments import synthetic as exp
+    from qkov_lib.studies import synthetic_sweeps
+    from qkov_lib.studies import synthetic as exp
     from qkov_lib.profiles import resolve
 
     # train_one logs with TrainConfig's default n_logs (40)
-    cfg = resolve(sweep.PROFILES, "test", parameterizations=["FAFO", "CAFO"], ratios=[1.0, 10.0], seeds=[3],
+    cfg = resolve(synthetic_sweeps.PROFILES, "test", parameterizations=["FAFO", "CAFO"], ratios=[1.0, 10.0], seeds=[3],
                   steps=25, n_logs=40)
-    runs = sweep.run_grid(cfg).runs
+    runs = synthetic_sweeps.run_grid(cfg).runs
     for r in runs:
-        ref = exp.train_one(sweep.task_of(cfg), r.parameterization, r.ratio, r.seed, cfg, torch.device("cpu"))
+        ref = exp.train_one(synthetic_sweeps.task_of(cfg), r.parameterization, r.ratio, r.seed, cfg, torch.device("cpu"))
         for k, v in ref.test.items():
             assert r.test[k] == pytest.approx(v, abs=1e-10), k
         torch.testing.assert_close(torch.tensor(r.dtap), torch.tensor(ref.dtap))
@@ -268,20 +268,20 @@ def test_sweep_cells_equal_the_synthetic_chapter_runs():
 
 
 def test_sweep_helpers():
-    from qkov_lib.experiments import sweep
+    from qkov_lib.studies import synthetic_sweeps
 
-    assert sweep.s2_match(["FACO", "CACO"]) == "A" and sweep.s2_match(["CACO", "CAFO"]) == "B"
-    assert sweep.s2_match(["FAFO", "CACO"]) == "neither"
-    assert sweep.s2_verdict(["CACO", "FACO"], ["FACO", "CACO"]) == "A"
-    assert sweep.s2_verdict(["CACO", "FACO"], ["CAFO", "CACO"]) == "mixed"
+    assert synthetic_sweeps.s2_match(["FACO", "CACO"]) == "A" and synthetic_sweeps.s2_match(["CACO", "CAFO"]) == "B"
+    assert synthetic_sweeps.s2_match(["FAFO", "CACO"]) == "neither"
+    assert synthetic_sweeps.s2_verdict(["CACO", "FACO"], ["FACO", "CACO"]) == "A"
+    assert synthetic_sweeps.s2_verdict(["CACO", "FACO"], ["CAFO", "CACO"]) == "mixed"
     h = torch.zeros(10, 10).numpy()
     h[2, 7], h[9, 9] = 0.25, 0.75  # weak attention + confident, and the top-right corner
-    assert sweep.weak_attention_confident(h) == pytest.approx(0.25)
+    assert synthetic_sweeps.weak_attention_confident(h) == pytest.approx(0.25)
     g = torch.zeros(10, 10).numpy()
     g[9, 9] = 1.0
-    assert sweep.dtap_distance(h, g) == pytest.approx(0.25) and sweep.dtap_distance(g, g) == 0.0  # exact: |x - x| = 0
+    assert synthetic_sweeps.dtap_distance(h, g) == pytest.approx(0.25) and synthetic_sweeps.dtap_distance(g, g) == 0.0  # exact: |x - x| = 0
     with pytest.raises(ValueError, match="unknown settings"):
-        sweep.variant_cfg(sweep.PROFILES["test"], {"name": "x", "n_comon": [2]})
+        synthetic_sweeps.variant_cfg(synthetic_sweeps.PROFILES["test"], {"name": "x", "n_comon": [2]})
 
 
 def test_thread_setting_is_restored():

@@ -483,7 +483,7 @@ def test_provenance_record_vouches_only_for_the_file_fetch_built(hx_site):
 
 
 def test_unverified_file_is_refused_beside_a_checksummed_one_and_used_only_when_asked(hx_site, monkeypatch, tmp_path, capsys):
-    from qkov_lib import results
+    from qkov_lib.tooling import results
 
     server, dest = hx_site
     other = gzip.compress(b"".join(json.dumps({"id": f"v{i}", "annotators": {"label": [1, 1, 1]}, "rationales": [],

@@ -838,9 +838,9 @@ def test_unknown_fused_layouts_are_refused():
         knob.classify(model)
 
 
-# --- the multi-layer chapter's model and measurements (qkov_lib.experiments.multilayer) ------
+# --- the multi-layer chapter's model and measurements (qkov_lib.studies.multilayer) ------
 from qkov_lib.data.batch import Batch  # noqa: E402
-from qkov_lib.experiments import multilayer as ml  # noqa: E402
+from qkov_lib.studies import multilayer as ml  # noqa: E402
 
 
 def tiny_classifier(norm_first=True, seed=0):

@@ -321,7 +321,7 @@ def neox_init():
     with or without the knob."""
     from transformers import GPTNeoXForCausalLM
 
-    from qkov_lib.experiments.pythia import pythia_config
+    from qkov_lib.studies.pythia import pythia_config
 
     cfg = pythia_config(vocab_size=20, d_model=E, n_layers=2, n_heads=H, max_len=8, pad_id=0)
     cfg.tie_word_embeddings = True

@@ -1,4 +1,4 @@
-"""The multi-layer chapter's Trainer section (qkov_lib.experiments.pythia, SVA part) on a tiny
+"""The multi-layer chapter's Trainer section (qkov_lib.studies.pythia, SVA part) on a tiny
 hand-made SVA dataset (same format as the Marvin & Linzen loader: left-padded prefixes, query
 last, one role letter per word), so that nothing here reads the data folder."""
 
@@ -10,7 +10,7 @@ import torch
 
 from qkov_lib import profiles
 from qkov_lib.data.text import Example, finish
-from qkov_lib.experiments import pythia
+from qkov_lib.studies import pythia
 
 PREFIXES = [  # (words, role letters, number: 0 singular / 1 plural)
     ("the dog near the cats", "-S--A", 0), ("the dogs near the cat", "-S--A", 1),

@@ -6,9 +6,11 @@ import re
 import jupytext
 import pytest
 
-from qkov_lib import cache, chapters, profiles
-from qkov_lib.experiments import realmap
-from qkov_lib.experiments import synthetic as exp
+from qkov_lib.tooling import cache, chapters
+
+from qkov_lib import profiles
+from qkov_lib.studies import realmap
+from qkov_lib.studies import synthetic as exp
 
 # Parameters that name a file or folder: free-form strings, checked where they are opened.
 PATH_PARAMETERS = {"profile", "results_path", "results_dir", "data_dir"}
@@ -70,11 +72,11 @@ def test_every_shipped_profile_passes_its_own_checks():
     import importlib
     import pkgutil
 
-    import qkov_lib.experiments as E
+    import qkov_lib.studies as E
 
     n = 0
     for info in pkgutil.iter_modules(E.__path__):
-        mod = importlib.import_module(f"qkov_lib.experiments.{info.name}")
+        mod = importlib.import_module(f"qkov_lib.studies.{info.name}")
         for attr in (a for a in dir(mod) if a.endswith("PROFILES")):
             table = getattr(mod, attr)
             tables = [table] if set(table) == set(profiles.PROFILES) else list(table.values())

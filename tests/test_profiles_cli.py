@@ -2,8 +2,10 @@ import json
 
 import pytest
 
-from qkov_lib import chapters, claims, cli, profiles, results
-from qkov_lib.experiments import synthetic as exp
+from qkov_lib.tooling import chapters, cli, results
+
+from qkov_lib import claims, profiles
+from qkov_lib.studies import synthetic as exp
 
 
 def test_resolve_profiles_and_overrides(monkeypatch):
@@ -117,7 +119,8 @@ results_path = None
 
 ```{code-cell} ipython3
 assert fail != "early", "early failure"
-from qkov_lib import claims, results
+from qkov_lib import claims
+from qkov_lib.tooling import results
 results.save_results("staged", {"fail": fail}, {"claims": [claims.claim("S1", "p", f"fail={fail}", "reproduced")]},
                      path=results_path, device="cpu")
 ```
@@ -130,7 +133,7 @@ if fail:
 
 
 def test_a_failed_run_leaves_no_results_that_look_finished(tmp_path, capsys):
-    from qkov_lib import scorecard
+    from qkov_lib.tooling import scorecard
 
     src = tmp_path / "07_staged.md"
     src.write_text(STAGED)

@@ -1,15 +1,14 @@
 """The base rate x ratio protocol: grid, trained-run filter, base-rate selection on validation,
 paired changes, verdicts per map column and at the tuned base rate."""
 
-import math
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from qkov_lib import claims
-from qkov_lib.experiments import protocol as P
+from qkov_lib import claims as C
+from qkov_lib import protocol as P
 from qkov_lib.models import TokenModel
 from qkov_lib.train import TrainConfig, evaluate
 
@@ -88,6 +87,20 @@ def test_equal_validation_accuracy_is_broken_by_validation_loss():
     assert P.select_base_rates(t) == {"adamw": 1e-3}
     assert P.select_base_rates(t.assign(val_loss=[0.2, 0.07, 0.07])) == {"adamw": 3e-4}  # then the smaller rate
     assert P.select_base_rates(t.drop(columns="val_loss")) == {"adamw": 3e-4}
+
+
+def test_a_rate_with_fewer_trained_seeds_does_not_win_the_selection():
+    """1e-3: one of four seeds trained, with the best validation accuracy; 3e-4: all four
+    trained, a little worse. The tuned rate is 3e-4 (MIN_SEEDS trained seeds); with the rule's
+    minimum met by both, the better mean wins again."""
+    rows = [{"optimizer": "sgd", "eta_ov": eta, "ratio": 1.0, "seed": s, "trained": eta == 3e-4 or s == 0,
+             "val_accuracy": (0.95 if eta == 1e-3 else 0.9) if (eta == 3e-4 or s == 0) else 0.1}
+            for eta in (3e-4, 1e-3) for s in range(4)]
+    t = pd.DataFrame(rows)
+    assert C.MIN_SEEDS == 3
+    assert P.select_base_rates(t) == {"sgd": 3e-4}
+    assert P.select_base_rates(t.assign(trained=True, val_accuracy=0.5).assign(
+        val_accuracy=lambda d: 0.9 + 0.05 * (d["eta_ov"] == 1e-3))) == {"sgd": 1e-3}
 
 
 def test_r2_reads_the_highest_ratio_that_trained():

@@ -1,4 +1,4 @@
-"""Tests of qkov_lib.experiments.pythia: the knob on a Pythia-architecture GPT-NeoX model built
+"""Tests of qkov_lib.studies.pythia: the knob on a Pythia-architecture GPT-NeoX model built
 from a config (nothing downloaded), trained on the synthetic distinct/common-token task."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from qkov_lib import profiles
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.synthetic import sample
-from qkov_lib.experiments import pythia
+from qkov_lib.studies import pythia
 
 CFG = profiles.resolve(pythia.PROFILES, "test")
 
@@ -137,7 +137,7 @@ def test_one_head_roles_trains_token_models_with_its_profile_settings():
     """The stack of one_head_roles equals a TokenModel trained alone by training.train with the
     settings of ONE_HEAD_PROFILES (float32: stack and loop differ by summation order, 1e-5);
     the role masses partition the attention (sum 1 per ratio)."""
-    from qkov_lib.experiments import sva_roles
+    from qkov_lib.studies import agreement_roles
     from qkov_lib.models import TokenModel
     from qkov_lib.runtime import seed_everything
     from qkov_lib.train import TrainConfig, predict, train
@@ -146,14 +146,14 @@ def test_one_head_roles_trains_token_models_with_its_profile_settings():
     roles, acc, rcfg = pythia.one_head_roles(ds, {"ratios": [1.0, 10.0], "seeds": [0]}, "test")
     assert rcfg["steps"] == pythia.ONE_HEAD_PROFILES["test"]["steps"] and rcfg["ratios"] == [1.0, 10.0]
     assert list(roles.index) == [1.0, 10.0] and acc["accuracy"].between(0, 1).all()
-    assert (roles[list(sva_roles.ROLES)].sum(axis=1) - 1).abs().max() < 1e-6  # the roles partition the keys
+    assert (roles[list(agreement_roles.ROLES)].sum(axis=1) - 1).abs().max() < 1e-6  # the roles partition the keys
     m = TokenModel(ds.vocab_size, rcfg["d_model"], ds.n_classes, ds.max_len, generator=seed_everything(0),
                    parameterization=rcfg["parameterization"], init_scale=rcfg["init_scale"])
     train(m, ds.train, TrainConfig(optimizer="adamw", eta_ov=rcfg["eta_ov"], ratio=10.0, steps=rcfg["steps"],
                                    batch_size=rcfg["batch_size"], n_logs=rcfg["n_logs"], seed=0, progress=False,
                                    log_subsample=rcfg["log_subsample"]))
     attn, _ = predict(m, ds.test)
-    alone = sva_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask)
+    alone = agreement_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask)
     for r in ("subject", "attractor", "rest"):
         assert abs(roles.loc[10.0, r] - alone[r]) < 1e-5, r
     assert abs(roles.loc[10.0, "subject"] - roles.loc[1.0, "subject"]) > 1e-6  # the ratio changes the model

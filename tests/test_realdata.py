@@ -1,4 +1,4 @@
-"""The real-data evaluation and summary module (qkov_lib.experiments.realdata): macro-F1 by hand,
+"""The real-data evaluation and summary module (qkov_lib.studies.attention_analysis): macro-F1 by hand,
 one trained model evaluated with its own, uniform and random attention (deterministic under its
 seed), and the summary tables' handling of the chapters' results files (several rows per claim,
 missing chapters, broken files)."""
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from qkov_lib import claims, metrics, results, scorecard
+from qkov_lib import claims, metrics
+
+from qkov_lib.tooling import results, scorecard
 from qkov_lib.data.text import Example, finish
-from qkov_lib.experiments import realdata as exp
+from qkov_lib.studies import attention_analysis as exp
 from qkov_lib.train import TrainConfig, train
 
 

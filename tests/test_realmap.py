@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from qkov_lib import claims, profiles
-from qkov_lib.experiments import protocol as P
-from qkov_lib.experiments import realmap as M
+from qkov_lib.data import registry
+from qkov_lib.data.registry import load_text_dataset
+from qkov_lib.studies import realmap as M
 
 
 def _table(d_acc_adamw=-0.10, d_attn_sgd=0.2, fail=0):
@@ -125,7 +126,7 @@ def test_profiles_follow_the_protocol():
     inside its grid); full: 5 seeds, 4 rates and the paper's five ratios; every map runs the
     analysed-head model with early stopping."""
     for name in M.DATASETS:
-        cpu, full = M.PROFILES[name]["cpu"], M.PROFILES[name]["full"]
+        cpu, full = M.MAPS[name].profiles["cpu"], M.MAPS[name].profiles["full"]
         assert full["ratios"] == [1.0, 3.0, 10.0, 30.0, 100.0]
         for cfg, seeds, rates in ((cpu, 4, 3), (full, 5, 4)):
             assert cfg["ratios"][0] == 1.0 and len(cfg["ratios"]) >= 3
@@ -185,7 +186,7 @@ def test_measure_on_hand_made_attention():
 def test_tiny_sva_map_end_to_end_is_deterministic():
     """Twice, the second time with the two optimizers in two processes (one thread each, as the
     test profile's one process): the same table."""
-    cfg = profiles.resolve(M.PROFILES["sva"], "test")
+    cfg = profiles.resolve(M.MAPS["sva"].profiles, "test")
     assert cfg["threads"] == 1 and cfg["processes"] == 1
     ds, val = M.load_splits("sva", cfg)
     assert len(val) == round(cfg["val_frac"] * (len(ds.train) + len(val)))
@@ -237,3 +238,64 @@ def test_tuned_evaluations_cover_every_tuned_model_and_feed_the_tables(tiny_sva_
         ref = M.tuned_runs(result, opt, ratio=1.0)
         assert f[f"att_{opt}_seeds"] == str(ref["seed"].nunique())
         assert f[f"att_{opt}_accuracy_lo"].startswith(f"{100 * float(ref['accuracy'].mean()):.1f}%")
+
+
+def _cue_dataset(data_dir=None, max_len=12, min_freq=1, n_train=400, n_test=120, seed=0):
+    """A made-up dataset: filler words with one ``good*`` and one ``bad*`` word; the word right
+    after the marker ``look`` decides the class (``good`` -> 1), and is the relevant token. The
+    mean of the values holds both cues, so only attention placed by the keys' context solves it.
+    Built here, from nothing shipped (``data_dir`` is not read)."""
+    import random
+
+    from qkov_lib.data.text import Example, finish
+
+    rnd = random.Random(seed)
+
+    def example():
+        y, n = rnd.randrange(2), rnd.randrange(7, max_len - 1)
+        words = [f"w{rnd.randrange(20)}" for _ in range(n)]
+        a, b = sorted(rnd.sample(range(1, n, 2), 2))  # two odd positions: never adjacent, each after a word
+        pos, other = (a, b) if rnd.randrange(2) else (b, a)
+        words[pos] = f"{'good' if y else 'bad'}{rnd.randrange(3)}"
+        words[other] = f"{'bad' if y else 'good'}{rnd.randrange(3)}"
+        words[pos - 1] = "look"
+        return Example(words, [pos], y)
+
+    return finish("cue", [example() for _ in range(n_train)], [example() for _ in range(n_test)], ["bad", "good"], {},
+                  min_freq=min_freq)
+
+
+def _cue_splits(cfg, data_dir=None):
+    ds = load_text_dataset("cue", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
+                           n_test=cfg["n_test"], seed=cfg["data_seed"])
+    return M.hold_out_validation(ds, cfg)
+
+
+def test_a_registered_dataset_runs_the_protocol_map_with_no_other_change():
+    """A dataset defined in this test is one entry in each registry -- its loader in
+    qkov_lib.data.registry, its map profiles and splits in realmap -- and the chapter's calls
+    (settings, map, verdicts, necessity check) run on it unchanged; unknown names fail clearly."""
+    registry.register(registry.DatasetSpec("cue", _cue_dataset, 12))
+    base = dict(M.COMMON, d_model=16, max_len=12, min_freq=1, n_train=400, n_test=120, adamw_steps=150,
+                sgd_steps=150, eval_every=25, patience=3, adamw_rates=[1e-2, 3e-2], sgd_rates=[1.0, 3.0], processes=1)
+    spec = M.register(M.MapSpec("cue", profiles.profile_table(base, dict(ratios=[1.0, 10.0], map_seeds=[0, 1]),
+                                                              {}, {}), _cue_splits))
+    try:
+        result, ds, cfg, facts = M.chapter_map("cue", "test")
+        assert cfg["profile"] == "test" and ds.name == "cue" and len(result.table) == 2 * 2 * 2 * 2
+        assert set(result.selected) == {"adamw", "sgd"} and set(result.regions) == {"R1", "R2", "R3"}
+        assert result.necessity is not None and len(result.necessity) >= 2
+        tuned = M.tuned_runs(result, "adamw", ratio=1.0)
+        assert (tuned["accuracy"] > 0.9).all()  # the cue task is learnt through the head
+        assert result.necessity["uniform"].max() < 0.6  # flat attention sits at chance (0.5): the head is needed
+    finally:
+        M.MAPS.pop(spec.name)
+        registry.REGISTRY.pop("cue")
+    with pytest.raises(ValueError, match="unknown dataset 'cue'"):
+        M.map_config("cue", "test")
+    with pytest.raises(ValueError, match="unknown dataset 'cue'"):
+        load_text_dataset("cue")
+    with pytest.raises(TypeError, match="register takes a DatasetSpec"):
+        registry.register(M.MAPS["sva"])
+    with pytest.raises(TypeError, match="register takes a MapSpec"):
+        M.register({"name": "cue"})

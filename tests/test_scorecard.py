@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from qkov_lib import claims, cli, results, scorecard
+from qkov_lib import claims
+
+from qkov_lib.tooling import cli, results, scorecard
 
 @pytest.fixture
 def book(tmp_path: Path) -> Path:

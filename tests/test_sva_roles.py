@@ -1,4 +1,4 @@
-"""SVA token roles (qkov_lib.data.sva.prefix_roles, qkov_lib.experiments.sva_roles) and the
+"""SVA token roles (qkov_lib.data.sva.prefix_roles, qkov_lib.studies.agreement_roles) and the
 natural-prefix grid: roles worked out by hand on template sentences of different conditions,
 non-overlapping masks that cover exactly the keys, masses against direct sums, the seeded
 validation split, the natural-prefix grid's rows and determinism, and clear errors."""
@@ -10,7 +10,7 @@ from qkov_lib.data import sources, sva
 from qkov_lib.data.batch import Batch, left_pad
 from qkov_lib.data.text import PAD_ID
 from qkov_lib.data.registry import load_text_dataset
-from qkov_lib.experiments import sva_roles as sr
+from qkov_lib.studies import agreement_roles as sr
 
 NOUNS = frozenset("author authors pilot chef chefs parent driver drivers mechanic teacher tennis colleagues "
                   "officer guards".split())

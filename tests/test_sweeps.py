@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qkov_lib import chapters, sweeps
-from qkov_lib.cli import main
+from qkov_lib.tooling import chapters, sweeps
+from qkov_lib.tooling.cli import main
 
 FAKE = '''---
 jupytext:
@@ -214,7 +214,7 @@ def test_records_and_tables_are_strict_json_with_relative_paths(chapter: Path, t
 
 
 def test_replace_atomically_keeps_the_old_file_when_writing_fails(tmp_path: Path):
-    from qkov_lib import results
+    from qkov_lib.tooling import results
 
     target = tmp_path / "results.csv"
     target.write_text("old")
@@ -302,7 +302,7 @@ def test_killing_a_parallel_sweep_leaves_no_worker_and_a_rerun_completes_it(chap
     hold.write_text("")
     grid = "[1, 2, 100, 101]"  # two quick runs, then two that wait on `hold`
     env = {**os.environ, "SWEEP_TEST_HOLD": str(hold), "OMP_NUM_THREADS": "1"}
-    parent = subprocess.Popen([sys.executable, "-m", "qkov_lib.cli", "sweep", str(chapter), "-j", "2", "-g", "x", grid,
+    parent = subprocess.Popen([sys.executable, "-m", "qkov_lib.tooling.cli", "sweep", str(chapter), "-j", "2", "-g", "x", grid,
                                "-p", "y", "1", "--profile", "test", "--out", str(out)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

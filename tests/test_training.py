@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from qkov_lib.data import synthetic as syn
-from qkov_lib.experiments import synthetic as exp
+from qkov_lib.studies import synthetic as exp
 from qkov_lib.models import SyntheticModel
 from qkov_lib.profiles import resolve
 from qkov_lib.train import NonFiniteError, TrainConfig, log_schedule, log_steps, train

@@ -3,7 +3,7 @@ changes, flip with the effect, and cannot be decided by one seed."""
 
 import pandas as pd
 
-from qkov_lib.experiments import multilayer as ml
+from qkov_lib.studies import multilayer as ml
 
 CFG = {"ratios": [1.0, 10.0], "datasets": ["sva"], "n_layers": 2, "n_heads": 2, "seeds": [0, 1, 2]}
 

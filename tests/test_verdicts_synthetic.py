@@ -4,7 +4,7 @@
 import numpy as np
 import pandas as pd
 
-from qkov_lib.experiments import synthetic as exp
+from qkov_lib.studies import synthetic as exp
 
 PARAMS = ["FAFO", "CAFO", "FACO", "CACO"]
 ATT = {"FAFO": 0.80, "CAFO": 0.60, "FACO": 0.95, "CACO": 0.90}

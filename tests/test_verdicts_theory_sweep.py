@@ -9,8 +9,8 @@ import pytest
 from qkov_lib import claims as C
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
-from qkov_lib.experiments import sweep
-from qkov_lib.experiments import theory as th
+from qkov_lib.studies import synthetic_sweeps
+from qkov_lib.studies import theory as th
 from qkov_lib.profiles import resolve
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 4))
@@ -222,9 +222,9 @@ def _dtaps(fafo_hi_on_faco: float, params=P4, ratios=(1.0, 10.0)) -> dict:
 
 
 def _sweep_verdicts(summary, matched, dtaps, rob=None) -> dict[str, str]:
-    eq = sweep.equal_rate(summary["ratio"].unique())
-    toward = sweep.fafo_toward(dtaps, sorted(summary["ratio"].unique()), eq)
-    return {k: v.verdict for k, v in sweep.chapter_verdicts(summary, matched, dtaps, toward, rob).items()}
+    eq = synthetic_sweeps.equal_rate(summary["ratio"].unique())
+    toward = synthetic_sweeps.fafo_toward(dtaps, sorted(summary["ratio"].unique()), eq)
+    return {k: v.verdict for k, v in synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, rob).items()}
 
 
 def test_sweep_verdicts_flip_with_the_measured_effects():
@@ -236,7 +236,7 @@ def test_sweep_verdicts_flip_with_the_measured_effects():
     # attention falls with the ratio (fixed steps and at matched loss)
     v = _sweep_verdicts(down, down, _dtaps(0.8))
     assert v["S3"] == "not reproduced" and v["R3-synthetic"] == "partly"
-    reason = sweep.chapter_verdicts(down, down, _dtaps(0.8), sweep.fafo_toward(_dtaps(0.8), [1.0, 10.0], 1.0),
+    reason = synthetic_sweeps.chapter_verdicts(down, down, _dtaps(0.8), synthetic_sweeps.fafo_toward(_dtaps(0.8), [1.0, 10.0], 1.0),
                                     None)["R3-synthetic"].reason
     assert "no interval" in reason and "too few seeds" in reason and "-0.030" in reason
     # identical heatmaps: S1 flips
@@ -274,7 +274,7 @@ def test_robustness_verdicts_table_uses_the_rule_and_the_stuck_threshold():
                     rows.append({"variant": name, "parameterization": p, "ratio": r, "seed": seed, "diverged": 0.0,
                                  "loss": 0.01, "accuracy": acc, "attn_relevant": ATT1[p] + (rise if r == 10.0 else 0),
                                  "AC@0.5": 0.5, "AC@0.9": 0.5})
-    rv = sweep.robustness_verdicts(pd.DataFrame(rows))
+    rv = synthetic_sweeps.robustness_verdicts(pd.DataFrame(rows))
     assert rv.loc["up", "S3 verdict"] == "reproduced" and rv.loc["up", "stuck or diverged"] == 0
     assert rv.loc["down", "S3 verdict"] == "not reproduced" and rv.loc["down", "stuck or diverged"] == 4
     assert rv.loc["up", "attention up"] == 4 and rv.loc["down", "attention up"] == 0
@@ -287,21 +287,21 @@ def test_robustness_verdicts_table_uses_the_rule_and_the_stuck_threshold():
       "S3-robustness": "not tested"}),
 ])
 def test_sweep_chapter_with_one_ratio_says_not_tested(overrides, expect):
-    from qkov_lib.experiments import synthetic as base
+    from qkov_lib.studies import synthetic as base
 
-    cfg = resolve(sweep.PROFILES, "test", seeds=[0], steps=20, robustness=False, **overrides)
-    grid = sweep.run_grid(cfg, matched_loss=cfg["matched_loss"])
+    cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0], steps=20, robustness=False, **overrides)
+    grid = synthetic_sweeps.run_grid(cfg, matched_loss=cfg["matched_loss"])
     table, mtable = base.runs_frame(grid.runs), base.runs_frame(grid.matched)
-    summary, matched = sweep.summarize_runs(grid.runs), sweep.matched_summary(grid.matched)
+    summary, matched = synthetic_sweeps.summarize_runs(grid.runs), synthetic_sweeps.matched_summary(grid.matched)
     dtaps = base.mean_dtap(grid.runs)
-    eq = sweep.equal_rate(cfg["ratios"])
-    toward = sweep.fafo_toward(dtaps, cfg["ratios"], eq)
-    v = sweep.chapter_verdicts(summary, matched, dtaps, toward, None)
+    eq = synthetic_sweeps.equal_rate(cfg["ratios"])
+    toward = synthetic_sweeps.fafo_toward(dtaps, cfg["ratios"], eq)
+    v = synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, None)
     assert {k: v[k].verdict for k in expect} == expect
-    f = sweep.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
+    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
     assert "not tested" in f["s3_sentence"] and "not tested" in f["r3_sentence"] and "not tested" in f["rob_sentence"]
     assert f["thr_same_loss"] == "0.05 nats" and f["verdict_R3_synthetic"] == "not tested"
-    rows = sweep.claims(f, v)
+    rows = synthetic_sweeps.claims(f, v)
     assert [r["id"] for r in rows] == ["S1", "S2", "S3", "R3-synthetic", "S3-robustness"]
     assert all(r["rule"] and r["reason"] and r["verdict"] in C.VERDICTS for r in rows)
     if len(cfg["ratios"]) == 1 and len(cfg["parameterizations"]) == 4:

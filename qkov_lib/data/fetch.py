@@ -38,8 +38,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from . import sources
-from .sources import ChecksumError
+from qkov_lib.data import sources
+from qkov_lib.data.sources import ChecksumError
 
 CHUNK = 1 << 16
 RETRY_HTTP = {408, 425, 429, 500, 502, 503, 504}
@@ -244,7 +244,7 @@ def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, ove
     :class:`ChecksumError` (nothing written at the final path), :class:`OfflineError` or
     :class:`DownloadError`. A download without a published checksum is accepted only when a file
     converted from it matches a published checksum (or with ``allow_unverified``)."""
-    from .registry import CONVERTERS
+    from qkov_lib.data.registry import CONVERTERS
 
     dest = sources.data_dir_location(dest)[0] if dest is None else Path(dest)
     files, dls = sources.manifest(), sources.downloads()

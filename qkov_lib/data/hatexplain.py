@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from . import sources
-from .batch import Batch
-from .convert import by_name, hf_jsonl
-from .text import (PAD_ID, Example, TextDataset, Vocabulary, capped_words, count, encode, finish, subsample,
+from qkov_lib.data import sources
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.convert import by_name, hf_jsonl
+from qkov_lib.data.text import (PAD_ID, Example, TextDataset, Vocabulary, capped_words, count, encode, finish, subsample,
                    truncate)
 
 CLASS_NAMES = ["hatespeech", "normal", "offensive"]

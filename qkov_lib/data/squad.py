@@ -51,9 +51,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import sources
-from .batch import Batch
-from .text import PAD_ID, Example, TextDataset, count, finish, tokenize, tokenize_spans, truncate
+from qkov_lib.data import sources
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.text import PAD_ID, Example, TextDataset, count, finish, tokenize, tokenize_spans, truncate
 
 TRAIN_FILES = ("squad/train-v1.1.json.gz", "squad/train-v1.1-from-explorer.json.gz")  # official first
 DEV_FILE = "squad/dev-v1.1.json.gz"

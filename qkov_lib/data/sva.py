@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from pathlib import PurePosixPath
 from typing import Any
 
-from . import sources
-from .convert import NoGlobalsUnpickler, by_name, tar_members
-from .text import Example, TextDataset, capped_words, count, finish, subsample, truncate
+from qkov_lib.data import sources
+from qkov_lib.data.convert import NoGlobalsUnpickler, by_name, tar_members
+from qkov_lib.data.text import Example, TextDataset, capped_words, count, finish, subsample, truncate
 
 CLASS_NAMES = ["singular", "plural"]
 ML_FILE = "sva/marvin_linzen2018_agreement.jsonl.gz"

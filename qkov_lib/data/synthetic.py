@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .batch import Batch, left_pad
+from qkov_lib.data.batch import Batch, left_pad
 
 EMBEDDINGS = ("onehot", "gaussian")
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .batch import Batch, left_pad
+from qkov_lib.data.batch import Batch, left_pad
 
 PAD, UNK, QUERY = "<pad>", "<unk>", "<query>"
 SPECIALS: tuple[str, ...] = (PAD, UNK, QUERY)

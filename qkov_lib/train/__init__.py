@@ -2,8 +2,8 @@
 or a vmapped stack of models (:mod:`.loop`) and the optimizers with per-group rates
 (:mod:`.optim`)."""
 
-from .config import OPTIMIZERS, History, NonFiniteError, Probe, TrainConfig, log_schedule, log_steps
-from .loop import evaluate, loss_fn, predict, train, train_stacked
+from qkov_lib.train.config import OPTIMIZERS, History, NonFiniteError, Probe, TrainConfig, log_schedule, log_steps
+from qkov_lib.train.loop import evaluate, loss_fn, predict, train, train_stacked
 
 __all__ = ["OPTIMIZERS", "History", "NonFiniteError", "Probe", "TrainConfig", "evaluate", "log_schedule", "log_steps",
            "loss_fn", "predict", "train", "train_stacked"]

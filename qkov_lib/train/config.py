@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 from torch import nn
 
-from ..models import check_rate
+from qkov_lib.models import check_rate
 
 OPTIMIZERS = ("gd", "sgd", "adamw")
 

@@ -46,12 +46,12 @@ from torch import Tensor, nn
 from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
-from ..data.batch import Batch
-from ..metrics import DEFAULT_TAUS, summarize
-from ..models import group_of, param_groups
-from ..runtime import torch_threads
-from .config import History, NonFiniteError, Probe, TrainConfig, log_schedule
-from .optim import StackedOptimizer, rates_of, stack_rates
+from qkov_lib.data.batch import Batch
+from qkov_lib.metrics import DEFAULT_TAUS, summarize
+from qkov_lib.models import group_of, param_groups
+from qkov_lib.runtime import torch_threads
+from qkov_lib.train.config import History, NonFiniteError, Probe, TrainConfig, log_schedule
+from qkov_lib.train.optim import StackedOptimizer, rates_of, stack_rates
 
 NONFINITE_MODES = ("raise", "freeze")
 # Configs of one stack must agree on these (they fix the step loop and the optimizer kind).

@@ -22,7 +22,7 @@ with temporaries) and a warning says so. ``QKOV_PLAIN_OPTIM=1`` forces the plain
 :func:`update_kernel` tells which one runs.
 
 Used by :mod:`qkov_lib.train.loop` (every token-model training run, :func:`qkov_lib.train.train`
-included) and by the synthetic engine :mod:`qkov_lib.engine`.
+included) and by the synthetic engine :mod:`qkov_lib.train.engine`.
 """
 
 from __future__ import annotations

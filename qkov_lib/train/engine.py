@@ -48,13 +48,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .data.batch import Batch
-from .metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
-from .models import SyntheticModel, group_of, param_groups
-from .runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
-from .train import History, NonFiniteError, TrainConfig, log_steps
-from .train.loop import NONFINITE_MODES, check_configs
-from .train.optim import StackedOptimizer, rates_of, stack_rates
+from qkov_lib.data.batch import Batch
+from qkov_lib.metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
+from qkov_lib.models import SyntheticModel, group_of, param_groups
+from qkov_lib.runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
+from qkov_lib.train import History, NonFiniteError, TrainConfig, log_steps
+from qkov_lib.train.loop import NONFINITE_MODES, check_configs
+from qkov_lib.train.optim import StackedOptimizer, rates_of, stack_rates
 
 DEFAULT_THREADS = 1
 

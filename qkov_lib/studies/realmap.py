@@ -30,19 +30,19 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .. import claims, head_model
-from .. import faithfulness as fa
-from ..data.batch import Batch
-from ..data.text import TextDataset
-from ..data.registry import load_text_dataset
-from ..runtime import seed_everything
-from ..metrics import prediction_metrics, seed_half_width, summarize
-from ..profiles import profile_table
-from ..train import TrainConfig, predict
-from . import encoder_head, protocol, realdata
-from .sva_roles import split_validation
+from qkov_lib import claims, head_model
+from qkov_lib import faithfulness as fa
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.text import TextDataset
+from qkov_lib.data.registry import load_text_dataset
+from qkov_lib.runtime import seed_everything
+from qkov_lib.metrics import prediction_metrics, seed_half_width, summarize
+from qkov_lib.profiles import profile_table
+from qkov_lib.train import TrainConfig, predict
+from qkov_lib.studies import rationales, attention_analysis
+from qkov_lib import protocol
+from qkov_lib.studies.agreement_roles import split_validation
 
-DATASETS = ("sva", "hatexplain", "squad")
 # the options of qkov_lib.head_model.HeadModel a map config may set
 # (config name, model argument); "head_query", as "query" names the SVA loader's query token
 HEAD_OPTIONS = {"readout": "readout", "encoder": "encoder", "layers": "layers", "window": "window",
@@ -58,7 +58,7 @@ RATIOS = [1.0, 3.0, 10.0, 30.0, 100.0]
 # On CPU the two optimizers' stacks train in two one-thread processes at once: on an idle 2-core
 # machine as fast as one stack on two threads, and when another job holds a core about as fast
 # as one thread, where two threads ran twice as slow (benchmarks/bench_map_threads.py).
-_COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=[0, 1, 2, 3], parameterization="FAFO",
+COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=[0, 1, 2, 3], parameterization="FAFO",
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
                eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
                encoder="conv",
@@ -70,66 +70,110 @@ _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_ra
 # full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer
 _FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1)
 
-# cpu = sized so that a chapter, map included, runs in about 12 minutes on 2 cores (one chapter runs
-# at a time, so the map uses both threads; SQuAD costs most: 72 runs of 800 steps).
-PROFILES: dict[str, dict[str, dict[str, Any]]] = {
-    "sva": profile_table(
-        dict(_COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2,
-             adamw_steps=2000, sgd_steps=2000),
-        dict(_TEST, n_train=400, n_test=200),
-        dict(n_train=None, n_test=None),
-        dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None,
-             adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
-    ),
-    "hatexplain": profile_table(
-        dict(_COMMON, d_model=32, max_len=64, min_freq=2, adamw_steps=1000, sgd_steps=1000, eval_every=100,
-             plausibility=True),
-        dict(_TEST, d_model=16, n_train=300, n_test=100, n_val=100),
-        dict(n_train=None, n_test=None, n_val=None),
-        dict(_FULL, d_model=64, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
-             sgd_steps=4800, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
-    ),
-    "squad": profile_table(
-        dict(_COMMON, readout="words", layers=2, window=5, match=True, head_query="question", relative=True,
-             ov_init=1.0, d_model=32, max_len=128, min_freq=10, oov_buckets=1000, batch_size=32, adamw_steps=800,
-             sgd_steps=800, eval_every=100, patience=3, sgd_rates=[0.1, 0.3, 1.0]),
-        dict(_TEST, adamw_steps=20, sgd_steps=20, n_train=300, n_test=100, layers=1),
-        dict(n_train=20000, n_test=3100),
-        dict(_FULL, d_model=64, layers=3, batch_size=64, n_train=None, n_test=None, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2],
-             sgd_rates=[0.03, 0.1, 0.3, 1.0], adamw_steps=8000, sgd_steps=8000, eval_every=500),
-    ),
-}
+# cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most:
+# 72 runs of up to 800 steps). Each grid brackets its validation-chosen rate (widened where an edge won).
+_SVA_PROFILES = profile_table(
+    dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2,
+         adamw_steps=2000, sgd_steps=2000, adamw_rates=[3e-4, 1e-3, 3e-3]),
+    dict(_TEST, n_train=400, n_test=200),
+    dict(n_train=None, n_test=None),
+    dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None,
+         adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
+)
+_HATEXPLAIN_PROFILES = profile_table(
+    dict(COMMON, d_model=32, max_len=64, min_freq=2, adamw_steps=1000, sgd_steps=1000, eval_every=100,
+         plausibility=True),
+    dict(_TEST, d_model=16, n_train=300, n_test=100, n_val=100),
+    dict(n_train=None, n_test=None, n_val=None),
+    dict(_FULL, d_model=64, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
+         sgd_steps=4800, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
+)
+_SQUAD_PROFILES = profile_table(
+    dict(COMMON, readout="words", layers=2, window=5, match=True, head_query="question", relative=True,
+         ov_init=1.0, d_model=32, max_len=128, min_freq=10, oov_buckets=1000, batch_size=32, adamw_steps=800,
+         sgd_steps=800, eval_every=100, patience=3, sgd_rates=[0.3, 1.0, 3.0]),
+    dict(_TEST, adamw_steps=20, sgd_steps=20, n_train=300, n_test=100, layers=1),
+    dict(n_train=20000, n_test=3100),
+    dict(_FULL, d_model=64, layers=3, batch_size=64, n_train=None, n_test=None, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2],
+         sgd_rates=[0.03, 0.1, 0.3, 1.0], adamw_steps=8000, sgd_steps=8000, eval_every=500),
+)
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """A dataset the protocol map runs on: its ``profiles`` (``test`` / ``cpu`` / ``full`` of
+    :func:`qkov_lib.profiles.profile_table`, the keys of :data:`COMMON` and the loader's) and
+    ``load(cfg, data_dir) -> (dataset, validation batch)``, where ``dataset.train`` excludes the
+    validation instances and the test split chooses nothing."""
+
+    name: str
+    profiles: Mapping[str, Mapping[str, Any]]
+    load: Callable[[Mapping[str, Any], Any], tuple[TextDataset, Batch]]
+
+
+#: name -> :class:`MapSpec`; a new dataset is one :func:`register` call (see tests/test_realmap.py)
+MAPS: dict[str, MapSpec] = {}
+
+
+def register(spec: MapSpec) -> MapSpec:
+    """Add ``spec`` to :data:`MAPS` (replacing one of the same name); returns it."""
+    if not isinstance(spec, MapSpec):
+        raise TypeError(f"register takes a MapSpec, got {type(spec).__name__}")
+    MAPS[spec.name] = spec
+    return spec
 
 
 def check_dataset(name: str) -> None:
     """Raise a clear ValueError for a dataset without a map."""
-    if name not in PROFILES:
-        raise ValueError(f"unknown dataset {name!r}; the protocol map exists for {', '.join(DATASETS)}")
+    if name not in MAPS:
+        raise ValueError(f"unknown dataset {name!r}; the protocol map exists for {', '.join(MAPS)}")
 
 
 def load_splits(name: str, cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Batch]:
-    """``(dataset, validation batch)`` of dataset ``name`` for a map config: HateXplain's official
-    validation split, else ``cfg["val_frac"]`` of the training split held out (seeded by
-    ``data_seed``; ``dataset.train`` is what is left). The test split chooses nothing."""
+    """``(dataset, validation batch)`` of dataset ``name`` for a map config (its
+    :attr:`MapSpec.load`)."""
     check_dataset(name)
-    if name == "hatexplain":
-        from ..data import hatexplain
+    return MAPS[name].load(cfg, data_dir)
 
-        return hatexplain.load_with_val(data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"],
-                                        n_train=cfg.get("n_train"), n_test=cfg.get("n_test"), n_val=cfg.get("n_val"),
-                                        seed=cfg["data_seed"])
-    if name == "squad":
-        ds = head_model.word_task(load_text_dataset("squad", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"],
-                                                    n_train=cfg["n_train"], n_test=cfg["n_test"], seed=cfg["data_seed"],
-                                                    query="wh", keys="context", oov_buckets=cfg["oov_buckets"]))
-    else:
-        ds = load_text_dataset("sva", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
-                               n_test=cfg["n_test"], seed=cfg["data_seed"], test_frac=cfg["test_frac"])
+
+def hold_out_validation(ds: TextDataset, cfg: Mapping[str, Any]) -> tuple[TextDataset, Batch]:
+    """``cfg["val_frac"]`` of ``ds.train`` held out at random (seeded by ``data_seed``) as the
+    validation split; ``ds.train`` keeps the rest, and the report and notes say so."""
     ds.train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
     ds.report["val_held_out"] = len(val)
     ds.notes.append(f"Validation: {len(val):,} training instances held out at random (seed {cfg['data_seed']}) "
                     "for choosing the base rate and early stopping.")
     return ds, val
+
+
+def _hatexplain_splits(cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Batch]:
+    """HateXplain with its official validation split."""
+    from qkov_lib.data import hatexplain
+
+    return hatexplain.load_with_val(data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"],
+                                    n_train=cfg.get("n_train"), n_test=cfg.get("n_test"), n_val=cfg.get("n_val"),
+                                    seed=cfg["data_seed"])
+
+
+def _squad_splits(cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Batch]:
+    """SQuAD as the answer-word task of :func:`qkov_lib.head_model.word_task`, validation held out."""
+    ds = head_model.word_task(load_text_dataset("squad", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"],
+                                                n_train=cfg["n_train"], n_test=cfg["n_test"], seed=cfg["data_seed"],
+                                                query="wh", keys="context", oov_buckets=cfg["oov_buckets"]))
+    return hold_out_validation(ds, cfg)
+
+
+def _sva_splits(cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Batch]:
+    """Marvin & Linzen's agreement prefixes, held-out test prefixes, validation held out."""
+    ds = load_text_dataset("sva", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
+                           n_test=cfg["n_test"], seed=cfg["data_seed"], test_frac=cfg["test_frac"])
+    return hold_out_validation(ds, cfg)
+
+
+for _spec in (MapSpec("sva", _SVA_PROFILES, _sva_splits), MapSpec("hatexplain", _HATEXPLAIN_PROFILES, _hatexplain_splits),
+              MapSpec("squad", _SQUAD_PROFILES, _squad_splits)):
+    register(_spec)
+DATASETS = tuple(MAPS)  # the book's own maps, in chapter order of their claims rows
 
 
 def make_model(ds: TextDataset, cfg: Mapping[str, Any], seed: int) -> nn.Module:
@@ -172,7 +216,7 @@ def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float]
         s = summarize(attn[has], probs[has], data.relevant[has], data.y[has], [0.5])
         out.update({k: s[k] for k in ("attn_relevant", "AC@0.5", "ACMC@0.5")})
     if n_eraser > 0:
-        idx = realdata.spread(len(data), n_eraser).to(attn.device)
+        idx = attention_analysis.spread(len(data), n_eraser).to(attn.device)
         out["sufficiency"] = float(fa.faithfulness(model, data.index(idx), attn[idx], fracs)["sufficiency"])
     return out
 
@@ -318,7 +362,7 @@ def attention_facts(result: MapResult) -> dict[str, str]:
 def _pm_raw(values: Sequence[float]) -> str:
     """Seed mean ± 95% half-width of values in [0, 1], as fractions with 3 decimals."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    return realdata.pm(float(v.mean()), seed_half_width(v), pct=False, digits=3) if len(v) else "n/a"
+    return attention_analysis.pm(float(v.mean()), seed_half_width(v), pct=False, digits=3) if len(v) else "n/a"
 
 
 def data_facts(ds: TextDataset) -> dict[str, str]:
@@ -331,16 +375,16 @@ def data_facts(ds: TextDataset) -> dict[str, str]:
     return f
 
 
-def plot_dtap(evals: Mapping[str, Sequence[realdata.RealRun]], result: MapResult):
+def plot_dtap(evals: Mapping[str, Sequence[attention_analysis.RealRun]], result: MapResult):
     """DTAP heatmaps (:func:`qkov_lib.plotting.dtap_grid`) of the tuned models, averaged over seeds:
     one row per optimizer (labelled with its tuned base rate), one column per ratio; None when
     no tuned model has a histogram."""
-    from ..plotting import dtap_grid
+    from qkov_lib.plotting import dtap_grid
 
     hists, ratios = {}, set()
     for opt, runs in evals.items():
         label = f"{opt} (eta_ov {result.selected[opt]:g})"
-        for (_, r), h in realdata.mean_dtap(runs).items():
+        for (_, r), h in attention_analysis.mean_dtap(runs).items():
             hists[(label, r)] = h
             ratios.add(r)
     if not hists:
@@ -348,10 +392,10 @@ def plot_dtap(evals: Mapping[str, Sequence[realdata.RealRun]], result: MapResult
     return dtap_grid(hists, rows=list(dict.fromkeys(k[0] for k in hists)), cols=sorted(ratios), row_label="")
 
 
-def correctness_table(evals: Mapping[str, Sequence[realdata.RealRun]]) -> pd.DataFrame:
+def correctness_table(evals: Mapping[str, Sequence[attention_analysis.RealRun]]) -> pd.DataFrame:
     """Mean attention on the relevant tokens among right and wrong test predictions of the tuned
     models, per optimizer and ratio (mean over seeds), with the mean count of instances."""
-    frames = [realdata.mass_by_correctness(runs).assign(optimizer=opt) for opt, runs in evals.items() if runs]
+    frames = [attention_analysis.mass_by_correctness(runs).assign(optimizer=opt) for opt, runs in evals.items() if runs]
     if not frames:
         return pd.DataFrame()
     f = pd.concat(frames, ignore_index=True)
@@ -361,8 +405,8 @@ def correctness_table(evals: Mapping[str, Sequence[realdata.RealRun]]) -> pd.Dat
 def squad_roles(model: nn.Module, ds: TextDataset) -> dict[str, float]:
     """Mean attention mass of ``model`` on the SQuAD test split by token role
     (:func:`qkov_lib.data.squad.squad_roles`: answer, context words in the question, question, rest)."""
-    from ..data import squad
-    from ..metrics import mass_by_role
+    from qkov_lib.data import squad
+    from qkov_lib.metrics import mass_by_role
 
     attn = test_attention(model, ds.test)
     return mass_by_role(attn, squad.squad_roles(ds), ds.test.key_mask)
@@ -382,28 +426,28 @@ def map_record(result: MapResult) -> dict[str, Any]:
             "necessity": nec.to_dict("records")}
 
 
-def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]) -> dict[str, list[realdata.RealRun]]:
+def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]) -> dict[str, list[attention_analysis.RealRun]]:
     """Every trained model at each optimizer's tuned base rate evaluated on the test split with
     its own, uniform and random attention (:func:`.realdata.evaluate_run`: the metrics table, the
     DTAP histogram, per-instance mass and correctness), keyed by optimizer: what the DTAP
     heatmaps, the tau sweep, the focus and baseline tables and the attention by correctness,
     question type or token role are computed from."""
-    ecfg = {"taus": realdata.TAU_SWEEP, "fracs": list(MAP_FRACS), "n_eraser": cfg["n_eraser"],
+    ecfg = {"taus": attention_analysis.TAU_SWEEP, "fracs": list(MAP_FRACS), "n_eraser": cfg["n_eraser"],
             "plausibility": bool(cfg.get("plausibility", False))}
-    return {opt: [realdata.evaluate_run(ds, r.model, None, r.ratio, r.seed, ecfg)
+    return {opt: [attention_analysis.evaluate_run(ds, r.model, None, r.ratio, r.seed, ecfg)
                   for r in sorted(runs_at(result, opt), key=lambda r: (r.ratio, r.seed))]
             for opt in result.selected}
 
 
 def map_config(name: str, profile: str | None, **overrides: Any) -> dict[str, Any]:
-    """The map settings of dataset ``name``: its ``profile`` of :data:`PROFILES` with the chapter's
+    """The map settings of dataset ``name``: its ``profile`` of :data:`MAPS` with the chapter's
     ``overrides`` (None = profile value). Every value is checked here (types, names, ranges:
     :func:`qkov_lib.profiles.resolve`), so a chapter calls this in its settings cell, before
     anything trains."""
-    from ..profiles import resolve
+    from qkov_lib.profiles import resolve
 
     check_dataset(name)
-    return resolve(PROFILES[name], profile, **overrides)
+    return resolve(MAPS[name].profiles, profile, **overrides)
 
 
 def run_chapter_map(name: str, cfg: Mapping[str, Any], data_dir=None, device: torch.device | None = None,
@@ -444,7 +488,7 @@ def anchor_gap(result: MapResult, optimizer: str, accuracy: float, f1: float, wi
 def _pm(values: Sequence[float]) -> str:
     """Seed mean ± 95% half-width of fractions, in percent (:func:`.realdata.pm`)."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    return realdata.pm(float(v.mean()), seed_half_width(v)) if len(v) else "n/a"
+    return attention_analysis.pm(float(v.mean()), seed_half_width(v)) if len(v) else "n/a"
 
 
 def selection_table(result: MapResult) -> pd.DataFrame:
@@ -552,7 +596,7 @@ def necessity_sentence(result: MapResult) -> str:
 def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> list[dict[str, str]]:
     """Scorecard rows R1-R3 of a dataset chapter from its map: the verdict at the tuned base rates
     (:func:`qkov_lib.claims.tuned_region`), our numbers at those rates and the region."""
-    ch = chapter or realdata.CHAPTERS[dataset]
+    ch = chapter or attention_analysis.CHAPTERS[dataset]
     rows = []
     for cid in ("R1", "R2", "R3"):
         if cid not in result.regions:
@@ -616,7 +660,7 @@ def roles_by_optimizer(result: MapResult, roles: Callable[[nn.Module], Mapping[s
 def plot_roles(result: MapResult, frames: Mapping[str, pd.DataFrame], roles: Sequence[str]):
     """:func:`qkov_lib.plotting.role_bars` of :func:`roles_by_optimizer`, one panel per optimizer
     titled with its tuned base rate; None when no optimizer has one."""
-    from ..plotting import role_bars
+    from qkov_lib.plotting import role_bars
 
     if not frames:
         return None
@@ -648,7 +692,7 @@ def top_words(result: MapResult, optimizer: str, data: Batch, vocab: Sequence[st
     first = min(r.seed for r in runs)
     cols = {}
     for r in sorted((r for r in runs if r.seed == first), key=lambda r: r.ratio):
-        w = encoder_head.most_attended_words(test_attention(r.model, data), data, vocab, k=k)
+        w = rationales.most_attended_words(test_attention(r.model, data), data, vocab, k=k)
         cols[f"ratio {r.ratio:g}"] = [f"{word} ({100 * f:.0f}%)" for word, f in zip(w.index, w["in_rationale"])]
     return pd.DataFrame(cols, index=pd.RangeIndex(1, k + 1, name="rank"))
 
@@ -660,14 +704,14 @@ def test_attention(model: nn.Module, data: Batch) -> torch.Tensor:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m qkov_lib.experiments.realmap DATASET [--profile P] [-p NAME VALUE ...]``: train
+    """``python -m qkov_lib.studies.realmap DATASET [--profile P] [-p NAME VALUE ...]``: train
     one protocol map outside the book (values parsed as JSON, as ``qkov run``) and print its run
     table and region verdicts."""
     import argparse
     import json
 
     p = argparse.ArgumentParser(description="Train a real-data protocol map and print its runs and verdicts.")
-    p.add_argument("dataset", choices=DATASETS)
+    p.add_argument("dataset", choices=list(MAPS))
     p.add_argument("--profile", default=None)
     p.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"))
     a = p.parse_args(argv)
@@ -686,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(verdict_frame(result).to_string())
 
 
-__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "role_sentence", "top_words", "PROFILES", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
+__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "role_sentence", "top_words", "MAPS", "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
            "chance", "analyse", "run_map", "chapter_map", "map_config", "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
            "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
 

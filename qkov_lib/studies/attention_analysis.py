@@ -32,12 +32,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from .. import faithfulness as fa
-from ..data.batch import Batch
-from ..data.text import TextDataset
-from ..metrics import confidence, dtap_histogram, prediction_metrics, relevant_mass, summarize
-from ..train import History, predict
-from .synthetic import format_summary, seed_summary
+from qkov_lib import faithfulness as fa
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.text import TextDataset
+from qkov_lib.metrics import confidence, dtap_histogram, prediction_metrics, relevant_mass, summarize
+from qkov_lib.train import History, predict
+from qkov_lib.studies.synthetic import format_summary, seed_summary
 
 TAU_SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 FRACS = [0.01, 0.05, 0.1, 0.2, 0.5]
@@ -258,7 +258,7 @@ def plot_tau_sweep(table: pd.DataFrame, taus: Sequence[float]):
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from ..plotting import FACE, setup
+    from qkov_lib.plotting import FACE, setup
 
     setup()
     curve = tau_curve(table, taus)
@@ -294,7 +294,7 @@ def plot_attractors(frame: pd.DataFrame):
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from ..plotting import FACE, setup
+    from qkov_lib.plotting import FACE, setup
 
     setup()
     sub = frame[~frame["n_attractors"].isin(["all", "train"])].copy()

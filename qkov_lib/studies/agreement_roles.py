@@ -28,16 +28,16 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from .. import claims
-from ..data.batch import Batch
-from ..data.sva import ROLE_CODES
-from ..data.text import TextDataset
-from ..data.registry import load_text_dataset
-from ..metrics import mass_by_role
-from ..profiles import profile_table
-from ..runtime import seed_everything
-from ..train import train_stacked
-from ..train import History, TrainConfig, predict
+from qkov_lib import claims
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.sva import ROLE_CODES
+from qkov_lib.data.text import TextDataset
+from qkov_lib.data.registry import load_text_dataset
+from qkov_lib.metrics import mass_by_role
+from qkov_lib.profiles import profile_table
+from qkov_lib.runtime import seed_everything
+from qkov_lib.train import train_stacked
+from qkov_lib.train import History, TrainConfig, predict
 
 ROLES: tuple[str, ...] = tuple(ROLE_CODES.values())  # subject, attractor, verb, last, rest
 LAST_ANY = "last position"  # mass on the word right before the verb, whatever its role (not exclusive)
@@ -118,7 +118,7 @@ def make_natural_model(ds: TextDataset, cfg: Mapping[str, Any], seed: int) -> nn
     model of :mod:`qkov_lib.head_model` (token-local values, keys = word + positions back from
     the query and from the first word through ``layers`` convolutions of width ``kernel``, the
     relative class readout), so its prediction passes through the one head."""
-    from ..head_model import for_dataset
+    from qkov_lib.head_model import for_dataset
 
     return for_dataset(ds, cfg["d_model"], generator=seed_everything(seed), readout="class", encoder=cfg["encoder"],
                        layers=cfg["layers"], window=cfg["kernel"], positions=("back", "start"), relative=True,

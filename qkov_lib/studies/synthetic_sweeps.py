@@ -1,9 +1,9 @@
 """Chapter "Synthetic sweeps": parameterization x eta_QK/eta_OV x seed grids on the
-distinct/common-token task, trained with the batched engine (:mod:`qkov_lib.engine`), plus
+distinct/common-token task, trained with the batched engine (:mod:`qkov_lib.train.engine`), plus
 robustness variants (sequence length, common vocabulary, Gaussian embeddings, SGD, AdamW), a
 matched-loss comparison and the S2 ranking.
 
-Every run is built exactly as :func:`qkov_lib.experiments.synthetic.train_one` builds it (same
+Every run is built exactly as :func:`qkov_lib.studies.synthetic.train_one` builds it (same
 seeding, embeddings, data and init), so a cell of this sweep equals the corresponding run of
 the synthetic chapter; the engine is tested to equal :func:`qkov_lib.train.train`.
 """
@@ -20,17 +20,17 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .. import engine
-from ..data import synthetic as syn
-from ..data.batch import Batch
-from .. import claims as C
-from ..claims import Verdict, claim
-from ..metrics import circuit_scalars, dtap_distance  # noqa: F401  (dtap_distance re-exported for the chapter)
-from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..runtime import seed_everything
-from ..train import TrainConfig
-from . import synthetic as base
-from .theory import equal_or_lowest as equal_rate  # 1 (equal rates) when run, else the lowest ratio
+from qkov_lib.train import engine
+from qkov_lib.data import synthetic as syn
+from qkov_lib.data.batch import Batch
+from qkov_lib import claims as C
+from qkov_lib.claims import Verdict, claim
+from qkov_lib.metrics import circuit_scalars, dtap_distance  # noqa: F401  (dtap_distance re-exported for the chapter)
+from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
+from qkov_lib.runtime import seed_everything
+from qkov_lib.train import TrainConfig
+from qkov_lib.studies import synthetic as base
+from qkov_lib.studies.theory import equal_or_lowest as equal_rate  # 1 (equal rates) when run, else the lowest ratio
 
 RATIOS = [0.1, 1.0, 10.0, 100.0]
 
@@ -91,7 +91,7 @@ def variant_cfg(cfg: dict, variant: dict) -> dict:
 
 
 class _Builder:
-    """Builds runs exactly as :func:`qkov_lib.experiments.synthetic.train_one` does (seed ->
+    """Builds runs exactly as :func:`qkov_lib.studies.synthetic.train_one` does (seed ->
     embeddings -> training data -> init, all from one generator), caching per seed what does not
     depend on the parameterization."""
 
@@ -221,13 +221,13 @@ def throughput(cfg: dict, steps: int, n_loop: int | None = None,
                threads: int | None = engine.DEFAULT_THREADS) -> dict[str, float]:
     """Model-steps per second of the main grid of ``cfg`` trained for ``steps`` steps, one model
     at a time with :func:`qkov_lib.train.train` (on ``n_loop`` evenly spread grid cells, all
-    if None) and all at once with :func:`qkov_lib.engine.train_batched`. Same work per model:
+    if None) and all at once with :func:`qkov_lib.train.engine.train_batched`. Same work per model:
     data, configs, logging and the circuit-scalar probe. Also returns the largest parameter
     difference between the two on the looped cells (float tolerance expected). Both run with
     ``threads`` torch threads (the engine's default, 1)."""
     import time
 
-    from ..train import train
+    from qkov_lib.train import train
 
     b = _Builder(cfg)
     grid = list(itertools.product(cfg["parameterizations"], [float(r) for r in cfg["ratios"]], cfg["seeds"]))
@@ -260,7 +260,7 @@ def throughput(cfg: dict, steps: int, n_loop: int | None = None,
 
 # --- tables ---------------------------------------------------------------------------------
 def summarize_runs(runs: Sequence[base.Run], metrics: Sequence[str] = METRICS) -> pd.DataFrame:
-    """:func:`~qkov_lib.experiments.synthetic.seed_summary` over the runs that did not diverge,
+    """:func:`~qkov_lib.studies.synthetic.seed_summary` over the runs that did not diverge,
     per (parameterization, ratio), with the count of diverged runs (no rows for no runs, e.g.
     when no run reached the matched loss; NaN metrics for a cell whose runs all diverged)."""
     table = base.runs_frame(runs)
@@ -441,7 +441,7 @@ def plot_trajectories(hist: pd.DataFrame, metric: str = "attn_relevant", by: str
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from .. import plotting
+    from qkov_lib import plotting
 
     plotting.setup()
     panels = list(dict.fromkeys(hist[by]))
@@ -471,7 +471,7 @@ def plot_decoupling(table: pd.DataFrame, matched: pd.DataFrame | None = None, x:
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from .. import plotting
+    from qkov_lib import plotting
 
     plotting.setup()
     n = 2 if matched is not None else 1

@@ -10,7 +10,7 @@ distinct token (its id is the class). It is trained with AdamW by :func:`qkov_li
 :func:`qkov_lib.knob.knob_groups`, which splits each layer's fused ``query_key_value`` (heads
 interleaved as ``[n_heads, 3, d_head]``) into per-head Q, K and V slices, at several
 ``eta_QK/eta_OV``. Measured per layer and head: the query position's attention on the distinct
-token, with :func:`qkov_lib.experiments.multilayer.head_metrics`.
+token, with :func:`qkov_lib.studies.multilayer.head_metrics`.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..data.batch import Batch
-from ..data.synthetic import SyntheticTask, sample
-from ..knob import KnobReport, knob_groups, knob_optimizer, tensor_value
-from ..metrics import prediction_metrics
-from ..profiles import profile_table
-from ..runtime import seed_everything, torch_threads
-from ..train import TrainConfig, predict, train
-from . import multilayer as ml
+from qkov_lib.data.batch import Batch
+from qkov_lib.data.synthetic import SyntheticTask, sample
+from qkov_lib.knob import KnobReport, knob_groups, knob_optimizer, tensor_value
+from qkov_lib.metrics import prediction_metrics
+from qkov_lib.profiles import profile_table
+from qkov_lib.runtime import seed_everything, torch_threads
+from qkov_lib.train import TrainConfig, predict, train
+from qkov_lib.studies import multilayer as ml
 
 DATASET = "synthetic"
 TEST_SEED = 10_000  # the test set's seed, apart from every training seed
@@ -112,7 +112,7 @@ def lm_loss(logits: Tensor, y: Tensor) -> Tensor:
 @torch.no_grad()
 def evaluate(model: nn.Module, test: Batch) -> tuple[dict[str, float], pd.DataFrame]:
     """Test ``loss`` and ``accuracy`` (argmax over the whole vocabulary), and the per-head
-    table of :func:`~qkov_lib.experiments.multilayer.head_metrics`: the query's attention on the
+    table of :func:`~qkov_lib.studies.multilayer.head_metrics`: the query's attention on the
     distinct token per layer and head (key mask: the real tokens and the query itself)."""
     was = model.training
     model.eval()
@@ -267,7 +267,7 @@ QUERY_SELF = "query itself"  # a causal LM's query also attends to its own posit
 def load_sva(cfg: dict, data_dir=None):
     """The Marvin & Linzen SVA :class:`~qkov_lib.data.text.TextDataset` of ``cfg`` (prefix split
     seed ``data_seed``; ``test_info["roles"]``: every word's token role)."""
-    from ..data.registry import load_text_dataset
+    from qkov_lib.data.registry import load_text_dataset
 
     return load_text_dataset("sva", data_dir, max_len=cfg["max_len"], min_freq=cfg["min_freq"], n_train=cfg["n_train"],
                              n_test=cfg["n_test"], seed=cfg["data_seed"], test_frac=cfg["test_frac"])
@@ -278,7 +278,7 @@ def sva_model(ds, cfg: dict, seed: int) -> nn.Module:
     is the dataset's words plus one token per class (ids ``V``, ``V + 1``), seeded with ``seed``."""
     from transformers import GPTNeoXForCausalLM
 
-    from ..data.text import PAD_ID
+    from qkov_lib.data.text import PAD_ID
 
     config = pythia_config(ds.vocab_size + ds.n_classes, cfg["d_model"], cfg["n_layers"], cfg["n_heads"],
                            ds.max_len + 1, PAD_ID)
@@ -291,7 +291,7 @@ def lm_examples(batch: Batch, vocab_size: int) -> list[dict[str, Tensor]]:
     """The causal-LM examples of a left-padded batch (query last): ``input_ids`` = the tokens
     then the class token ``vocab_size + y``; ``labels`` = -100 (no loss) except that class token,
     so the loss is the next-token cross-entropy at the query; ``attention_mask`` hides padding."""
-    from ..data.text import PAD_ID
+    from qkov_lib.data.text import PAD_ID
 
     cls = (vocab_size + batch.y)[:, None]
     ids = torch.cat([batch.tokens, cls], dim=1)
@@ -307,7 +307,7 @@ def sva_train_one(ds, cfg: dict, ratio: float, seed: int, out_dir: str) -> tuple
     Trainer's training logs (step, loss, the rate of every group)."""
     from transformers import PrinterCallback
 
-    from ..knob_trainer import KnobTrainer, KnobTrainingArguments
+    from qkov_lib.knob_trainer import KnobTrainer, KnobTrainingArguments
 
     args = KnobTrainingArguments(
         output_dir=out_dir, max_steps=cfg["steps"], per_device_train_batch_size=cfg["batch_size"],
@@ -329,8 +329,8 @@ def sva_train_one(ds, cfg: dict, ratio: float, seed: int, out_dir: str) -> tuple
 def sva_roles_of(model: nn.Module, ds) -> dict[str, dict[str, float]]:
     """Test accuracy (argmax over the two class tokens at the query) and, per layer, the
     head-averaged attention of the query on each token role (subject, attractor, verb, last,
-    rest, and the query itself; :func:`qkov_lib.experiments.sva_roles.role_mass`)."""
-    from . import sva_roles
+    rest, and the query itself; :func:`qkov_lib.studies.agreement_roles.role_mass`)."""
+    from qkov_lib.studies import agreement_roles
 
     model.eval()
     t = ds.test
@@ -341,7 +341,7 @@ def sva_roles_of(model: nn.Module, ds) -> dict[str, dict[str, float]]:
     res = {"accuracy": {"accuracy": acc}}
     for layer, a in enumerate(out.attentions, start=1):
         row = a[:, :, -1].mean(1).double()  # (N, T): the query's row, mean over heads
-        res[f"layer {layer}"] = {**sva_roles.role_mass(row, ds.test_info["roles"], t.key_mask),
+        res[f"layer {layer}"] = {**agreement_roles.role_mass(row, ds.test_info["roles"], t.key_mask),
                                  QUERY_SELF: float(row[:, -1].mean())}
     return res
 
@@ -380,10 +380,10 @@ def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd
     for ``profile``, trained on ``ds`` at the ratios and seeds of ``cfg`` as one stack
     (:func:`qkov_lib.train.loop.train_stacked`). Returns the mean attention mass per token role
     (ratio x role, means over seeds), the test accuracy per ratio and the one-head settings."""
-    from ..models import TokenModel
-    from ..profiles import resolve
-    from ..train import train_stacked
-    from . import sva_roles
+    from qkov_lib.models import TokenModel
+    from qkov_lib.profiles import resolve
+    from qkov_lib.train import train_stacked
+    from qkov_lib.studies import agreement_roles
 
     rcfg = {**resolve(ONE_HEAD_PROFILES, profile), "ratios": list(cfg["ratios"]), "seeds": list(cfg["seeds"])}
     grid = [(float(r), s) for r in rcfg["ratios"] for s in rcfg["seeds"]]
@@ -399,7 +399,7 @@ def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd
         attn, probs = predict(m, ds.test)
         rows.append({"ratio": ratio, "seed": seed,
                      "accuracy": prediction_metrics(probs, ds.test.y, ds.n_classes)["accuracy"],
-                     **sva_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask), QUERY_SELF: 0.0})
+                     **agreement_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask), QUERY_SELF: 0.0})
     f = pd.DataFrame(rows).drop(columns="seed").groupby("ratio").mean()
     return f.drop(columns="accuracy"), f[["accuracy"]], rcfg
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data.sources import used_files
-from .runtime import REPO_ROOT, git_commit, pick_device, versions
+from qkov_lib.data.sources import used_files
+from qkov_lib.runtime import REPO_ROOT, git_commit, pick_device, versions
 
 RESULTS_ENV = "QKOV_RESULTS_DIR"
 FAILED_SUFFIX = ".failed.json"  # <name>.failed.json: the results file of a run that failed

@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from ..data.batch import Batch
-from ..metrics import mass_by_role, prediction_metrics
-from ..train import predict
+from qkov_lib.data.batch import Batch
+from qkov_lib.metrics import mass_by_role, prediction_metrics
+from qkov_lib.train import predict
 
 
 # --- where the attention goes ----------------------------------------------------------------
@@ -77,9 +77,9 @@ def most_attended_words(attn: Tensor, batch: Batch, vocab: Sequence[str], k: int
 def protocol_rows(runs: Sequence[Any], test: Batch, n_classes: int) -> pd.DataFrame:
     """HateXplain's own protocol (:func:`qkov_lib.faithfulness.hatexplain_protocol`) for every
     trained run (objects with ``ratio``, ``seed`` and ``model``, e.g.
-    :class:`~qkov_lib.experiments.realdata.RealRun`) on ``test``, with accuracy and macro-F1,
+    :class:`~qkov_lib.studies.attention_analysis.RealRun`) on ``test``, with accuracy and macro-F1,
     averaged over seeds per ratio: the ``ours`` rows of :func:`qkov_lib.published.hatexplain_table`."""
-    from ..faithfulness import hatexplain_protocol
+    from qkov_lib.faithfulness import hatexplain_protocol
 
     rows = []
     for r in runs:

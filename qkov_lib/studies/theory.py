@@ -13,14 +13,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from .. import dynamics as dy
-from ..data import synthetic as syn
-from ..metrics import circuit_scalars
-from ..models import PARAMETERIZATIONS, SyntheticModel
-from .. import claims as C
-from ..claims import Verdict, claim
-from ..runtime import seed_everything
-from ..train import TrainConfig, train
+from qkov_lib import dynamics as dy
+from qkov_lib.data import synthetic as syn
+from qkov_lib.metrics import circuit_scalars
+from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
+from qkov_lib import claims as C
+from qkov_lib.claims import Verdict, claim
+from qkov_lib.runtime import seed_everything
+from qkov_lib.train import TrainConfig, train
 
 # Chapter 02 (reduction): machine checks. ``eta_max`` is the larger of the two learning rates
 # (eta_OV = eta_max / ratio when ratio > 1), so every overlay run has the same Euler step. The
@@ -960,7 +960,7 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
 def _fig(nrows: int, ncols: int, w: float = 3.4, h: float = 2.8, **kw):
     import matplotlib.pyplot as plt
 
-    from ..plotting import FACE, setup
+    from qkov_lib.plotting import FACE, setup
 
     setup()
     return plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False, facecolor=FACE, **kw)

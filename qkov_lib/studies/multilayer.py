@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..data.batch import Batch
-from ..knob import knob_groups
-from ..metrics import macro_f1, relevant_mass, seed_half_width
-from .. import claims
-from ..metrics import tag_frame
-from ..runtime import pick_device, seed_everything
-from ..train import TrainConfig, train
+from qkov_lib.data.batch import Batch
+from qkov_lib.knob import knob_groups
+from qkov_lib.metrics import macro_f1, relevant_mass, seed_half_width
+from qkov_lib import claims
+from qkov_lib.metrics import tag_frame
+from qkov_lib.runtime import pick_device, seed_everything
+from qkov_lib.train import TrainConfig, train
 
 DATASETS = ("sva", "hatexplain")
 DISPLAY = {"sva": "SVA", "hatexplain": "HateXplain"}
@@ -284,7 +284,7 @@ def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: to
 
 def load_data(cfg: dict, data_dir=None) -> dict:
     """The :class:`TextDataset` of each dataset in ``cfg["datasets"]`` (data split seed 0)."""
-    from ..data.registry import load_text_dataset
+    from qkov_lib.data.registry import load_text_dataset
 
     out = {}
     for name in cfg["datasets"]:
@@ -514,7 +514,7 @@ def head_heatmaps(heads: pd.DataFrame, datasets: Sequence[str], ratios: Sequence
     at the query position (mean over seeds), annotated."""
     import seaborn as sns
 
-    from ..plotting import FACE, setup
+    from qkov_lib.plotting import FACE, setup
 
     setup()
     h = heads[heads["rank"].notna()].copy()
@@ -537,7 +537,7 @@ def head_heatmaps(heads: pd.DataFrame, datasets: Sequence[str], ratios: Sequence
 def layer_lines(table: pd.DataFrame, datasets: Sequence[str]) -> plt.Figure:
     """Head-mean and sharpest-head attention on relevant tokens against the ratio (log axis),
     one line per layer, one panel per dataset; dashed: uniform attention."""
-    from ..plotting import FACE, setup
+    from qkov_lib.plotting import FACE, setup
 
     setup()
     fig, axes = plt.subplots(1, len(datasets), figsize=(4.6 * len(datasets), 3.4), squeeze=False, facecolor=FACE)

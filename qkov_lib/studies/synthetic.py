@@ -12,15 +12,15 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from ..data import synthetic as syn
-from .. import claims
-from ..claims import Verdict
-from ..metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
+from qkov_lib.data import synthetic as syn
+from qkov_lib import claims
+from qkov_lib.claims import Verdict
+from qkov_lib.metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
                        seed_half_width, summarize)
-from ..models import PARAMETERIZATIONS, SyntheticModel
-from ..metrics import tag_frame
-from ..runtime import pick_device, seed_everything, torch_threads
-from ..train import History, TrainConfig, predict, train
+from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
+from qkov_lib.metrics import tag_frame
+from qkov_lib.runtime import pick_device, seed_everything, torch_threads
+from qkov_lib.train import History, TrainConfig, predict, train
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
 PROFILES: dict[str, dict] = {

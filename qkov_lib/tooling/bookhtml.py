@@ -1,6 +1,6 @@
 """The built pages work offline and offer their sources: a Sphinx extension.
 
-``sphinx: extra_extensions: [qkov_lib.bookhtml]`` in ``_config.yml``. It does two things that
+``sphinx: extra_extensions: [qkov_lib.tooling.bookhtml]`` in ``_config.yml``. It does two things that
 Jupyter Book 1 / myst-nb do not do on their own:
 
 - **Progress bars without a CDN.** ``tqdm.auto`` in a kernel with ``ipywidgets`` displays a
@@ -204,7 +204,7 @@ def _scrub_downloads(app, exc) -> None:
 
 
 def setup(app) -> dict[str, Any]:
-    """Sphinx entry point (``extra_extensions: [qkov_lib.bookhtml]``)."""
+    """Sphinx entry point (``extra_extensions: [qkov_lib.tooling.bookhtml]``)."""
     app.add_config_value("qkov_source_dir", "", "html")
     app.connect("doctree-resolved", _static_widgets)
     # after sphinx-book-theme has built its download menu (add_header_buttons, priority 501)

@@ -32,10 +32,10 @@ import pandas as pd
 import torch
 from torch import nn
 
-from .. import claims
-from ..data.batch import Batch
-from ..train import train_stacked
-from ..train import TrainConfig
+from qkov_lib import claims
+from qkov_lib.data.batch import Batch
+from qkov_lib.train import train_stacked
+from qkov_lib.train import TrainConfig
 
 PHASE_METRICS = ("accuracy", "macro_f1", "attn_relevant", "AC@0.5", "ACMC@0.5", "sufficiency")
 
@@ -214,10 +214,15 @@ def trained(table: pd.DataFrame, chance: float, metric: str = "val_accuracy") ->
 def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy", tie: str = "val_loss") -> dict[str, float]:
     """Per optimizer, the base rate whose trained runs at ratio 1 have the best mean ``metric``
     on the validation split (the test split chooses nothing); equal means are broken by the
-    lower mean ``tie`` (validation loss), then by the smaller rate. Needs the ``trained`` column."""
+    lower mean ``tie`` (validation loss), then by the smaller rate. Only rates with at least
+    :data:`qkov_lib.claims.MIN_SEEDS` trained seeds at ratio 1 compete (where no rate has that
+    many, those with the most), so one lucky seed of a rate that mostly fails is not the tuned
+    model. Needs the ``trained`` column."""
     ref = table[(table["ratio"] == 1.0) & table["trained"]]
     out = {}
     for opt, g in ref.groupby("optimizer", sort=False):
+        n = g.groupby("eta_ov")["seed"].nunique()
+        g = g[g["eta_ov"].isin(n.index[n >= min(claims.MIN_SEEDS, int(n.max()))])]
         cols = [metric] + ([tie] if tie in g else [])
         means = g.groupby("eta_ov")[cols].mean().reset_index()
         means[metric] = means[metric].round(12)  # equal accuracies computed in a different order
@@ -343,7 +348,7 @@ def plot_phase(phase: pd.DataFrame, metrics: Sequence[str], selected: Mapping[st
     import matplotlib.pyplot as plt
     import seaborn as sns
 
-    from ..plotting import FACE, setup
+    from qkov_lib.plotting import FACE, setup
 
     setup()
     opts = list(dict.fromkeys(phase["optimizer"]))

@@ -17,8 +17,10 @@ from typing import Any
 
 import pandas as pd
 
-from . import claims, results
-from .experiments.realdata import CHAPTERS
+from qkov_lib import claims
+
+from qkov_lib.tooling import results
+from qkov_lib.studies.attention_analysis import CHAPTERS
 
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
@@ -31,7 +33,7 @@ def load_results(results_dir: str | os.PathLike) -> list[tuple[Path, dict[str, A
     """``(path, document)`` of every results file in ``results_dir`` that reports claims
     (``metrics["claims"]`` is a list), sorted by file name. A missing folder gives ``[]``.
     Results of a failed run (``<name>.failed.json`` or ``"status": "failed"``, see
-    :func:`qkov_lib.results.mark_failed`) are left out, each with a line on stderr."""
+    :func:`qkov_lib.tooling.results.mark_failed`) are left out, each with a line on stderr."""
     folder = Path(results_dir)
     out = []
     for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
@@ -213,7 +215,7 @@ def provenance(results: Iterable[tuple[Path, Mapping[str, Any]]]) -> pd.DataFram
 # --- the real-data summary: the R1-R3 rows of the dataset chapters' results files ----------------
 def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The results document a dataset chapter wrote (``<results_dir>/<name>.json``, default
-    :func:`qkov_lib.results.default_results_path`), or None when the file does not exist."""
+    :func:`qkov_lib.tooling.results.default_results_path`), or None when the file does not exist."""
     path = Path(results_dir) / f"{name}.json" if results_dir else results.default_results_path(name)
     if not path.is_file():
         return None

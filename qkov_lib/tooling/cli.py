@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .chapters import chapter_path, check_parameters, check_settings, run_chapter
-from .results import default_results_path, failed_path
-from .runtime import REPO_ROOT
+from qkov_lib.tooling.chapters import chapter_path, check_parameters, check_settings, run_chapter
+from qkov_lib.tooling.results import default_results_path, failed_path
+from qkov_lib.runtime import REPO_ROOT
 
 
 def _parse_value(text: str) -> Any:
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="parameter override; VALUE is parsed as JSON when possible (e.g. -p ratios '[1, 100]')")
     run.add_argument("--out", default="runs", help="output folder (default: runs/)")
     run.add_argument("--name", default=None, help="base name of the outputs (default: the chapter name)")
-    from . import sweeps
+    from qkov_lib.tooling import sweeps
 
     sw = sub.add_parser("sweep", help="run a chapter over a parameter grid (papermill; local pool or Slurm)")
     sweeps.add_arguments(sw)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     dat.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m qkov_lib.data.fetch")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["data"]:  # every option after "data" belongs to the data tool
-        from .data import fetch
+        from qkov_lib.data import fetch
 
         return fetch.main(argv[1:])
     args = ap.parse_args(argv)
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "sweep":
         return sweeps.from_args(args)
-    from . import cache as qcache
+    from qkov_lib.tooling import cache as qcache
 
     if args.cmd == "chapters":
         print("\n".join(sweeps.chapter_name(p) for p in qcache.chapters(REPO_ROOT)))
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             for d in qcache.clear(REPO_ROOT):
                 print(f"removed {d}")
         return 0
-    from . import scorecard
+    from qkov_lib.tooling import scorecard
 
     folder = Path(args.results) if args.results else default_results_path("scorecard").parent
     results = scorecard.load_results(folder)

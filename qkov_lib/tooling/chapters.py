@@ -1,7 +1,7 @@
 """A chapter as a program: find its MyST source, read its ``parameters`` cell, check overrides
 against it and against the chapter's settings call, and execute it through papermill (a
 jupytext conversion that keeps the ``parameters`` tag) into a notebook and a results file.
-Used by the ``qkov`` command line (:mod:`qkov_lib.cli`) and the sweeps (:mod:`qkov_lib.sweeps`)."""
+Used by the ``qkov`` command line (:mod:`qkov_lib.tooling.cli`) and the sweeps (:mod:`qkov_lib.tooling.sweeps`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .results import failed_path, mark_failed
-from .runtime import REPO_ROOT
+from qkov_lib.tooling.results import failed_path, mark_failed
+from qkov_lib.runtime import REPO_ROOT
 
 
 def chapter_path(chapter: str | os.PathLike) -> Path:
@@ -99,7 +99,7 @@ def settings_call(path: str | os.PathLike) -> tuple[Mapping[str, Mapping[str, An
     name}``). None when the chapter has no such call in that form."""
     import jupytext
 
-    from . import profiles
+    from qkov_lib import profiles
 
     names: dict[str, Any] = {}
     for cell in jupytext.read(Path(path)).cells:
@@ -130,7 +130,7 @@ def check_settings(src: str | os.PathLike, parameters: Mapping[str, Any],
     :func:`settings_call`), before a kernel starts: raise ValueError with the chapter's message
     for a value of the wrong type or out of range; a scalar where the profile holds a list is
     named as such. Chapters without such a call pass (their kernel checks)."""
-    from . import profiles
+    from qkov_lib import profiles
 
     profiles.check_values(parameters)  # by meaning, for every parameter (map settings too)
     call = settings_call(src) if call is None else call
@@ -162,7 +162,7 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
 
     Parameter names are checked first (:func:`check_parameters`; values are checked by the
     chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). An earlier ``<name>.json`` is removed before the run; when the run fails, a results file it
-    wrote becomes ``<name>.failed.json`` (:func:`qkov_lib.results.mark_failed`) and the error
+    wrote becomes ``<name>.failed.json`` (:func:`qkov_lib.tooling.results.mark_failed`) and the error
     is raised."""
     import jupytext
     import papermill as pm

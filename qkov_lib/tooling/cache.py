@@ -9,7 +9,7 @@ re-reads only the sources whose files changed. Neither sees the library the cell
   in the data folder, the data manifest and ``requirements.txt`` themselves, the Python version
   and the installed version of every library pinned in ``requirements.txt`` (torch and numpy
   always) -- see :func:`key_parts`.
-- A Sphinx extension (``sphinx: extra_extensions: [qkov_lib.cache]`` in ``_config.yml``):
+- A Sphinx extension (``sphinx: extra_extensions: [qkov_lib.tooling.cache]`` in ``_config.yml``):
 
   * registers the key as a config value that forces a full re-read when it changes, so an
     incremental build re-executes every chapter after a library change (``force`` mode);
@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # qkov_lib: the library the cache key hashes
 REPO_ROOT = PACKAGE_DIR.parent
 REQUIREMENTS = REPO_ROOT / "requirements.txt"
 KEY_ENV_EXCLUDE = ("QKOV_RESULTS_DIR",)  # where results go does not change what they are
@@ -92,7 +92,7 @@ def pinned_packages(requirements: str | os.PathLike = REQUIREMENTS) -> list[str]
 def data_hashes(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """``{path relative to the data folder: sha256}`` of every manifest file present in the data
     folder (:func:`qkov_lib.data.sources.resolve_data_dir`; ``{}`` when there is none)."""
-    from .data import sources
+    from qkov_lib.data import sources
 
     try:
         root = sources.resolve_data_dir(data_dir)
@@ -102,7 +102,7 @@ def data_hashes(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 def _file_sha256(path: str | os.PathLike) -> str | None:
-    from .data import sources
+    from qkov_lib.data import sources
 
     return sources.sha256_file(path) if Path(path).is_file() else None
 
@@ -114,7 +114,7 @@ def key_parts(package_dir: str | os.PathLike | None = None, environ: Mapping[str
     files (:func:`data_hashes` of ``$QKOV_DATA_DIR`` in ``environ``), of the data manifest
     (``$QKOV_DATA_MANIFEST`` or the packaged one) and of ``requirements``, the Python version and
     the installed version of torch, numpy and every library pinned in ``requirements``."""
-    from .data import sources
+    from qkov_lib.data import sources
 
     env = os.environ if environ is None else environ
     qkov_env = {k: v for k, v in sorted(env.items()) if k.startswith("QKOV_") and k not in KEY_ENV_EXCLUDE}
@@ -193,7 +193,7 @@ def _always_read(app, env, added, changed, removed) -> list[str]:
 
 
 def setup(app) -> dict[str, Any]:
-    """Sphinx entry point (``extra_extensions: [qkov_lib.cache]``)."""
+    """Sphinx entry point (``extra_extensions: [qkov_lib.tooling.cache]``)."""
     app.add_config_value("qkov_cache_key", "", "env")
     app.add_config_value("qkov_library_dir", "", "env")
     app.add_config_value("qkov_always_read", ["*scorecard*"], "env")
@@ -341,10 +341,10 @@ def hide_injected_parameters(nb: Any) -> int:
 def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: str | os.PathLike) -> Path:
     """A copy of the book at ``stage`` in which every chapter notebook is replaced by its
     papermill-executed version from ``executed`` (``<name>.ipynb``, as written by
-    :func:`qkov_lib.chapters.run_chapter`) and execution is switched off. papermill's
+    :func:`qkov_lib.tooling.chapters.run_chapter`) and execution is switched off. papermill's
     injected-parameters cells are hidden with a note (:func:`hide_injected_parameters`); the
     download menu still offers each chapter's ``.md`` from ``root`` (``qkov_source_dir``, read by
-    :mod:`qkov_lib.bookhtml`). Raises FileNotFoundError naming the chapters that have no executed
+    :mod:`qkov_lib.tooling.bookhtml`). Raises FileNotFoundError naming the chapters that have no executed
     notebook."""
     import nbformat
 

@@ -1,7 +1,7 @@
 """Parameter sweeps over a chapter: a grid of papermill runs, a tidy results table, resume.
 
 A sweep expands a grid (``{"eta_ov": [0.25, 0.5], "steps": [30, 60]}`` = 4 runs) into runs of
-one chapter, each executed by :func:`qkov_lib.chapters.run_chapter`. Every run gets a stable ID
+one chapter, each executed by :func:`qkov_lib.tooling.chapters.run_chapter`. Every run gets a stable ID
 (a hash of the chapter and its parameters), so rerunning a sweep skips the runs that already
 finished. A run that fails is recorded with its error and the sweep goes on.
 
@@ -47,8 +47,8 @@ from typing import Any
 
 import pandas as pd
 
-from .chapters import chapter_parameters
-from .results import replace_atomically, write_json
+from qkov_lib.tooling.chapters import chapter_parameters
+from qkov_lib.tooling.results import replace_atomically, write_json
 
 EXECUTORS = ("local", "slurm", "submitit-local")
 RESERVED = ("results_path",)
@@ -168,7 +168,8 @@ def _error_text(exc: BaseException) -> tuple[str, str]:
 def execute_run(spec: RunSpec) -> dict[str, Any]:
     """Execute one run through papermill and write its record; never raises for a failing
     notebook (the record then has ``status="failed"`` and the error)."""
-    from . import chapters, runtime
+    from qkov_lib.tooling import chapters
+    from qkov_lib import runtime
 
     out = Path(spec.out_dir)
     started = datetime.now(timezone.utc)
@@ -420,8 +421,9 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
     grid point, and the profile made explicit so that a run's ID pins it). Unknown parameter
     names, a grid axis whose values are not values of its parameter (``-g ratios '[1, 10]'`` for
     a list-valued ``ratios``: ``'[[1], [10]]'``) and values the chapter's ``profiles.resolve``
-    would reject (:func:`qkov_lib.chapters.check_settings`) raise ValueError before anything runs."""
-    from . import chapters, profiles
+    would reject (:func:`qkov_lib.tooling.chapters.check_settings`) raise ValueError before anything runs."""
+    from qkov_lib.tooling import chapters
+    from qkov_lib import profiles
 
     src = chapters.chapter_path(chapter).resolve()
     known = chapter_parameters(src)
