@@ -18,8 +18,7 @@ import argparse
 import os
 import time
 
-from qkov_lib import profiles
-from qkov_lib import protocol
+from qkov_lib import profiles, protocol
 from qkov_lib.studies import realmap
 from qkov_lib.train import train_stacked
 

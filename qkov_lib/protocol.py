@@ -34,8 +34,8 @@ from torch import nn
 
 from qkov_lib import claims
 from qkov_lib.data.batch import Batch
-from qkov_lib.train import train_stacked
-from qkov_lib.train import TrainConfig
+from qkov_lib.runtime import torch_threads
+from qkov_lib.train import TrainConfig, train_stacked
 
 PHASE_METRICS = ("accuracy", "macro_f1", "attn_relevant", "AC@0.5", "ACMC@0.5", "sufficiency")
 
@@ -76,7 +76,7 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     ``measure(model, batch)`` the metrics of a trained model on a split. Cells are trained in
     stacks of at most ``max_stack`` models that share an optimizer. ``models_out``, if given,
     receives every trained model that did not diverge, keyed by its cell (for later analyses);
-    ``threads`` sets torch's intra-op threads while training.
+    ``threads`` sets torch's intra-op threads while training and measuring.
 
     ``processes`` > 1 trains the stacks in that many spawned processes at once, each with one
     torch thread (:func:`_train_in_processes`; ``make_model``, ``config`` and ``measure`` must
@@ -117,13 +117,14 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
     hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
                           desc=f"{desc} {label}", progress=on_step is None, threads=threads, on_step=on_step)
     rows, kept = [], {}
-    for c, m, h in zip(chunk, models, hists):
-        row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
-        if h.diverged_step is None:
-            row.update({f"val_{k}": v for k, v in measure(m, val).items()})
-            row.update(measure(m, test))
-            kept[c] = m
-        rows.append(row)
+    with torch_threads(threads):  # measured on the threads it trained on: the same numbers in a worker
+        for c, m, h in zip(chunk, models, hists):
+            row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
+            if h.diverged_step is None:
+                row.update({f"val_{k}": v for k, v in measure(m, val).items()})
+                row.update(measure(m, test))
+                kept[c] = m
+            rows.append(row)
     return rows, kept
 
 

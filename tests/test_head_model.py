@@ -14,8 +14,7 @@ from qkov_lib import head_model as hm
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.text import Example, finish
 from qkov_lib.models import PARAMETERIZATIONS, named_groups
-from qkov_lib.train import train_stacked
-from qkov_lib.train import TrainConfig, train
+from qkov_lib.train import TrainConfig, train, train_stacked
 
 F64 = torch.float64
 SEP, V, T = 3, 14, 12

@@ -36,8 +36,7 @@ from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.metrics import mass_by_role
 from qkov_lib.profiles import profile_table
 from qkov_lib.runtime import seed_everything
-from qkov_lib.train import train_stacked
-from qkov_lib.train import History, TrainConfig, predict
+from qkov_lib.train import History, TrainConfig, predict, train_stacked
 
 ROLES: tuple[str, ...] = tuple(ROLE_CODES.values())  # subject, attractor, verb, last, rest
 LAST_ANY = "last position"  # mass on the word right before the verb, whatever its role (not exclusive)
