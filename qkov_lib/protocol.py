@@ -302,7 +302,8 @@ def cell_verdicts(phase: pd.DataFrame,
     ratio at which a run trained (the failures above it are counted by :func:`failures`); R3 on
     ``d_attn_relevant`` and ``d_accuracy`` over every ratio above 1, read at the highest one with
     a change. ``necessary`` (:func:`qkov_lib.claims.head_necessary`): one flag for every column or
-    one per ``(optimizer, eta_ov)``; False makes R3 'not tested' there."""
+    one per ``(optimizer, eta_ov)``; False makes R3 'not tested' there. A column in which no run
+    trained at ratio 1 is 'not tested' on every claim (at chance at every ratio is not "stable")."""
     if not (necessary is None or isinstance(necessary, (bool, np.bool_, Mapping))):
         raise TypeError(f"necessary must be None, a bool or a mapping (optimizer, eta_ov) -> bool, "
                         f"got {type(necessary).__name__}")
@@ -322,6 +323,10 @@ def cell_verdicts(phase: pd.DataFrame,
                                                _change(top, "d_sufficiency")),
               "R3": claims.r3_decoupled(col("d_attn_relevant"), col("d_accuracy"),
                                         necessary=None if need is None else bool(need), ratios=ratios)}
+        ref = g[g["ratio"] == 1.0]
+        if len(ref) and int(ref["trained_runs"].iloc[0]) == 0:  # a model that never learnt keeps nothing stable
+            vs = {cid: claims.Verdict("not tested", v.rule, "no run trained at ratio 1 at this base rate: no model "
+                                      "to compare the higher ratios with") for cid, v in vs.items()}
         for cid, v in vs.items():
             rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "reason": v.reason})
     return pd.DataFrame(rows)

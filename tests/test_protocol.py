@@ -122,6 +122,20 @@ def test_r2_reads_the_highest_ratio_that_trained():
     assert f.loc[100.0, "failed"] == 3 and f.loc[10.0, "failed"] == 0
 
 
+def test_a_column_that_never_trains_at_ratio_one_is_not_tested():
+    """Every seed of SGD 0.1 stays at chance at every ratio: its accuracy does not move, yet
+    that is no evidence for R1 -- the column is 'not tested'; the other columns keep their verdicts."""
+    t = _table()
+    never = (t.optimizer == "sgd") & (t.eta_ov == 0.1)
+    t.loc[never, ["val_accuracy", "accuracy", "macro_f1"]] = 0.3
+    t["trained"] = P.trained(t, chance=0.5)
+    cells = P.cell_verdicts(P.phase_table(t)).set_index(["optimizer", "eta_ov", "claim"])
+    for cid in ("R1", "R2", "R3"):
+        assert cells.loc[("sgd", 0.1, cid), "verdict"] == "not tested", cid
+        assert "no run trained at ratio 1" in cells.loc[("sgd", 0.1, cid), "reason"]
+    assert cells.loc[("adamw", 1e-3, "R1"), "verdict"] == "reproduced"
+
+
 def test_one_ratio_is_not_tested():
     t = _table()
     t = t[t.ratio == 1.0].assign(trained=True)
