@@ -4,7 +4,7 @@ of a real-data protocol map.
 For each dataset, the map model of ``qkov_lib.studies.realmap.MAPS[<dataset>].profiles["cpu"]``
 is built ``--models`` times and trained for ``--steps`` AdamW steps (:func:`qkov_lib.train.loop.
 train_stacked`): as one stack with one torch thread, as one stack with two, and as two stacks of
-half the models in two forked one-thread processes at once (what a map with one process per
+half the models in two spawned one-thread processes at once (what a map with one process per
 optimizer would do), with the same models, data and seeds. It prints wall milliseconds per step
 of all the models for each, and the ratios to one thread (above 1: faster than one thread).
 

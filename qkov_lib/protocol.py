@@ -10,7 +10,8 @@ ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validat
 2. :func:`trained` marks the runs that learned the task (validation accuracy above chance by
    :data:`qkov_lib.claims.TRAINED_MARGIN`); failed runs are counted, not averaged in.
 3. :func:`select_base_rates` picks, per optimizer, the base rate with the best validation metric
-   at ratio 1 -- the tuned model the paper's protocol starts from.
+   at ratio 1 among the rates on which enough seeds trained -- the tuned model the paper's
+   protocol starts from.
 4. :func:`phase_table` gives, per (optimizer, base rate, ratio), the change of each test metric
    against ratio 1 paired by seed, with its 95% seed interval, its number of seed pairs and
    whether it is significant; for R1 also the change of accuracy and macro-F1 over every model,

@@ -632,7 +632,7 @@ def verdict_frame(result: MapResult) -> pd.DataFrame:
 
 def runs_at(result: MapResult, optimizer: str) -> list[Any]:
     """The trained models at the tuned base rate of ``optimizer`` as objects with ``ratio``,
-    ``seed`` and ``model`` (what :func:`.encoder_head.protocol_rows` reads)."""
+    ``seed`` and ``model`` (what :func:`.rationales.protocol_rows` reads)."""
     from types import SimpleNamespace
 
     ok = {(r.ratio, r.seed) for r in tuned_runs(result, optimizer).itertuples()}
