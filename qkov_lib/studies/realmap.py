@@ -428,7 +428,7 @@ def map_record(result: MapResult) -> dict[str, Any]:
 
 def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]) -> dict[str, list[attention_analysis.RealRun]]:
     """Every trained model at each optimizer's tuned base rate evaluated on the test split with
-    its own, uniform and random attention (:func:`.realdata.evaluate_run`: the metrics table, the
+    its own, uniform and random attention (:func:`.attention_analysis.evaluate_run`: the metrics table, the
     DTAP histogram, per-instance mass and correctness), keyed by optimizer: what the DTAP
     heatmaps, the tau sweep, the focus and baseline tables and the attention by correctness,
     question type or token role are computed from."""
@@ -486,7 +486,7 @@ def anchor_gap(result: MapResult, optimizer: str, accuracy: float, f1: float, wi
 
 # --- what the chapter quotes ------------------------------------------------------------------
 def _pm(values: Sequence[float]) -> str:
-    """Seed mean ± 95% half-width of fractions, in percent (:func:`.realdata.pm`)."""
+    """Seed mean ± 95% half-width of fractions, in percent (:func:`.attention_analysis.pm`)."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
     return attention_analysis.pm(float(v.mean()), seed_half_width(v)) if len(v) else "n/a"
 
