@@ -6,7 +6,8 @@ tensors or floats in [0, 1] (fractions, not percent).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,24 +74,82 @@ def focus_prediction_table(attn: Tensor, relevant: Tensor, pred: Tensor, y: Tens
     return {k: float(v.float().mean()) for k, v in focus_cells(attn, relevant, pred, y).items()}
 
 
+@dataclass(frozen=True)
+class InstanceMetric:
+    """One per-instance attention metric: ``fn(a, c, correct)`` maps the relevant mass ``a``,
+    the gold-class confidence ``c`` and the correctness mask (any equal shapes, e.g. (N,) or
+    (B, N)) to a value per instance; summaries report its (weighted) mean under ``name``.
+    ``phase``: the protocol map measures it and its phase table shows it; ``attention``: it
+    describes the attention (the real-data attention tables list it), not only the prediction."""
+
+    name: str
+    fn: Callable[[Tensor, Tensor, Tensor], Tensor]
+    phase: bool = False
+    attention: bool = True
+
+
+INSTANCE_METRICS: dict[str, InstanceMetric] = {}
+"""The registry every summary reads (:func:`summarize`, :func:`qkov_lib.train.engine.bag_summary`,
+the protocol map's ``measure``, :func:`qkov_lib.protocol.phase_metrics` and the real-data
+tables): one entry adds a metric everywhere."""
+
+
+def register_metric(name: str, fn: Callable[[Tensor, Tensor, Tensor], Tensor], phase: bool = False,
+                    attention: bool = True) -> InstanceMetric:
+    """Add ``name`` to :data:`INSTANCE_METRICS` (see :class:`InstanceMetric`); a clash with a
+    registered name or a built-in one (``loss``, ``accuracy``, ``AC@...``, ``ACMC@...``, the
+    focus cells) is an error."""
+    if name in INSTANCE_METRICS or name in ("loss", "accuracy", *FOCUS_CELLS) or name.startswith(("AC@", "ACMC@")):
+        raise ValueError(f"a metric named {name!r} already exists")
+    if not callable(fn):
+        raise TypeError(f"metric {name!r}: fn must be callable, got {type(fn).__name__}")
+    INSTANCE_METRICS[name] = m = InstanceMetric(name, fn, bool(phase), bool(attention))
+    return m
+
+
+def unregister_metric(name: str) -> None:
+    """Remove ``name`` from :data:`INSTANCE_METRICS` (KeyError if it is not there)."""
+    del INSTANCE_METRICS[name]
+
+
+register_metric("attn_relevant", lambda a, c, ok: a, phase=True)
+register_metric("confidence", lambda a, c, ok: c, attention=False)
+
+
+def attention_names(taus: Sequence[float] = DEFAULT_TAUS) -> list[str]:
+    """The registered attention metrics, then AC/ACMC at each ``tau``."""
+    return [m.name for m in INSTANCE_METRICS.values() if m.attention] + threshold_names(taus)
+
+
+def threshold_names(taus: Sequence[float] = DEFAULT_TAUS) -> list[str]:
+    """``AC@tau`` and ``ACMC@tau`` for each threshold, in that order."""
+    return [n for t in taus for n in (f"AC@{t:g}", f"ACMC@{t:g}")]
+
+
+def instance_means(a: Tensor, c: Tensor, correct: Tensor, mean: Callable[[Tensor], Any],
+                   taus: Sequence[float] = DEFAULT_TAUS) -> dict[str, Any]:
+    """Loss, accuracy, every registered :data:`INSTANCE_METRICS` entry and AC/ACMC at each
+    ``tau``, each reduced by ``mean`` (a weighted mean over the instance axis) from per-instance
+    ``a``, ``c`` (float64) and ``correct`` (bool)."""
+    out = {"loss": mean(-c.clamp_min(1e-300).log()), "accuracy": mean(correct)}
+    for m in INSTANCE_METRICS.values():
+        out[m.name] = mean(m.fn(a, c, correct))
+    for tau in taus:
+        out[f"AC@{tau:g}"] = mean(a >= _check_tau(tau))
+        out[f"ACMC@{tau:g}"] = mean((a >= tau) & (c >= tau))
+    return out
+
+
 def summarize(attn: Tensor, probs: Tensor, relevant: Tensor, y: Tensor,
               taus: Sequence[float] = DEFAULT_TAUS, weight: Tensor | None = None) -> dict[str, float]:
-    """Loss, accuracy, mean relevant mass and confidence, AC/ACMC at each ``tau`` and the
-    focus/prediction table, as one flat dict. ``weight`` (N,) turns means into expectations
-    (population batches); the threshold fractions are then weighted too."""
+    """:func:`instance_means` (loss, accuracy, the registered metrics, AC/ACMC at each ``tau``)
+    and the focus/prediction table, as one flat dict. ``weight`` (N,) turns means into
+    expectations (population batches); the threshold fractions are then weighted too."""
     w = torch.full_like(y, 1.0 / len(y), dtype=torch.float64) if weight is None else weight.double() / weight.sum()
     a, c = relevant_mass(attn, relevant).double(), confidence(probs, y).double()
     pred = probs.argmax(-1)
     mean = lambda v: float((w * v.double()).sum())  # noqa: E731
-    out = {
-        "loss": mean(-c.clamp_min(1e-300).log()),
-        "accuracy": mean(pred == y),
-        "attn_relevant": mean(a),
-        "confidence": mean(c),
-    }
-    for tau in taus:
-        out[f"AC@{tau:g}"] = mean(a >= _check_tau(tau))
-        out[f"ACMC@{tau:g}"] = mean((a >= tau) & (c >= tau))
+    out = instance_means(a, c, pred == y, mean, taus)
     for k, v in focus_cells(attn, relevant, pred, y).items():
         out[k] = mean(v)
     return out

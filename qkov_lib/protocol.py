@@ -35,10 +35,19 @@ from torch import nn
 
 from qkov_lib import claims
 from qkov_lib.data.batch import Batch
+from qkov_lib.metrics import INSTANCE_METRICS, threshold_names
 from qkov_lib.runtime import torch_threads
 from qkov_lib.train import TrainConfig, train_stacked
 
-PHASE_METRICS = ("accuracy", "macro_f1", "attn_relevant", "AC@0.5", "ACMC@0.5", "sufficiency")
+MAP_TAU = 0.5  # the AC/ACMC threshold the protocol map measures
+
+
+def phase_metrics() -> tuple[str, ...]:
+    """The metrics the protocol map measures and its phase table reports: accuracy, macro-F1,
+    every :data:`qkov_lib.metrics.INSTANCE_METRICS` entry with ``phase=True``, AC/ACMC at
+    :data:`MAP_TAU` and ERASER sufficiency."""
+    return ("accuracy", "macro_f1", *(m.name for m in INSTANCE_METRICS.values() if m.phase),
+            *threshold_names([MAP_TAU]), "sufficiency")
 
 
 @dataclass(frozen=True)
@@ -236,7 +245,7 @@ def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy", tie: st
 R1_METRICS = ("accuracy", "macro_f1")  # R1 compares every model, trained or not, on these (``d_all_<m>``)
 
 
-def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS, chance: float | None = None
+def phase_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, chance: float | None = None
                 ) -> pd.DataFrame:
     """Per (optimizer, eta_ov, ratio): runs, trained runs, the failure rate, the mean of each
     metric over trained runs, and its change against ratio 1 paired by seed (``d_<metric>``, only
@@ -250,6 +259,7 @@ def phase_table(table: pd.DataFrame, metrics: Sequence[str] = PHASE_METRICS, cha
     still left out)."""
     if chance is not None and not (math.isfinite(float(chance)) and 0.0 <= float(chance) <= 1.0):
         raise ValueError(f"chance must be an accuracy in [0, 1] or None, got {chance!r}")
+    metrics = phase_metrics() if metrics is None else metrics
     everyone = table.copy()
     diverged = everyone["diverged"].astype(bool) if "diverged" in everyone else pd.Series(False, everyone.index)
     for m in R1_METRICS:
@@ -413,4 +423,4 @@ def synthetic_demo(n: int = 600, T: int = 8, vocab: int = 12, seed: int = 0) -> 
 
 
 __all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table", "cell_verdicts",
-           "region_verdicts", "plot_phase", "failures", "synthetic_demo", "PHASE_METRICS", "R1_METRICS"]
+           "region_verdicts", "plot_phase", "failures", "synthetic_demo", "phase_metrics", "MAP_TAU", "R1_METRICS"]

@@ -299,3 +299,51 @@ def test_a_registered_dataset_runs_the_protocol_map_with_no_other_change():
         registry.register(M.MAPS["sva"])
     with pytest.raises(TypeError, match="register takes a MapSpec"):
         M.register({"name": "cue"})
+
+
+def test_a_registered_metric_reaches_every_summary_map_and_phase_table():
+    """One registry entry (made up here: the share of instances with at least a quarter of the
+    attention on relevant tokens) shows up in the flat summary, the batched engine's summary,
+    the protocol map's runs table and phase table, and the real-data tables' columns."""
+    from qkov_lib import metrics, protocol
+    from qkov_lib.data import synthetic as syn
+    from qkov_lib.models import SyntheticModel
+    from qkov_lib.studies import attention_analysis
+    from qkov_lib.train import engine, evaluate
+
+    metrics.register_metric("AQ", lambda a, c, ok: a >= 0.25, phase=True)
+    try:
+        attn = torch.tensor([[0.2, 0.8], [0.9, 0.1], [0.5, 0.5]])
+        probs = torch.tensor([[0.3, 0.7], [0.6, 0.4], [0.5, 0.5]])
+        rel = torch.tensor([[False, True], [False, True], [True, False]])
+        s = metrics.summarize(attn, probs, rel, torch.tensor([1, 0, 1]))
+        assert s["AQ"] == pytest.approx(2 / 3)  # relevant masses 0.8, 0.1, 0.5
+        task = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 3))
+        data = syn.sample(task, 40, torch.Generator().manual_seed(1))
+        g = torch.Generator().manual_seed(0)
+        m = SyntheticModel(syn.make_embeddings(task, g, torch.float64), 3, parameterization="FACO", init_scale=0.9,
+                           generator=g, dtype=torch.float64)
+        (row,), _ = engine.evaluate_models([m], data)
+        assert row["AQ"] == pytest.approx(evaluate(m, data)["AQ"], abs=1e-12)
+        assert "AQ" in protocol.phase_metrics() and "AQ" in attention_analysis.attention_columns()
+
+        registry.register(registry.DatasetSpec("cue", _cue_dataset, 12))
+        base = dict(M.COMMON, d_model=16, max_len=12, min_freq=1, n_train=200, n_test=60, adamw_steps=40,
+                    sgd_steps=40, eval_every=20, patience=2, adamw_rates=[3e-2], sgd_rates=[1.0], processes=1,
+                    optimizers=["adamw"], n_eraser=10)
+        spec = M.register(M.MapSpec("cue", profiles.profile_table(base, dict(ratios=[1.0, 10.0], map_seeds=[0, 1]),
+                                                                  {}, {}), _cue_splits))
+        try:
+            result, _, _, _ = M.chapter_map("cue", "test")
+        finally:
+            M.MAPS.pop(spec.name)
+            registry.REGISTRY.pop("cue")
+        assert result.table["AQ"].between(0, 1).all()
+        assert {"AQ", "d_AQ", "d_AQ_ci"} <= set(result.phase.columns)
+    finally:
+        metrics.unregister_metric("AQ")
+    assert "AQ" not in protocol.phase_metrics() and "AQ" not in metrics.summarize(attn, probs, rel, torch.tensor([1, 0, 1]))
+    with pytest.raises(ValueError, match="already exists"):
+        metrics.register_metric("attn_relevant", lambda a, c, ok: a)
+    with pytest.raises(ValueError, match="already exists"):
+        metrics.register_metric("AC@0.3", lambda a, c, ok: a)

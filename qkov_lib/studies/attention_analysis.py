@@ -35,7 +35,8 @@ import torch
 from qkov_lib import faithfulness as fa
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.text import TextDataset
-from qkov_lib.metrics import confidence, dtap_histogram, prediction_metrics, relevant_mass, summarize
+from qkov_lib.metrics import (FOCUS_CELLS, attention_names, confidence, dtap_histogram, prediction_metrics,
+                              relevant_mass, summarize)
 from qkov_lib.train import History, predict
 from qkov_lib.studies.synthetic import format_summary, seed_summary
 
@@ -207,9 +208,7 @@ def tau_curve(table: pd.DataFrame, taus: Sequence[float]) -> pd.DataFrame:
 
 def summary_metrics(table: pd.DataFrame) -> list[str]:
     """The metric columns of a runs table, in a fixed display order, that are present."""
-    order = ["accuracy", "macro_f1", "loss", "attn_relevant", "AC@0.5", "ACMC@0.5", "AC@0.7", "ACMC@0.7",
-             "AC@0.9", "ACMC@0.9", "comprehensiveness", "sufficiency", "token_f1", "iou_f1", "auprc",
-             "FTPT", "FFPT", "FTPF", "FFPF"]
+    order = ["accuracy", "macro_f1", "loss", *attention_names(), *EXPLANATION_METRICS, *FOCUS_CELLS]
     return [m for m in order if m in table.columns and table[m].notna().any()]
 
 
@@ -229,20 +228,25 @@ def pm(value: float, ci: float, pct: bool = True, digits: int = 1) -> str:
 
 
 # --- chapter tables and figures ------------------------------------------------------------
-ATTENTION_METRICS = ["attn_relevant", "AC@0.5", "ACMC@0.5", "AC@0.9", "ACMC@0.9", "comprehensiveness", "sufficiency",
-                     "token_f1", "iou_f1", "auprc"]
+EXPLANATION_METRICS = ("comprehensiveness", "sufficiency", "token_f1", "iou_f1", "auprc")
+
+
+def attention_columns() -> list[str]:
+    """The attention columns of the chapter tables: the registered attention metrics, AC/ACMC
+    at 0.5 and 0.9, ERASER faithfulness and plausibility."""
+    return [*attention_names((0.5, 0.9)), *EXPLANATION_METRICS]
 
 
 def model_table(summary: pd.DataFrame, metrics: Sequence[str] | None = None) -> pd.DataFrame:
     """``mean ± half-width`` of the model's metrics per ratio (rows: ratio)."""
     sub = summary[summary["attention"] == "model"].drop(columns="attention")
-    metrics = [m for m in (metrics or ["accuracy", "macro_f1", "loss", *ATTENTION_METRICS]) if m in sub]
+    metrics = [m for m in (metrics or ["accuracy", "macro_f1", "loss", *attention_columns()]) if m in sub]
     return format_summary(sub[["ratio", *[c for m in metrics for c in (m, f"{m}_ci")], "n_seeds"]], metrics)
 
 
 def baseline_table(summary: pd.DataFrame) -> pd.DataFrame:
     """Every attention metric for model, uniform and random attention at every ratio."""
-    metrics = [m for m in ATTENTION_METRICS if m in summary and summary[m].notna().any()]
+    metrics = [m for m in attention_columns() if m in summary and summary[m].notna().any()]
     cols = ["attention", "ratio", *[c for m in metrics for c in (m, f"{m}_ci")], "n_seeds"]
     return format_summary(summary[cols], metrics)
 

@@ -206,15 +206,16 @@ def cell_config(cfg: Mapping[str, Any], cell: protocol.Cell) -> TrainConfig:
 
 
 def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float] = MAP_FRACS) -> dict[str, float]:
-    """Accuracy, macro-F1, loss, mean attention on the relevant tokens, AC@0.5 and ACMC@0.5
-    (instances with relevant tokens) and ERASER sufficiency (AOPC over ``fracs``, lower is
+    """Accuracy, macro-F1, loss, the attention metrics of :func:`.protocol.phase_metrics`
+    (mean relevant mass, AC/ACMC at 0.5 and any other registered phase metric; instances with
+    relevant tokens) and ERASER sufficiency (AOPC over ``fracs``, lower is
     better) on ``n_eraser`` evenly spaced instances of ``data`` (none when 0)."""
     attn, probs = predict(model, data)
     out = prediction_metrics(probs, data.y)
     has = data.relevant.any(1)
     if bool(has.any()):
-        s = summarize(attn[has], probs[has], data.relevant[has], data.y[has], [0.5])
-        out.update({k: s[k] for k in ("attn_relevant", "AC@0.5", "ACMC@0.5")})
+        s = summarize(attn[has], probs[has], data.relevant[has], data.y[has], [protocol.MAP_TAU])
+        out.update({k: s[k] for k in protocol.phase_metrics() if k in s and k not in out})
     if n_eraser > 0:
         idx = attention_analysis.spread(len(data), n_eraser).to(attn.device)
         out["sufficiency"] = float(fa.faithfulness(model, data.index(idx), attn[idx], fracs)["sufficiency"])

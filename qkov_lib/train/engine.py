@@ -49,7 +49,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from qkov_lib.data.batch import Batch
-from qkov_lib.metrics import DEFAULT_TAUS, FOCUS_CELLS, _check_tau, dtap_histogram
+from qkov_lib.metrics import DEFAULT_TAUS, FOCUS_CELLS, dtap_histogram, instance_means
 from qkov_lib.models import SyntheticModel, group_of, param_groups
 from qkov_lib.runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
 from qkov_lib.train import History, NonFiniteError, TrainConfig, log_steps
@@ -368,11 +368,7 @@ def bag_summary(alpha: Tensor, probs: Tensor, bag: Bag, taus: Sequence[float] = 
     c = probs.gather(-1, y[..., None])[..., 0].double()
     pred = probs.argmax(-1)
     mean = lambda v: (w * v.double()).sum(-1)  # noqa: E731
-    out = {"loss": mean(-c.clamp_min(1e-300).log()), "accuracy": mean(pred == y), "attn_relevant": mean(a),
-           "confidence": mean(c)}
-    for tau in taus:
-        out[f"AC@{tau:g}"] = mean(a >= _check_tau(tau))
-        out[f"ACMC@{tau:g}"] = mean((a >= tau) & (c >= tau))
+    out = instance_means(a, c, pred == y, mean, taus)
     score = torch.where(bag.counts.expand_as(alpha) > 0, alpha.double(),
                         torch.tensor(-1.0, dtype=torch.float64, device=alpha.device))
     top = score.argmax(-1)
