@@ -85,3 +85,16 @@ def test_chapter_grid_is_deterministic():
     assert a.equals(b)  # exact: same seed, same code, same thread count
     # the knob matters: the QK-faster run puts more attention on the distinct token
     assert a.loc[a.ratio == 10.0, "attn_relevant"].item() > a.loc[a.ratio == 1.0, "attn_relevant"].item()
+
+
+def test_train_config_from_profile_takes_the_profile_fields_and_the_run_wins():
+    prof = {"optimizer": "sgd", "eta_ov": 1, "steps": 40.0, "batch_size": 8, "ratios": [1, 10], "seeds": [0, 1],
+            "n_train": 500}
+    c = TrainConfig.from_profile(prof, ratio=10, seed=3, steps=20)
+    assert (c.optimizer, c.eta_ov, c.ratio, c.seed, c.steps, c.batch_size) == ("sgd", 1.0, 10.0, 3, 20, 8)
+    assert isinstance(c.eta_ov, float) and isinstance(TrainConfig.from_profile(prof).steps, int)
+    assert TrainConfig.from_profile(prof) == TrainConfig(optimizer="sgd", eta_ov=1.0, steps=40, batch_size=8)
+    with pytest.raises(TypeError, match=r"no field\(s\) \['ratios'\]"):
+        TrainConfig.from_profile(prof, ratios=[1])
+    with pytest.raises(ValueError, match="ratio"):
+        TrainConfig.from_profile(prof, ratio=-1.0)

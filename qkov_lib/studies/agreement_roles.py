@@ -126,10 +126,8 @@ def make_natural_model(ds: TextDataset, cfg: Mapping[str, Any], seed: int) -> nn
 
 def natural_train_config(cfg: Mapping[str, Any], ratio: float, seed: int) -> TrainConfig:
     """The :class:`TrainConfig` of one natural-prefix run (only ``ratio`` and ``seed`` vary)."""
-    return TrainConfig(optimizer=cfg["optimizer"], eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
-                       steps=int(cfg["steps"]), batch_size=cfg["batch_size"], weight_decay=cfg["weight_decay"],
-                       log_every=cfg["log_every"], seed=seed, progress=False, log_subsample=2000,
-                       log_seed=cfg["data_seed"], patience=cfg["patience"])
+    return TrainConfig.from_profile(cfg, ratio=ratio, seed=seed, progress=False, log_subsample=2000,
+                                    log_seed=cfg["data_seed"])
 
 
 def train_natural(ds: TextDataset, cfg: Mapping[str, Any], grid: Sequence[tuple[float, int]],

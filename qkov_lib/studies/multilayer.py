@@ -266,9 +266,7 @@ def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: to
     test = data.test.to(device)
     monitor = test.index(slice(0, cfg["n_monitor"]))
     lengths = data.train.key_mask.sum(dim=1).cpu()
-    tc = TrainConfig(optimizer="adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio), eta_other=cfg["eta_other"],
-                     steps=cfg["steps"], batch_size=cfg["batch_size"], weight_decay=cfg["weight_decay"],
-                     n_logs=cfg["n_logs"], seed=seed, progress=progress, log_subsample=0)
+    tc = TrainConfig.from_profile(cfg, optimizer="adamw", ratio=ratio, seed=seed, progress=progress, log_subsample=0)
     # minibatches of similar lengths, drawn from the generator that also drew the weights
     hist = train(model, data.train, tc, probe=lambda m: _monitor(m, monitor), desc=f"{dataset} r={ratio:g} s={seed}",
                  groups=lambda m, c: groups, batches=lambda _, n, bs: length_batches(lengths, bs, gen),

@@ -161,9 +161,7 @@ def train_one(cfg: dict, ratio: float, seed: int, test: Batch | None = None, pro
         # the knob splits the fused query_key_value in place, so its groups are made once, here
         groups, report = knob_groups(model, eta_ov=cfg["eta_ov"], ratio=float(ratio), weight_decay=cfg["weight_decay"])
         data = sample(task, cfg["steps"] * cfg["batch_size"], gen)
-        tc = TrainConfig(optimizer="adamw", eta_ov=cfg["eta_ov"], ratio=float(ratio), steps=cfg["steps"],
-                         batch_size=cfg["batch_size"], weight_decay=cfg["weight_decay"], n_logs=cfg["n_logs"],
-                         seed=seed, progress=progress, log_subsample=0)
+        tc = TrainConfig.from_profile(cfg, optimizer="adamw", ratio=ratio, seed=seed, progress=progress, log_subsample=0)
         hist = train(QueryReadout(model), data, tc, probe=lambda m: _layer_means(m.model, test),
                      desc=f"pythia r={ratio:g} s={seed}", groups=lambda m, c: groups).frame()
         scores, heads = evaluate(model, test)
@@ -389,10 +387,7 @@ def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd
     grid = [(float(r), s) for r in rcfg["ratios"] for s in rcfg["seeds"]]
     models = [TokenModel(ds.vocab_size, rcfg["d_model"], ds.n_classes, ds.max_len, generator=seed_everything(s),
                          parameterization=rcfg["parameterization"], init_scale=rcfg["init_scale"]) for _, s in grid]
-    cfgs = [TrainConfig(optimizer=rcfg["optimizer"], eta_ov=rcfg["eta_ov"], ratio=r, eta_other=rcfg["eta_other"],
-                        steps=rcfg["steps"], batch_size=rcfg["batch_size"], weight_decay=rcfg["weight_decay"],
-                        n_logs=rcfg["n_logs"], seed=s, progress=False, log_subsample=rcfg["log_subsample"],
-                        log_seed=rcfg["data_seed"]) for r, s in grid]
+    cfgs = [TrainConfig.from_profile(rcfg, ratio=r, seed=s, progress=False, log_seed=rcfg["data_seed"]) for r, s in grid]
     train_stacked(models, ds.train, cfgs, desc=f"{ds.name}: {len(grid)} one-head models", progress=True)
     rows = []
     for (ratio, seed), m in zip(grid, models):

@@ -199,10 +199,9 @@ def cell_config(cfg: Mapping[str, Any], cell: protocol.Cell) -> TrainConfig:
     """The :class:`TrainConfig` of one cell: its optimizer, base rate and ratio; validation every
     ``eval_every`` steps and early stopping after ``patience`` evaluations without a lower
     validation loss (best weights restored)."""
-    return TrainConfig(optimizer=cell.optimizer, eta_ov=cell.eta_ov, ratio=cell.ratio, eta_other=cfg["eta_other"],
-                       steps=int(cfg[f"{cell.optimizer}_steps"]), batch_size=cfg["batch_size"],
-                       weight_decay=cfg["weight_decay"], seed=cell.seed, progress=False,
-                       log_every=int(cfg["eval_every"]), log_subsample=0, patience=cfg["patience"], restore_best=True)
+    return TrainConfig.from_profile(cfg, optimizer=cell.optimizer, eta_ov=cell.eta_ov, ratio=cell.ratio, seed=cell.seed,
+                                    steps=int(cfg[f"{cell.optimizer}_steps"]), log_every=int(cfg["eval_every"]),
+                                    progress=False, log_subsample=0, restore_best=True)
 
 
 def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float] = MAP_FRACS) -> dict[str, float]:

@@ -88,9 +88,7 @@ def train_one(task: syn.SyntheticTask, parameterization: str, ratio: float, seed
     test_data = syn.sample(task, cfg["n_test"], torch.Generator().manual_seed(10_000 + seed))
     model = SyntheticModel(E, task.n_classes, parameterization=parameterization,
                            init_scale=cfg["init_scale"], generator=gen, dtype=dtype).to(device)
-    tc = TrainConfig(optimizer=cfg["optimizer"], eta_ov=cfg["eta_ov"], ratio=float(ratio),
-                     steps=int(cfg["steps"]), seed=seed, progress=progress,
-                     batch_size=cfg.get("batch_size"))
+    tc = TrainConfig.from_profile(cfg, ratio=ratio, seed=seed, progress=progress)
     hist = train(model, train_data, tc, probe=scalar_probe(task, E.to(device)),
                  desc=f"{parameterization} r={ratio:g} s={seed}")
     test_data = test_data.to(device)

@@ -191,9 +191,7 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
     models = [b.model(p, s) for p, _, s in grid]
     pop = b.population_or_none()
     train_data = pop if pop is not None else [b.seed(s)[1] for _, _, s in grid]
-    cfgs = [TrainConfig(optimizer=cfg["optimizer"], eta_ov=cfg["eta_ov"], ratio=r, steps=steps, seed=s,
-                        batch_size=cfg.get("batch_size"), n_logs=cfg["n_logs"], progress=False)
-            for _, r, s in grid]
+    cfgs = [TrainConfig.from_profile(cfg, ratio=r, steps=steps, seed=s, progress=False) for _, r, s in grid]
     hists = engine.train_batched(models, train_data, cfgs, probe=scalar_probe(b.task), snapshot_loss=matched_loss,
                                  on_nonfinite="freeze", progress=True, desc=f"{desc} ({len(grid)} runs)")
     tests = [b.seed(s)[3] for _, _, s in grid]
@@ -234,8 +232,7 @@ def throughput(cfg: dict, steps: int, n_loop: int | None = None,
     pop = b.population_or_none()
     if pop is None:
         raise ValueError("throughput needs population (full-batch) training data")
-    tc = lambda r, s: TrainConfig(optimizer=cfg["optimizer"], eta_ov=cfg["eta_ov"], ratio=r, steps=steps, seed=s,  # noqa: E731
-                                  n_logs=cfg["n_logs"], progress=False)
+    tc = lambda r, s: TrainConfig.from_profile(cfg, ratio=r, steps=steps, seed=s, progress=False)  # noqa: E731
     sub = grid if not n_loop else grid[:: max(1, len(grid) // n_loop)][:n_loop]
     loop_models = [b.model(p, s) for p, _, s in sub]
     with engine.torch_threads(threads):

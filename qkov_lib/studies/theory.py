@@ -205,8 +205,8 @@ def conservation_random(cfg: dict, parameterization: str = "FAFO", ratio: float 
         E = syn.make_embeddings(task, dtype=torch.float64)
         model = SyntheticModel(E, task.n_classes, parameterization=parameterization, init_scale=cfg["init_scale"],
                                generator=seed_everything(cfg["seed"]), dtype=torch.float64)
-        tc = TrainConfig(optimizer="gd", eta_ov=eta_ov_for(eta, ratio), ratio=float(ratio),
-                         steps=int(round(horizon / eta)), n_logs=cfg["n_logs"], progress=False)
+        tc = TrainConfig.from_profile(cfg, optimizer="gd", eta_ov=eta_ov_for(eta, ratio), ratio=ratio,
+                                      steps=int(round(horizon / eta)), progress=False)
         f = train(model, data, tc, probe=_probe(task, E, cfg["w0"], cfg["q0"])).frame()
         rows.append({"parameterization": parameterization, "eta_max": eta, "drift_qk": float(f["drift_qk"].max()),
                      "drift_ov": float(f["drift_ov"].max()), "final_loss": float(f["loss"].iloc[-1])})
@@ -523,8 +523,8 @@ def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
             gen = seed_everything(seed)
             model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=cfg["init_scale"],
                                    generator=gen, dtype=torch.float64)
-        tc = TrainConfig(optimizer="gd", eta_ov=cfg["eta_ov"], ratio=float(r), steps=int(cfg["full_steps"]),
-                         n_logs=cfg["n_logs"], seed=seed, progress=False)
+        tc = TrainConfig.from_profile(cfg, optimizer="gd", ratio=r, steps=int(cfg["full_steps"]), seed=seed,
+                                      progress=False)
         h = train(model, data, tc, probe=_probe(task, E, cfg["w0"], cfg["q0"]))
         fin = h.final
         rows.append({"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",

@@ -11,8 +11,9 @@ descent), ``sgd`` (minibatch, optional momentum) and ``adamw``, as ``torch.optim
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -81,6 +82,25 @@ class TrainConfig:
     @property
     def eta_qk(self) -> float:
         return self.eta_ov * self.ratio
+
+    @classmethod
+    def from_profile(cls, profile: Mapping[str, Any], **run: Any) -> TrainConfig:
+        """The config of one run of a study: every field of this class that ``profile`` (a
+        resolved settings dict, :func:`qkov_lib.profiles.resolve`) names, overridden by ``run``
+        (the run's own values: ``ratio``, ``seed``, a fixed ``optimizer``...). Profile keys that
+        are not fields are ignored; a ``run`` key that is not a field is a TypeError. Integral
+        ``steps`` become ``int``, numeric ``eta_ov``/``ratio``/``eta_other`` become ``float``."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(run) - set(names))
+        if unknown:
+            raise TypeError(f"TrainConfig has no field(s) {unknown}")
+        kw = {k: profile[k] for k in names if k in profile} | run
+        for k in ("eta_ov", "ratio", "eta_other"):
+            if isinstance(kw.get(k), (int, float)) and not isinstance(kw[k], bool):
+                kw[k] = float(kw[k])
+        if isinstance(kw.get("steps"), float) and kw["steps"].is_integer():
+            kw["steps"] = int(kw["steps"])
+        return cls(**kw)
 
 
 def log_steps(steps: int, n_logs: int) -> list[int]:
