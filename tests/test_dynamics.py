@@ -15,7 +15,8 @@ import torch
 
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
-from qkov_lib.studies import theory as th
+from qkov_lib.studies import asymptotics
+from qkov_lib.studies import reduction as red
 from qkov_lib.models import PARAMETERIZATIONS
 from qkov_lib.profiles import resolve
 
@@ -85,8 +86,8 @@ def test_symmetric_state_round_trip_and_invisible_shift():
 
 
 def _overlay(name, eta_max=0.1, ratio=3.0, steps=150):
-    eta_ov = th.eta_ov_for(eta_max, ratio)
-    return th.overlay(TASK, name, 0.5, 0.5, eta_ov, ratio, steps, n_logs=15)
+    eta_ov = red.eta_ov_for(eta_max, ratio)
+    return red.overlay(TASK, name, 0.5, 0.5, eta_ov, ratio, steps, n_logs=15)
 
 
 @pytest.mark.parametrize("name", PARAMETERIZATIONS)
@@ -98,22 +99,22 @@ def test_ode_overlays_full_model_gd(name):
     assert err < 0.05
     assert float(f["off_subspace"].max()) < 1e-12 and float(f["shift"].abs().max()) < 1e-12
     assert f["ov"].iloc[-1] > 1.0 and f["qk"].iloc[-1] > 1.0  # the run went somewhere
-    pert = th.perturbed_discrepancy(f, TASK, 0.5, 0.5, 0.1, factor=2.0)
+    pert = red.perturbed_discrepancy(f, TASK, 0.5, 0.5, 0.1, factor=2.0)
     assert (pert["max_err"] > 0.05).all()
 
 
 def test_gd_discrepancy_is_first_order_in_the_step():
-    cfg = resolve(th.PROFILES_REDUCTION, "test", steps=100, etas_convergence=[0.2, 0.1])
-    conv = th.step_convergence(cfg, "FAFO", ratio=3.0)
+    cfg = resolve(red.PROFILES_REDUCTION, "test", steps=100, etas_convergence=[0.2, 0.1])
+    conv = red.step_convergence(cfg, "FAFO", ratio=3.0)
     e1, e2 = conv["max_err"]
     assert 1.7 < e1 / e2 < 2.3
 
 
 def test_invariants_of_factorized_training():
-    cfg = resolve(th.PROFILES_REDUCTION, "test", steps=100, etas_convergence=[0.2, 0.1])
+    cfg = resolve(red.PROFILES_REDUCTION, "test", steps=100, etas_convergence=[0.2, 0.1])
     f = _overlay("FAFO", steps=60)
     assert float(f[["drift_qk", "drift_ov"]].max().max()) < 1e-12  # symmetric subspace: exact even for GD
-    cons = th.conservation_random(cfg, "FAFO")
+    cons = red.conservation_random(cfg, "FAFO")
     d = np.maximum(cons["drift_qk"], cons["drift_ov"]).to_numpy()
     assert d[0] > 1e-5  # off the subspace GD does move them ...
     assert 1.7 < d[0] / d[1] < 2.3  # ... by O(eta) over a fixed horizon: conserved by the flow
@@ -184,11 +185,11 @@ def test_crossover_and_verdict_helpers():
     runs = pd.DataFrame({"parameterization": ["A"] * 4 + ["B"] * 4, "ratio": 1.0, "t": np.tile(t, 2),
                          "loss": np.tile([1.0, 0.1, 0.01, 0.001], 2),
                          "common": [0.5, 0.2, 0.1, 0.05, 0.6, 0.3, 0.05, 0.01]})
-    assert th.crossover(runs, "A", "B") == 100.0  # exact: a grid value of t, not interpolated
-    assert math.isnan(th.crossover(runs, "B", "A"))
-    assert th.top2_verdict("FACO > CACO > FAFO > CAFO")[1].startswith("the first summary")
-    assert th.top2_verdict("CACO > CAFO > FAFO > FACO")[1].startswith("the second summary")
-    assert th.top2_verdict("FACO > FAFO > CACO > CAFO")[1] == "neither summary"
+    assert asymptotics.crossover(runs, "A", "B") == 100.0  # exact: a grid value of t, not interpolated
+    assert math.isnan(asymptotics.crossover(runs, "B", "A"))
+    assert asymptotics.top2_verdict("FACO > CACO > FAFO > CAFO")[1].startswith("the first summary")
+    assert asymptotics.top2_verdict("CACO > CAFO > FAFO > FACO")[1].startswith("the second summary")
+    assert asymptotics.top2_verdict("FACO > FAFO > CACO > CAFO")[1] == "neither summary"
 
 
 @pytest.mark.parametrize("kw, err, msg", [
@@ -219,11 +220,11 @@ def test_bad_sizes_and_coordinates():
 
 
 def test_theory_profiles_resolve():
-    for table in (th.PROFILES_REDUCTION, th.PROFILES_ASYMPTOTICS):
+    for table in (red.PROFILES_REDUCTION, asymptotics.PROFILES_ASYMPTOTICS):
         assert set(table) == {"test", "cpu", "full"}
         assert all(set(table[p]) == set(table["test"]) for p in table)
         assert resolve(table, "test")["profile"] == "test"
         # the checks' tolerances are the claims module's thresholds, not per-profile settings
         assert not {k for k in table["test"] if k.startswith("tol_")}
     with pytest.raises(TypeError, match="ratios"):
-        resolve(th.PROFILES_ASYMPTOTICS, "test", ratios=3)
+        resolve(asymptotics.PROFILES_ASYMPTOTICS, "test", ratios=3)

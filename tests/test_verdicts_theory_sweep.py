@@ -10,7 +10,8 @@ from qkov_lib import claims as C
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.studies import synthetic_sweeps
-from qkov_lib.studies import theory as th
+from qkov_lib.studies import asymptotics
+from qkov_lib.studies import reduction as red
 from qkov_lib.profiles import resolve
 
 TASK = syn.SyntheticTask(n_classes=3, n_common_vocab=2, n_common=(2, 4))
@@ -21,9 +22,9 @@ P4 = ["FAFO", "CAFO", "FACO", "CACO"]
 # --- chapter 02: T1, T2 ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def reduction():
-    grad = th.gradient_check(TASK, POINTS)
-    vel = th.velocity_check(TASK, POINTS, parameterizations=["FAFO", "CACO"])
-    ov = th.overlay(TASK, "FAFO", 0.5, 0.5, th.eta_ov_for(0.1, 4.0), 4.0, 60, n_logs=10)
+    grad = red.gradient_check(TASK, POINTS)
+    vel = red.velocity_check(TASK, POINTS, parameterizations=["FAFO", "CACO"])
+    ov = red.overlay(TASK, "FAFO", 0.5, 0.5, red.eta_ov_for(0.1, 4.0), 4.0, 60, n_logs=10)
     return grad, vel, ov
 
 
@@ -41,14 +42,14 @@ def _negated_prediction_grad(points):
 
 def test_t1_t2_flip_when_the_reduction_predicts_the_opposite_sign(reduction):
     grad, vel, ov = reduction
-    v = th.reduction_verdicts(grad, vel, th.overlay_summary(ov))
+    v = red.reduction_verdicts(grad, vel, red.overlay_summary(ov))
     assert (v["T1"].verdict, v["T2"].verdict) == ("reproduced", "reproduced")
     # the ODE trajectory with the opposite sign: GD no longer tracks it -> only the gradients agree
     flipped_ov = ov.assign(err_w=(ov["ov"] + ov["w_ode"]).abs(), err_q=(ov["qk"] + ov["q_ode"]).abs())
-    assert th.reduction_verdicts(grad, vel, th.overlay_summary(flipped_ov))["T1"].verdict == "partly"
+    assert red.reduction_verdicts(grad, vel, red.overlay_summary(flipped_ov))["T1"].verdict == "partly"
     # ... and the predicted gradients with the opposite sign too
-    v = th.reduction_verdicts(_negated_prediction_grad(POINTS), vel.assign(dw_ode=-vel["dw_ode"], dq_ode=-vel["dq_ode"]),
-                              th.overlay_summary(flipped_ov))
+    v = red.reduction_verdicts(_negated_prediction_grad(POINTS), vel.assign(dw_ode=-vel["dw_ode"], dq_ode=-vel["dq_ode"]),
+                              red.overlay_summary(flipped_ov))
     assert (v["T1"].verdict, v["T2"].verdict) == ("not reproduced", "not reproduced")
 
 
@@ -60,31 +61,31 @@ def test_t2_fails_without_the_rescaling(reduction):
     fafo = vel[vel["parameterization"] == "FAFO"].copy()
     ode = [dy.velocity("CACO", w, q, sizes, 1.0, 3.0) for w, q in zip(fafo["w"], fafo["q"])]
     fafo["dw_ode"], fafo["dq_ode"] = [float(a) for a, _ in ode], [float(b) for _, b in ode]
-    assert th.reduction_verdicts(vel.iloc[:0], vel, pd.DataFrame())["T2"].verdict == "reproduced"
-    assert th.reduction_verdicts(vel.iloc[:0], fafo, pd.DataFrame())["T2"].verdict == "not reproduced"
+    assert red.reduction_verdicts(vel.iloc[:0], vel, pd.DataFrame())["T2"].verdict == "reproduced"
+    assert red.reduction_verdicts(vel.iloc[:0], fafo, pd.DataFrame())["T2"].verdict == "not reproduced"
 
 
 def test_reduction_with_no_checks_is_not_tested(reduction):
     grad, vel, ov = reduction
-    v = th.reduction_verdicts(grad.iloc[:0], vel.iloc[:0], th.overlay_summary(ov).iloc[:0])
+    v = red.reduction_verdicts(grad.iloc[:0], vel.iloc[:0], red.overlay_summary(ov).iloc[:0])
     assert (v["T1"].verdict, v["T2"].verdict) == ("not tested", "not tested")
 
 
 # --- chapter 03: T3-T6, S2 ---------------------------------------------------------------------
 def _asym_tables(**overrides) -> dict:
-    cfg = resolve(th.PROFILES_ASYMPTOTICS, "test", **overrides)
-    sizes = th.sizes_of(cfg)
-    eq = th.equal_or_lowest(cfg["ratios"])
-    runs = th.long_runs(sizes, cfg)
-    return dict(runs=runs, table=th.exponent_table(runs, sizes, cfg), t3=th.t3_table(runs, cfg, eq),
-                hz=th.horizon_ranking(runs, cfg["horizons"], eq), ml=th.matched_loss_ranking(runs, [1e-2, 1e-4], eq),
-                lines_single=th.line_check(sizes, cfg, cfg["ratios"], single_n=3),
-                lines_mix=th.line_check(sizes, cfg, cfg["ratios"]), full=th.full_model_runs(cfg, progress=False),
+    cfg = resolve(asymptotics.PROFILES_ASYMPTOTICS, "test", **overrides)
+    sizes = red.sizes_of(cfg)
+    eq = asymptotics.equal_or_lowest(cfg["ratios"])
+    runs = asymptotics.long_runs(sizes, cfg)
+    return dict(runs=runs, table=asymptotics.exponent_table(runs, sizes, cfg), t3=asymptotics.t3_table(runs, cfg, eq),
+                hz=asymptotics.horizon_ranking(runs, cfg["horizons"], eq), ml=asymptotics.matched_loss_ranking(runs, [1e-2, 1e-4], eq),
+                lines_single=asymptotics.line_check(sizes, cfg, cfg["ratios"], single_n=3),
+                lines_mix=asymptotics.line_check(sizes, cfg, cfg["ratios"]), full=asymptotics.full_model_runs(cfg, progress=False),
                 sizes=sizes, cfg=cfg)
 
 
 def _asym_verdicts(t: dict) -> dict[str, str]:
-    v = th.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
+    v = asymptotics.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
     return {k: x.verdict for k, x in v.items()}
 
 
@@ -104,24 +105,24 @@ def test_t5_flips_when_the_ratio_order_is_reversed(asym):
     swap = {1.0: 10.0, 10.0: 1.0}
     runs = asym["runs"].assign(ratio=asym["runs"]["ratio"].map(swap))
     full = asym["full"].assign(ratio=asym["full"]["ratio"].map(swap))
-    assert C.t5_sharpening(*th.t5_inputs(asym["runs"], asym["full"])).verdict == "reproduced"
-    assert C.t5_sharpening(*th.t5_inputs(runs, full)).verdict == "not reproduced"
+    assert C.t5_sharpening(*asymptotics.t5_inputs(asym["runs"], asym["full"])).verdict == "reproduced"
+    assert C.t5_sharpening(*asymptotics.t5_inputs(runs, full)).verdict == "not reproduced"
 
 
 def test_t6_flips_when_factorized_and_collapsed_qk_swap(asym):
     swap = {"FACO": "CACO", "CACO": "FACO", "FAFO": "CAFO", "CAFO": "FAFO"}
     hz = asym["hz"].rename(columns={f"common {a}": f"common {b}" for a, b in swap.items()})
     full = asym["full"].assign(parameterization=asym["full"]["parameterization"].map(swap))
-    assert C.t6_factorized_qk(th.t6_margins(asym["hz"], asym["full"])).verdict == "reproduced"
-    assert C.t6_factorized_qk(th.t6_margins(hz, full)).verdict == "not reproduced"
+    assert C.t6_factorized_qk(asymptotics.t6_margins(asym["hz"], asym["full"])).verdict == "reproduced"
+    assert C.t6_factorized_qk(asymptotics.t6_margins(hz, full)).verdict == "not reproduced"
 
 
 def test_t3_flips_when_the_ov_scalar_grows_twice_as_fast(asym):
     """Doubling w turns its fitted exponent in log t from 1 into 2: the OV half of T3 fails."""
     runs = asym["runs"].assign(w=2 * asym["runs"]["w"])
-    table = th.exponent_table(runs, asym["sizes"], asym["cfg"])
-    assert C.t3_growth(*th.t3_inputs(asym["table"], asym["t3"])).verdict == "partly"
-    assert C.t3_growth(*th.t3_inputs(table, asym["t3"])).verdict == "not reproduced"
+    table = asymptotics.exponent_table(runs, asym["sizes"], asym["cfg"])
+    assert C.t3_growth(*asymptotics.t3_inputs(asym["table"], asym["t3"])).verdict == "partly"
+    assert C.t3_growth(*asymptotics.t3_inputs(table, asym["t3"])).verdict == "not reproduced"
 
 
 def _residual(lines: pd.DataFrame, sign: float) -> pd.DataFrame:
@@ -136,8 +137,8 @@ def _residual(lines: pd.DataFrame, sign: float) -> pd.DataFrame:
 def test_t4_flips_when_the_line_slope_changes_sign(asym):
     single, mix = asym["lines_single"], asym["lines_mix"]
     assert np.allclose(_residual(single, 1.0)["residual"], single["residual"])  # same residual as the chapter
-    assert C.t4_line(*th.t4_inputs(single, mix)).verdict == "partly"
-    assert C.t4_line(*th.t4_inputs(_residual(single, -1.0), mix)).verdict == "not reproduced"
+    assert C.t4_line(*asymptotics.t4_inputs(single, mix)).verdict == "partly"
+    assert C.t4_line(*asymptotics.t4_inputs(_residual(single, -1.0), mix)).verdict == "not reproduced"
 
 
 def _full(att: dict[float, dict[str, float]]) -> pd.DataFrame:
@@ -151,24 +152,25 @@ ATT1 = {"FAFO": 0.80, "CAFO": 0.60, "FACO": 0.95, "CACO": 0.90}  # top two FACO,
 
 def test_s2_flips_with_the_ranking_and_fafos_move():
     toward_faco = _full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.93}})
-    assert th.s2_inputs(toward_faco)[1] == "FACO"
-    assert C.s2_which_pair(*th.s2_inputs(toward_faco)).verdict == "reproduced"
+    assert asymptotics.s2_inputs(toward_faco)[1] == "FACO"
+    assert C.s2_which_pair(*asymptotics.s2_inputs(toward_faco)).verdict == "reproduced"
     flipped = {p: 1 - a for p, a in ATT1.items()}  # ranking reversed: top two CAFO, FAFO
     away = _full({1.0: flipped, 10.0: {**flipped, "FAFO": 0.4}})  # FAFO (0.2) moves away from FACO and CACO
-    assert th.s2_inputs(away)[1] == "neither"
-    assert C.s2_which_pair(*th.s2_inputs(away)).verdict == "not reproduced"
-    assert C.s2_which_pair(*th.s2_inputs(_full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.05}}))).verdict == "partly"
+    assert asymptotics.s2_inputs(away)[1] == "neither"
+    assert C.s2_which_pair(*asymptotics.s2_inputs(away)).verdict == "not reproduced"
+    assert C.s2_which_pair(*asymptotics.s2_inputs(_full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.05}}))).verdict == "partly"
 
 
 def test_asymptotics_with_one_ratio_say_not_tested():
     t = _asym_tables(ratios=[1.0], full_ratios=[1.0])
-    v = th.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
-    f = th.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
+    v = asymptotics.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
+    f = asymptotics.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
                              t["full"], t["sizes"], t["cfg"], v)
-    assert v["T5"].verdict == "not tested" and "not tested" in f["t5_ode_sentence"] and "not tested" in f["t5_full_sentence"]
-    assert "not tested" in f["A_sentence"] and "not tested" in f["fafo_move_sentence"]
+    assert v["T5"].verdict == "not tested" and not f["t5_tested"] and not f["t5_full_tested"]
+    assert f["t5_mono"] == f["t5_full"] == f["A_scaling"] == "not tested (one ratio)" and not f["A_tested"]
+    assert f["fafo_toward"] == "not tested"
     assert "move not tested" in v["S2"].reason
-    rows = th.asymptotics_claims(f, v)
+    rows = asymptotics.asymptotics_claims(f, v)
     assert [r["id"] for r in rows] == ["T3", "T4", "T5", "T6", "S2"] and all(r["rule"] and r["reason"] for r in rows)
     # no equal rates: T6 and S2 cannot be judged
     t = _asym_tables(ratios=[10.0], full_ratios=[10.0])
@@ -176,19 +178,19 @@ def test_asymptotics_with_one_ratio_say_not_tested():
         "T5": "not tested", "T6": "not tested", "S2": "not tested"}
 
 
-def test_asymptotics_sentences_follow_the_numbers(asym):
-    """The result sentences are chosen by the numbers: with q doubled so that it grows like a
-    higher power of log t, the 'does not grow like log² t' sentence is not chosen."""
+def test_asymptotics_sentence_choices_follow_the_numbers(asym):
+    """The comparisons that choose chapter 03's sentences follow the numbers: with q's fitted
+    exponent set to 2, 'q grows like log² t' is chosen instead of 'it does not'."""
     t = asym
-    v = th.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
-    f = th.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
+    v = asymptotics.asymptotics_verdicts(t["runs"], t["table"], t["t3"], t["hz"], t["lines_single"], t["lines_mix"], t["full"])
+    f = asymptotics.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
                              t["full"], t["sizes"], t["cfg"], v)
-    assert "does **not** grow like log² t" in f["q_sentence"]
+    assert f["q_literal"] is False
     assert f["thr_literal_tol"] == C.threshold_text("LITERAL_TOL") and f["rule_T5"] == C.T5_RULE
     t3 = t["t3"].assign(**{"exponent of q in log t": 2.0})
-    f2 = th.asymptotics_facts(t["runs"], t["table"], t3, t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
+    f2 = asymptotics.asymptotics_facts(t["runs"], t["table"], t3, t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
                               t["full"], t["sizes"], t["cfg"], v)
-    assert "does grow like log² t" in f2["q_sentence"] and f2["t3_sentence"] != f["t3_sentence"]
+    assert f2["q_literal"] is True and f2["q_exp_max"] == "2.00"
 
 
 # --- chapter 04: S1-S3, R3-synthetic, S3-robustness ---------------------------------------------

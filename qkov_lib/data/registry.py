@@ -29,12 +29,18 @@ class DatasetSpec:
 REGISTRY: dict[str, DatasetSpec] = {}
 
 
+def add(table: dict, spec: Any, kind: type) -> Any:
+    """Put ``spec`` (an instance of ``kind`` with a ``name``) into ``table`` under its name,
+    replacing one of the same name; returns it. The one registering step of every spec registry."""
+    if not isinstance(spec, kind):
+        raise TypeError(f"register takes a {kind.__name__}, got {type(spec).__name__}")
+    table[spec.name] = spec
+    return spec
+
+
 def register(spec: DatasetSpec) -> DatasetSpec:
     """Add ``spec`` to :data:`REGISTRY` (replacing one of the same name); returns it."""
-    if not isinstance(spec, DatasetSpec):
-        raise TypeError(f"register takes a DatasetSpec, got {type(spec).__name__}")
-    REGISTRY[spec.name] = spec
-    return spec
+    return add(REGISTRY, spec, DatasetSpec)
 
 
 for _spec in (DatasetSpec("squad", squad.load, 192), DatasetSpec("hatexplain", hatexplain.load, 96),

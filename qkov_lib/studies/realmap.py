@@ -34,6 +34,7 @@ from qkov_lib import claims, head_model
 from qkov_lib import faithfulness as fa
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.text import TextDataset
+from qkov_lib.data import registry
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.runtime import seed_everything
 from qkov_lib.metrics import prediction_metrics, seed_half_width, summarize
@@ -117,10 +118,7 @@ MAPS: dict[str, MapSpec] = {}
 
 def register(spec: MapSpec) -> MapSpec:
     """Add ``spec`` to :data:`MAPS` (replacing one of the same name); returns it."""
-    if not isinstance(spec, MapSpec):
-        raise TypeError(f"register takes a MapSpec, got {type(spec).__name__}")
-    MAPS[spec.name] = spec
-    return spec
+    return registry.add(MAPS, spec, MapSpec)
 
 
 def check_dataset(name: str) -> None:

@@ -30,7 +30,7 @@ from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig
 from qkov_lib.studies import synthetic as base
-from qkov_lib.studies.theory import equal_or_lowest as equal_rate  # 1 (equal rates) when run, else the lowest ratio
+from qkov_lib.studies.asymptotics import equal_or_lowest as equal_rate  # 1 (equal rates) when run, else the lowest ratio
 
 RATIOS = [0.1, 1.0, 10.0, 100.0]
 

@@ -1,0 +1,643 @@
+"""The reduced ODEs' asymptotics (claims T3-T6, S2): long log-time integrations, exponent fits,
+line coordinates (T4), the effect of the ratio (T5), the sharpness ranking at equal rates (T6, S2)
+and the full-model runs that check them at a practical horizon, with verdicts and figures."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from qkov_lib import dynamics as dy
+from qkov_lib.data import synthetic as syn
+from qkov_lib.models import SyntheticModel
+from qkov_lib import claims as C
+from qkov_lib.claims import Verdict, claim
+from qkov_lib.runtime import seed_everything
+from qkov_lib.train import TrainConfig, train
+from qkov_lib.studies.reduction import PARAMS, _fig, _probe, sizes_of, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
+
+# Chapter 03 (asymptotics): long ODE integrations, fits, S2 runs.
+PROFILES_ASYMPTOTICS: dict[str, dict] = {
+    "test": dict(n_classes=3, n_common_vocab=2, n_common=[2, 4], eta_ov=0.5, ratios=[1.0, 10.0],
+                 w0=0.1, q0=0.1, t_max=1e100, n_points=150, fit_windows=[1e10, 1e30, 1e100],
+                 horizons=[1e2, 1e3, 1e4, 1e6, 1e12, 1e50], full_steps=100, full_ratios=[1.0, 10.0],
+                 full_seeds=[0], init_scale=0.1, n_logs=8, q0_small=1e-3, seed=0),
+    "cpu": dict(n_classes=4, n_common_vocab=3, n_common=[2, 4, 8, 12], eta_ov=0.5, ratios=[1.0, 3.0, 10.0],
+                w0=0.1, q0=0.1, t_max=1e200, n_points=500, fit_windows=[1e10, 1e30, 1e100, 1e200],
+                horizons=[1e2, 1e3, 1e4, 1e6, 1e12, 1e50, 1e100], full_steps=1000, full_ratios=[1.0, 10.0],
+                full_seeds=[0, 1], init_scale=0.1, n_logs=30, q0_small=1e-3, seed=0),
+    "full": dict(n_classes=8, n_common_vocab=4, n_common=[2, 4, 8, 16, 32], eta_ov=0.5, ratios=[1.0, 3.0, 10.0, 100.0],
+                 w0=0.1, q0=0.1, t_max=1e200, n_points=800, fit_windows=[1e10, 1e30, 1e100, 1e200],
+                 horizons=[1e2, 1e3, 1e4, 1e6, 1e12, 1e50, 1e100], full_steps=20000, full_ratios=[1.0, 10.0],
+                 full_seeds=[0, 1, 2, 3, 4], init_scale=0.1, n_logs=40, q0_small=1e-3, seed=0),
+}
+
+
+# --------------------------------------------------------------------------------------
+# chapter 03: asymptotics, lines, sharpness ranking
+# --------------------------------------------------------------------------------------
+def long_runs(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float] | None = None, w0: float | None = None,
+              q0: float | None = None, t_max: float | None = None) -> pd.DataFrame:
+    """Log-time ODE integrations for every parameterization and ratio, long table with columns
+    parameterization, ratio, t, w, q, loss, distinct, common, confidence."""
+    parts = []
+    for p, r in itertools.product(PARAMS, ratios or cfg["ratios"]):
+        T = t_max or cfg["t_max"]
+        grid = np.unique(np.concatenate([[0.0], np.geomspace(1e-2, T, cfg["n_points"]),
+                                         np.geomspace(1.0, min(T, 1e6), 120)]))
+        f = dy.integrate(p, cfg["w0"] if w0 is None else w0, cfg["q0"] if q0 is None else q0, sizes,
+                         cfg["eta_ov"], r, t_max=T, t_eval=grid)
+        f.insert(0, "ratio", float(r))
+        f.insert(0, "parameterization", p)
+        parts.append(f)
+    return pd.concat(parts, ignore_index=True)
+
+
+def exponent_table(runs: pd.DataFrame, sizes: dy.Sizes, cfg: dict) -> pd.DataFrame:
+    """Derived against fitted exponents and constants, per parameterization and ratio, on the
+    last fit window ``[fit_windows[-2], fit_windows[-1]]`` (``s = log t``):
+
+    * OV: ``w - ov_loglog log s = a s + b``; derived ``a = 1``, ``b = ov_offset``;
+    * QK: ``Z(q) ~ A s^beta`` (``Z = e^q`` or ``Ei(q)``); ``beta`` fitted on log-log axes,
+      ``A`` by least squares of ``Z`` on ``s^beta`` (derived ``beta``) with a free offset."""
+    lo, hi = cfg["fit_windows"][-2], cfg["fit_windows"][-1]
+    rows = []
+    for (p, r), g in runs.groupby(["parameterization", "ratio"], sort=False):
+        law = dy.asymptotic_law(p, sizes, cfg["eta_ov"], r)
+        t = g["t"].to_numpy()
+        s = np.log(np.maximum(t, 1.0 + 1e-12))
+        wres = g["w"].to_numpy() - law["ov_loglog"] * np.log(np.maximum(s, 1e-300))
+        a, b = dy.fit_linear_in_log(t, wres, lo, hi)
+        Z = dy.sharpness_coordinate(p, g["q"].to_numpy())
+        beta, _ = dy.fit_power(t, Z, lo, hi)
+        A, _ = dy.fit_constant(t, Z, law["qk_exponent"], lo, hi)
+        rows.append({"parameterization": p, "ratio": r,
+                     "OV law": "w ≈ log t" + (" + log log t" if law["ov_loglog"] else "") + " + b",
+                     "OV exp. derived": law["ov_exponent"], "OV exp. fitted": a,
+                     "b derived": law["ov_offset"], "b fitted": b,
+                     "QK law": f"{law['qk_coordinate']} ≈ A log^β t",
+                     "β derived": law["qk_exponent"], "β fitted": beta,
+                     "A derived": law["qk_const"], "A fitted": A, "A fitted/derived": A / law["qk_const"]})
+    return pd.DataFrame(rows)
+
+
+def t3_table(runs: pd.DataFrame, cfg: dict, ratio: float = 1.0) -> pd.DataFrame:
+    """Which QK quantity grows like a power of ``log t`` (T3), at ``ratio``: the log-log slope
+    of ``q`` and of ``e^q`` against ``s = log t`` on the last fit window."""
+    lo, hi = cfg["fit_windows"][-2], cfg["fit_windows"][-1]
+    rows = []
+    for p, g in runs[runs["ratio"] == ratio].groupby("parameterization", sort=False):
+        t, q = g["t"].to_numpy(), g["q"].to_numpy()
+        law = dy.asymptotic_law(p, dy.Sizes(cfg["n_classes"], cfg["n_common_vocab"], tuple(cfg["n_common"])),
+                                cfg["eta_ov"], ratio)
+        rows.append({"parameterization": p, "ratio": float(ratio), "q at end": q[-1],
+                     "exponent of q in log t": dy.fit_power(t, q, lo, hi)[0],
+                     "exponent of exp(q) in log t": dy.fit_power(t, np.exp(q), lo, hi)[0],
+                     "derived exponent of exp(q)": law["qk_exponent"],
+                     "derived log-log factor": "× log log t" if p.startswith("FA") else "none"})
+    return pd.DataFrame(rows)
+
+
+def t5_table(runs: pd.DataFrame, horizons: Sequence[float]) -> pd.DataFrame:
+    """Attention mass on common tokens at each horizon (columns) for every parameterization
+    and ratio (rows), from the ODE runs (interpolated in log time)."""
+    rows = []
+    for (p, r), g in runs.groupby(["parameterization", "ratio"], sort=False):
+        tt = np.log1p(g["t"].to_numpy())
+        rows.append({"parameterization": p, "ratio": r,
+                     **{f"t={h:.0e}": float(np.interp(math.log1p(h), tt, g["common"].to_numpy())) for h in horizons}})
+    return pd.DataFrame(rows).set_index(["parameterization", "ratio"])
+
+
+def horizon_ranking(runs: pd.DataFrame, horizons: Sequence[float], ratio: float = 1.0) -> pd.DataFrame:
+    """Attention mass on common tokens of each parameterization at each horizon ``t`` (ODE at
+    ``ratio``, interpolated in log time; NaN for a parameterization without a run there), with
+    the ranking (sharpest = least common mass first) per horizon."""
+    rows = []
+    for h in horizons:
+        vals = {}
+        for p, g in runs[runs["ratio"] == ratio].groupby("parameterization", sort=False):
+            tt = np.log1p(g["t"].to_numpy())
+            vals[p] = float(np.interp(math.log1p(h), tt, g["common"].to_numpy()))
+        order = sorted(vals, key=lambda k: vals[k])  # least common mass = sharpest
+        rows.append({"t": h, "ratio": float(ratio), **{f"common {p}": vals.get(p, float("nan")) for p in PARAMS},
+                     "ranking": " > ".join(order)})
+    return pd.DataFrame(rows)
+
+
+def matched_loss_ranking(runs: pd.DataFrame, losses: Sequence[float], ratio: float = 1.0) -> pd.DataFrame:
+    """Common-token mass of each parameterization when its loss first reaches each level
+    (interpolated in log loss), and the ranking at that level (sharpest first)."""
+    rows = []
+    for L in losses:
+        vals = {}
+        for p, g in runs[runs["ratio"] == ratio].groupby("parameterization", sort=False):
+            ll = np.log(g["loss"].to_numpy())[::-1]  # increasing
+            if not (ll[0] <= math.log(L) <= ll[-1]):
+                vals[p] = float("nan")
+                continue
+            vals[p] = float(np.exp(np.interp(math.log(L), ll, np.log(g["common"].to_numpy())[::-1])))
+        order = sorted((k for k in vals if np.isfinite(vals[k])), key=lambda k: vals[k])
+        rows.append({"loss": L, **{f"common {p}": vals[p] for p in PARAMS}, "ranking": " > ".join(order)})
+    return pd.DataFrame(rows)
+
+
+def init_sensitivity(sizes: dy.Sizes, cfg: dict, horizon: float, inits: Sequence[tuple[float, float]]) -> pd.DataFrame:
+    """Ranking at equal rates (ratio 1) and one horizon from several symmetric inits."""
+    rows = []
+    for w0, q0 in inits:
+        vals = {p: float(dy.integrate(p, w0, q0, sizes, cfg["eta_ov"], 1.0, t_max=horizon,
+                                      t_eval=[0.0, horizon])["distinct"].iloc[-1]) for p in PARAMS}
+        rows.append({"w0": w0, "q0": q0, **{f"distinct {p}": v for p, v in vals.items()},
+                     "ranking": " > ".join(sorted(vals, key=lambda k: -vals[k]))})
+    return pd.DataFrame(rows)
+
+
+def line_check(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float], single_n: int | None = None) -> pd.DataFrame:
+    """T4: ODE trajectories in the line coordinates of :func:`qkov_lib.dynamics.line_coordinates`,
+    for the task's mixture over ``n`` or for a single ``n``. Long table with X, Y and the
+    residual ``Y - Y0 - slope (X - X0)`` relative to the range of ``Y``."""
+    S = dy.Sizes(sizes.n_classes, sizes.n_common_vocab, (single_n,)) if single_n else sizes
+    parts = []
+    for p, r in itertools.product(PARAMS, ratios):
+        f = dy.integrate(p, cfg["w0"], cfg["q0"], S, cfg["eta_ov"], r, t_max=1e12, n_points=120)
+        X, Y = dy.line_coordinates(p, f["w"].to_numpy(), f["q"].to_numpy(), S)
+        slope = dy.line_slope(r, S)
+        f["X"], f["Y"] = X, Y
+        f["residual"] = (Y - Y[0] - slope * (X - X[0])) / (Y.max() - Y.min())
+        f["slope"] = slope
+        f.insert(0, "ratio", float(r))
+        f.insert(0, "parameterization", p)
+        f["n"] = "mixture" if not single_n else str(single_n)
+        parts.append(f)
+    return pd.concat(parts, ignore_index=True)
+
+
+def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
+    """Full-model GD at ``eta_ov`` for every parameterization x ``full_ratios``: from the
+    library's random balanced init (``init_scale``, one run per seed, as in the synthetic
+    chapter) and from the symmetric state ``(w0, q0)``; the final population metrics and scalars."""
+    task = task_of(cfg)
+    data = syn.population(task)
+    rows = []
+    grid = list(itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]]))
+    for p, r, init in tqdm(grid, desc="full-model runs", disable=not progress):
+        E = syn.make_embeddings(task, dtype=torch.float64)
+        if init == "symmetric":
+            model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=0.0, dtype=torch.float64)
+            model.attention.set_effective(*dy.symmetric_effective(cfg["w0"], cfg["q0"], task))
+            seed = 0
+        else:
+            seed = int(init.split()[1])
+            gen = seed_everything(seed)
+            model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=cfg["init_scale"],
+                                   generator=gen, dtype=torch.float64)
+        tc = TrainConfig.from_profile(cfg, optimizer="gd", ratio=r, steps=int(cfg["full_steps"]), seed=seed,
+                                      progress=False)
+        h = train(model, data, tc, probe=_probe(task, E, cfg["w0"], cfg["q0"]))
+        fin = h.final
+        rows.append({"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
+                     "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
+                     "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"]})
+    return pd.DataFrame(rows)
+
+
+S2_NAMES = {"A": "the first summary (collapsed OV: CACO and FACO)", "B": "the second summary (CAFO and CACO)",
+            "neither": "neither summary"}
+
+
+def top2_verdict(ranking: str) -> tuple[str, str]:
+    """``(top two, which S2 summary they match)`` of a ``"A > B > C > D"`` ranking (the pairs of
+    ``claims.S2_PAIRS``)."""
+    top = ranking.split(" > ")[:2]
+    which = next((k for k, pair in C.S2_PAIRS.items() if pair == frozenset(top)), "neither")
+    return " and ".join(top), S2_NAMES[which]
+
+
+def full_ranking(full: pd.DataFrame, ratio: float, init: str) -> tuple[str, dict[str, float]]:
+    """Ranking (sharpest first) of the mean attention on the distinct token over seeds."""
+    sub = full[(full["ratio"] == ratio) & (full["init"] == init)]
+    m = sub.groupby("parameterization")["distinct"].mean().to_dict()
+    return " > ".join(sorted(m, key=lambda k: -m[k])), m
+
+
+def rescaling_along(runs: pd.DataFrame, sizes: dy.Sizes, horizons: Sequence[float], ratio: float = 1.0) -> pd.DataFrame:
+    """The implicit-rescaling ratio ``R_QK / R_OV`` (the factor by which factorization multiplies
+    ``eta_QK / eta_OV`` in collapsed space) of each parameterization along its ODE run at ``ratio``,
+    at each horizon."""
+    rows = []
+    for h in horizons:
+        row = {"t": h}
+        for p, g in runs[runs["ratio"] == ratio].groupby("parameterization", sort=False):
+            tt = np.log1p(g["t"].to_numpy())
+            w = float(np.interp(math.log1p(h), tt, g["w"].to_numpy()))
+            q = float(np.interp(math.log1p(h), tt, g["q"].to_numpy()))
+            r_ov, r_qk = dy.rate_factors(p, w, q, sizes)
+            row[p] = float(r_qk / r_ov)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def crossover(runs: pd.DataFrame, a: str, b: str, ratio: float = 1.0, by: str = "t") -> float:
+    """The first ``t`` (or, with ``by="loss"``, the loss level) after which ``b`` keeps less
+    mass on common tokens than ``a`` along the ODE runs at ``ratio``; NaN if it never does."""
+    sub = runs[runs["ratio"] == ratio]
+    ga = sub[sub["parameterization"] == a].reset_index(drop=True)
+    gb = sub[sub["parameterization"] == b].reset_index(drop=True)
+    if by == "t":
+        x = ga["t"].to_numpy()
+        ca, cb = ga["common"].to_numpy(), gb["common"].to_numpy()
+    else:  # compare at matched loss: interpolate b's common mass at a's loss levels
+        x = ga["loss"].to_numpy()
+        lb = np.log(gb["loss"].to_numpy())[::-1]
+        ca = ga["common"].to_numpy()
+        cb = np.exp(np.interp(np.log(x), lb, np.log(gb["common"].to_numpy())[::-1], left=np.nan, right=np.nan))
+    keep = np.isfinite(ca) & np.isfinite(cb)
+    x, ca, cb = x[keep], ca[keep], cb[keep]
+    if not len(x):
+        return float("nan")
+    ahead = cb < ca
+    if not ahead[-1]:
+        return float("nan")
+    last_behind = np.where(~ahead)[0]
+    return float(x[last_behind[-1] + 1]) if len(last_behind) else float(x[0])
+
+
+def equal_or_lowest(ratios: Sequence[float]) -> float:
+    """1 (equal rates) when it is among ``ratios``, else the lowest ratio (what the chapter shows
+    when equal rates were not run)."""
+    rs = [float(r) for r in ratios]
+    return 1.0 if 1.0 in rs else min(rs)
+
+
+def end_common(runs: pd.DataFrame) -> pd.Series:
+    """Attention mass on common tokens at the last time of each (parameterization, ratio) ODE run."""
+    last = runs.loc[runs.groupby(["parameterization", "ratio"])["t"].idxmax()]
+    return last.set_index(["parameterization", "ratio"])["common"].sort_index()
+
+
+def full_means(full: pd.DataFrame, init: str = "random") -> pd.Series:
+    """Mean over seeds of the full-model attention on the distinct token, per (parameterization, ratio)."""
+    return full[full["init"] == init].groupby(["parameterization", "ratio"])["distinct"].mean()
+
+
+def constant_scaling(table: pd.DataFrame) -> pd.Series:
+    """Per parameterization: the fitted constant A at the highest ratio over the one at the lowest,
+    divided by the same quotient of the derived A (1 = A scales with the ratio as derived). Empty
+    with one ratio."""
+    out = {}
+    for p, g in table.groupby("parameterization", sort=False):
+        g = g.sort_values("ratio")
+        if len(g) >= 2:
+            lo, hi = g.iloc[0], g.iloc[-1]
+            out[p] = float((hi["A fitted"] / lo["A fitted"]) / (hi["A derived"] / lo["A derived"]))
+    return pd.Series(out, dtype=float)
+
+
+def t3_inputs(table: pd.DataFrame, t3: pd.DataFrame) -> tuple[list[float], list[float], float]:
+    """T3's numbers: the fitted OV exponents in log t (every parameterization and ratio), the fitted
+    exponents of q in log t (from :func:`t3_table`) and that of exp(q) for CACO (NaN without CACO)."""
+    by = t3.set_index("parameterization")
+    caco = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else float("nan")
+    return [float(x) for x in table["OV exp. fitted"]], [float(x) for x in t3["exponent of q in log t"]], caco
+
+
+def t4_inputs(lines_single: pd.DataFrame, lines_mix: pd.DataFrame) -> tuple[float, float]:
+    """T4's numbers: the largest |relative residual| off the line for a single n and for the mixture."""
+    return float(lines_single["residual"].abs().max()), float(lines_mix["residual"].abs().max())
+
+
+def t5_inputs(runs: pd.DataFrame, full: pd.DataFrame) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """T5's numbers: per parameterization, the ODE's common-token mass at the end at increasing
+    ratios, and the rise of the full-model attention on the distinct token (random inits, mean
+    over seeds) from the lowest to the highest full-model ratio (empty with one full-model ratio)."""
+    end = end_common(runs)
+    series = {p: [float(x) for x in end.loc[p].sort_index()] for p in PARAMS if p in end.index.get_level_values(0)}
+    fr = full_means(full)
+    fratios = sorted(set(fr.index.get_level_values(1)))
+    rise: dict[str, float] = {}
+    if len(fratios) >= 2:
+        lo, hi = fratios[0], fratios[-1]
+        rise = {p: float(fr.get((p, hi), np.nan) - fr.get((p, lo), np.nan)) for p in PARAMS}
+    return series, rise
+
+
+T6_PAIRS = (("FACO", "CACO"), ("FAFO", "CAFO"))  # (factorized QK, collapsed QK) with the same OV circuit
+
+
+def t6_margins(hz: pd.DataFrame, full: pd.DataFrame) -> list[float]:
+    """T6's numbers, positive where factorized QK is sharper: at every ODE horizon of ``hz`` at
+    ratio 1, the collapsed-QK model's common mass minus the factorized-QK one's; in the full-model
+    runs at ratio 1 (random inits, mean over seeds), the factorized one's attention minus the
+    collapsed one's. NaN where a model or ratio 1 is missing."""
+    nan = float("nan")
+    out = []
+    for _, row in hz[hz["ratio"] == 1.0].iterrows():
+        out += [float(row.get(f"common {ca}", nan) - row.get(f"common {fa}", nan)) for fa, ca in T6_PAIRS]
+    fr = full_means(full)
+    out += [float(fr.get((fa, 1.0), nan) - fr.get((ca, 1.0), nan)) for fa, ca in T6_PAIRS]
+    return out
+
+
+def s2_inputs(full: pd.DataFrame) -> tuple[dict[str, float], str | None]:
+    """S2's numbers from the random-init full-model runs: the mean attention on the distinct token
+    of each parameterization at ratio 1, and where FAFO moves at the highest ratio above 1
+    (:func:`qkov_lib.claims.s2_fafo_move` on its attention gap to FACO and CACO at ratio 1; None
+    without such a ratio)."""
+    fr = full_means(full)
+    att = {p: float(fr[(p, 1.0)]) for p in PARAMS if (p, 1.0) in fr.index}
+    higher = sorted(r for r in set(fr.index.get_level_values(1)) if r > 1.0)
+    if not higher or not {"FAFO", "FACO", "CACO"} <= set(att) or ("FAFO", higher[-1]) not in fr.index:
+        return att, None
+    fa_hi = float(fr[("FAFO", higher[-1])])
+    before = {p: abs(att["FAFO"] - att[p]) for p in ("FACO", "CACO")}
+    after = {p: abs(fa_hi - att[p]) for p in ("FACO", "CACO")}
+    return att, C.s2_fafo_move(before, after)
+
+
+def asymptotics_verdicts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
+                         lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame) -> dict[str, Verdict]:
+    """T3, T4, T5, T6 and S2 by the rules of :mod:`qkov_lib.claims`, from the chapter's tables."""
+    return {"T3": C.t3_growth(*t3_inputs(table, t3)), "T4": C.t4_line(*t4_inputs(lines_single, lines_mix)),
+            "T5": C.t5_sharpening(*t5_inputs(runs, full)), "T6": C.t6_factorized_qk(t6_margins(hz, full)),
+            "S2": C.s2_which_pair(*s2_inputs(full))}
+
+
+def _list(items: Sequence[str]) -> str:
+    return ", ".join(items) if items else "none"
+
+
+def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
+                      ml: pd.DataFrame, lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame,
+                      sizes: dy.Sizes, cfg: dict, verdicts: Mapping[str, Verdict] | None = None) -> dict[str, Any]:
+    """Every number, verdict, rule and threshold chapter 03 quotes, as glue strings computed from
+    its tables, plus the comparisons that choose its sentences (bools and words, compared with the
+    thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). ``verdicts`` defaults
+    to :func:`asymptotics_verdicts`."""
+    verdicts = verdicts or asymptotics_verdicts(runs, table, t3, hz, lines_single, lines_mix, full)
+    nan = float("nan")
+    f: dict[str, Any] = {f"thr_{n.lower()}": C.threshold_text(n)
+                         for n in ("SLOPE_TOL", "LITERAL_TOL", "LINE_EXACT", "LINE_APPROX", "SHARPER", "CONST_TOL")}
+    ratios = sorted(float(r) for r in cfg["ratios"])
+    r_lo, r_hi = ratios[0], ratios[-1]
+    eq = equal_or_lowest(ratios)
+    f["r_lo"], f["r_hi"], f["r_eq"] = f"{r_lo:g}", f"{r_hi:g}", f"{eq:g}"
+    f["t_fit_lo"], f["t_fit_hi"] = f"{cfg['fit_windows'][-2]:.0e}", f"{cfg['fit_windows'][-1]:.0e}"
+    f["t_end"], f["s_end"] = f"{cfg['t_max']:.0e}", f"{math.log(cfg['t_max']):.0f}"
+    # --- T3: exponents and constants
+    ov = table["OV exp. fitted"].astype(float)
+    f["ov_slope_range"] = f"{ov.min():.3f}–{ov.max():.3f}"
+    f["beta_err"] = f"{(table['β fitted'] - table['β derived']).abs().max():.3f}"
+    a_gap = (table["A fitted/derived"] - 1).abs()
+    f["A_err"] = f"{a_gap.max() * 100:.1f}%"
+    f["A_err_worst"] = str(table.loc[a_gap.idxmax(), "parameterization"])
+    scale = constant_scaling(table)
+    f["A_tested"] = not scale.empty
+    f["A_scaling"] = ", ".join(f"{p} {v:.2f}" for p, v in scale.items()) or "not tested (one ratio)"
+    f["A_agree"] = _list([p for p, v in scale.items() if abs(v - 1) <= C.CONST_TOL])
+    f["A_off"] = ", ".join(f"{p} ({v:.2f})" for p, v in scale.items() if abs(v - 1) > C.CONST_TOL)
+    by = t3.set_index("parameterization")
+    for p in PARAMS:
+        have = p in by.index
+        f[f"q_exp_{p}"] = f"{by.loc[p, 'exponent of q in log t']:.2f}" if have else "nan"
+        f[f"eq_exp_{p}"] = f"{by.loc[p, 'exponent of exp(q) in log t']:.2f}" if have else "nan"
+        f[f"q_end_{p}"] = f"{by.loc[p, 'q at end']:.1f}" if have else "nan"
+    f["t3_ratio"] = f"{float(t3['ratio'].iloc[0]) if 'ratio' in t3 and len(t3) else eq:g}"
+    f["ov_ok"] = bool((ov - 1).abs().max() <= C.SLOPE_TOL)
+    q_exps = t3["exponent of q in log t"].astype(float)
+    f["q_literal"] = bool(((q_exps - 2).abs() <= C.LITERAL_TOL).any())
+    caco_exp = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else nan
+    f["expq_ok"], f["caco_expq"] = bool(abs(caco_exp - 2) <= C.SLOPE_TOL), f"{caco_exp:.2f}"
+    f["q_exp_max"] = f"{q_exps.max():.2f}"
+    f["expq_fits"] = ", ".join(f"{p} {by.loc[p, 'exponent of exp(q) in log t']:.2f} "
+                               f"(derived {by.loc[p, 'derived exponent of exp(q)']:g}"
+                               + (" × log log t" if p.startswith("FA") else "") + ")" for p in PARAMS if p in by.index)
+    # --- T5
+    end = end_common(runs)
+    falls = {p: bool(np.all(np.diff(end.loc[p].to_numpy()) < 0)) for p in PARAMS if p in end.index.get_level_values(0)}
+    f["t5_tested"] = r_hi > r_lo
+    f["t5_prod"], f["t5_mono"] = "n/a", "not tested (one ratio)"
+    if r_hi > r_lo:
+        prod = {p: float(end.loc[(p, r_hi)] * r_hi / (end.loc[(p, r_lo)] * r_lo)) for p in falls}
+        f["t5_closest"] = closest = min(prod, key=lambda p: abs(prod[p] - 1))
+        f["t5_closest_value"] = f"{prod[closest]:.2f}"
+        f["t5_prod"] = ", ".join(f"{p} {v:.2f}" for p, v in prod.items())
+        f["t5_mono"] = (f"falls strictly with the ratio for {sum(falls.values())} of {len(falls)} parameterizations"
+                        + ("" if all(falls.values()) else f" (not for {_list([p for p, v in falls.items() if not v])})"))
+    _, rise = t5_inputs(runs, full)
+    fratios = sorted(set(full_means(full).index.get_level_values(1)))
+    flo, fhi = fratios[0], fratios[-1]
+    f["full_r_lo"], f["full_r_hi"] = f"{flo:g}", f"{fhi:g}"
+    f["t5_full_tested"] = bool(rise)
+    f["t5_full"] = (f"rose by at least {f['thr_sharper']} for {sum(v >= C.SHARPER for v in rise.values())} of {len(rise)}"
+                    if rise else "not tested (one ratio)")
+    f["t5_full_changes"] = ", ".join(f"{p} {v:+.3f}" for p, v in rise.items())
+    # --- T4
+    res_single, res_mix_max = t4_inputs(lines_single, lines_mix)
+    res_mix = lines_mix.groupby(["parameterization", "ratio"])["residual"].apply(lambda x: x.abs().max())
+    f["line_res_single"] = f"{res_single:.1e}"
+    f["line_res_mix"] = f"{res_mix_max * 100:.1f}%"
+    f["line_res_mix_worst"] = "{} at ratio {:g}".format(*res_mix.idxmax())
+    f["line_res_mix_best"] = f"{res_mix.min() * 100:.2g}%"
+    f["line_approx_pct"] = f"{C.LINE_APPROX:.0%}"
+    f["single_n"] = str(int(lines_single["n"].iloc[0]))
+    f["single_exact"], f["mix_approx"] = bool(res_single <= C.LINE_EXACT), bool(res_mix_max <= C.LINE_APPROX)
+    # --- rankings at equal rates (ODE)
+    f["rank_first"], f["t_first"] = hz["ranking"].iloc[0], f"{hz['t'].iloc[0]:.0e}"
+    f["rank_last"], f["t_last"] = hz["ranking"].iloc[-1], f"{hz['t'].iloc[-1]:.0e}"
+    f["rank_ml_first"], f["rank_ml_last"] = ml["ranking"].iloc[0], ml["ranking"].iloc[-1]
+    f["ml_first"], f["ml_last"] = f"{ml['loss'].iloc[0]:.0e}", f"{ml['loss'].iloc[-1]:.0e}"
+    tx = crossover(runs, "FAFO", "CACO", eq, "t")
+    lx = crossover(runs, "FAFO", "CACO", eq, "loss")
+    first_loss = float(runs[(runs["ratio"] == eq) & (runs["parameterization"] == "FAFO")]["loss"].iloc[0])
+    f["cross_t"] = f"{tx:.1e}" if np.isfinite(tx) else "never (within the integration)"
+    f["cross_t_found"] = bool(np.isfinite(tx))
+    f["cross_after_horizon"] = bool(np.isfinite(tx) and tx > cfg["full_steps"])
+    # "never", "always" (already below the first loss level) or "below" cross_loss_short
+    f["cross_loss_kind"] = "never" if not np.isfinite(lx) else "always" if lx >= 0.99 * first_loss else "below"
+    f["cross_loss_short"] = f"{lx:.1e}" if np.isfinite(lx) else "never"
+    f["full_steps"], f["eta_ov"], f["n_seeds"] = str(cfg["full_steps"]), f"{cfg['eta_ov']:g}", str(len(cfg["full_seeds"]))
+    # --- full-model rankings (at equal rates when run)
+    feq = equal_or_lowest(fratios)
+    f["full_r_eq"] = f"{feq:g}"
+    rank_rand, m_rand = full_ranking(full, feq, "random")
+    rank_sym, m_sym = full_ranking(full, feq, "symmetric")
+    ode_at = horizon_ranking(runs, [float(cfg["full_steps"])], eq)["ranking"].iloc[0]
+    f["rank_full_random"], f["rank_full_sym"], f["rank_ode_full"] = rank_rand, rank_sym, ode_at
+    f["full_sym_vs_random"] = f"{max((abs(m_rand[p] - m_sym[p]) for p in m_rand if p in m_sym), default=nan):.4f}"
+    f["top2_full"], f["s2_full"] = top2_verdict(rank_rand)
+    f["top2_asym"], f["s2_asym"] = top2_verdict(f["rank_last"])
+    last_of = {rk.split(" > ")[-1] for rk in [rank_rand, rank_sym, ode_at, *hz["ranking"], *ml["ranking"]] if rk}
+    f["cafo_last"] = "last in every regime" if last_of == {"CAFO"} else "not always last"
+    for p in PARAMS:
+        f[f"full_{p}"] = f"{m_rand[p]:.4f}" if p in m_rand else "nan"
+    if "FAFO" in m_rand:
+        f["fafo_place"] = rank_rand.split(" > ").index("FAFO") + 1  # 1 = sharpest
+        f["fafo_weak"], f["fafo_mean"] = bool(m_rand["FAFO"] < 0.5), f"{m_rand['FAFO']:.3f}"
+        f["n_ranked"] = str(len(rank_rand.split(" > ")))
+    # --- T6
+    margins = [m for m in t6_margins(hz, full) if np.isfinite(m)]
+    f["t6_k"], f["t6_n"] = str(sum(m > 0 for m in margins)), str(len(margins))
+    f["t6_min_margin"] = f"{min(margins):+.3g}" if margins else "n/a"
+    # --- S2
+    att, move = s2_inputs(full)
+    f["fafo_toward"] = move or "not tested"
+    if move is not None:
+        f["fafo_lo"], f["fafo_hi"] = f"{att['FAFO']:.4f}", f"{float(full_means(full)[('FAFO', fhi)]):.4f}"
+        f["faco_lo"], f["caco_lo"] = f"{att['FACO']:.4f}", f"{att['CACO']:.4f}"
+    f["kappa_qk"], f["nbar"] = f"{sizes.kappa_qk:.4g}", f"{sizes.n_mean:g}"
+    f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
+    f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], r_lo)['n_star']:.2f}"
+    f.update(C.verdict_glue(verdicts))
+    return f
+
+
+def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
+    """Scorecard rows for T3, T4, T5, T6 and S2: numbers from :func:`asymptotics_facts`, verdicts
+    (with rule and reason) from :func:`asymptotics_verdicts`."""
+    ch = "03_theory_asymptotics"
+    return [
+        claim("T3", "OV scalar ~ log t; QK scalar ~ log^2 t (or exp(QK) ~ log^2 t); constants set by the ratio",
+              f"fitted exponent of w in log t {f['ov_slope_range']}; of q at most {f['q_exp_max']} (q = "
+              f"{f['q_end_CACO']} at t = {f['t_end']} for CACO); of exp(q): {f['expq_fits']}; fitted over derived "
+              f"scaling of the constants with the ratio: {f['A_scaling']}", verdicts["T3"], ch),
+        claim("T4", "in suitable coordinates the effective OV and QK parameters move along a line; the rates set the relative speed",
+              f"straight line of slope ratio*n in (X(w), Y(q)) with residual {f['line_res_single']} when every "
+              f"sequence has n = {f['single_n']} common tokens; with the mixture over n residual up to "
+              f"{f['line_res_mix']} ({f['line_res_mix_worst']})", verdicts["T4"], ch),
+        claim("T5", "faster QK learning puts more attention on relevant tokens; common-token mass shrinks faster with the ratio",
+              f"ODE: common mass at the end {f['t5_mono']}; (mass x ratio) at ratio {f['r_hi']} over ratio "
+              f"{f['r_lo']}: {f['t5_prod']}; full-model attention {f['t5_full']} from ratio {f['full_r_lo']} to "
+              f"{f['full_r_hi']}", verdicts["T5"], ch),
+        claim("T6", "at equal rates factorized and collapsed models differ; factorized QK gives sharper attention",
+              f"factorized QK sharper than collapsed QK (FACO > CACO, FAFO > CAFO) in {f['t6_k']} of {f['t6_n']} "
+              f"comparisons (ODE horizons and full-model runs at {f['full_steps']} steps)", verdicts["T6"], ch),
+        claim("S2", "summaries disagree: (CACO, FACO) or (CAFO, CACO) concentrate attention",
+              f"full-model runs at ratio {f['full_r_eq']}: {f['rank_full_random']} after {f['full_steps']} steps "
+              f"(top two {f['top2_full']}: {f['s2_full']}); FAFO with faster QK moves toward {f['fafo_toward']}; "
+              f"ODE asymptotically {f['rank_last']} (top two {f['top2_asym']}: {f['s2_asym']}); CACO sharper than FAFO "
+              f"after t = {f['cross_t']} at equal time; at matched loss "
+              + {"never": "never", "always": "at every loss level"}.get(f["cross_loss_kind"],
+                                                                       f"below a loss of {f['cross_loss_short']}")
+              + f"; CAFO {f['cafo_last']}",
+              verdicts["S2"], ch),
+    ]
+
+
+
+def plot_asymptotics(runs: pd.DataFrame, sizes: dy.Sizes, cfg: dict):
+    """Left: ``w`` minus its derived law; middle: ``Z(q) / (A s^beta)`` (tends to 1); right: the
+    common-token mass against ``t``, each for every parameterization (colour) and ratio (line
+    style), log time axis."""
+    import seaborn as sns
+
+    fig, axes = _fig(1, 3, w=4.0, h=3.3)
+    pal = dict(zip(PARAMS, sns.color_palette(n_colors=len(PARAMS))))
+    ratios = list(dict.fromkeys(runs["ratio"]))
+    styles = dict(zip(ratios, ["-", "--", ":", "-."] * len(ratios)))
+    for (p, r), g in runs.groupby(["parameterization", "ratio"], sort=False):
+        g = g[g["t"] > 10]
+        law = dy.asymptotic_law(p, sizes, cfg["eta_ov"], r)
+        t = g["t"].to_numpy()
+        s = np.log(t)
+        kw = dict(color=pal[p], ls=styles[r], lw=1.3)
+        axes[0, 0].plot(t, g["w"].to_numpy() - s - law["ov_loglog"] * np.log(s) - law["ov_offset"], **kw)
+        axes[0, 1].plot(t, dy.sharpness_coordinate(p, g["q"].to_numpy()) / (law["qk_const"] * s ** law["qk_exponent"]), **kw)
+        axes[0, 2].plot(t, g["common"], label=f"{p}, ratio {r:g}", **kw)
+    axes[0, 0].axhline(0, color="k", lw=0.8, ls="--")
+    axes[0, 1].axhline(1, color="k", lw=0.8, ls="--")
+    axes[0, 1].set_ylim(0, 2)
+    for ax, lab in zip(axes[0], ("w − derived law", "Z(q) / (A log^β t)", "common-token mass")):
+        ax.set(xscale="log", xlabel="t (steps)", ylabel=lab)
+    axes[0, 2].set_yscale("log")
+    axes[0, 2].legend(fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.02, 1))
+    fig.tight_layout()
+    return fig
+
+
+def plot_phase_portraits(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float],
+                         inits: Sequence[tuple[float, float]] = ((0.1, 0.1), (0.1, 2.0), (2.0, 0.1))):
+    """(w, q) phase portraits: the ODE direction field (streamlines) and trajectories from several
+    symmetric inits up to ``t = 1e5``, one row per ratio and one column per parameterization."""
+    fig, axes = _fig(len(ratios), len(PARAMS), w=3.2, h=3.0, sharex=True, sharey=True)
+    W, Q = np.meshgrid(np.linspace(0.02, 12, 40), np.linspace(-2, 10, 40))
+    for i, r in enumerate(ratios):
+        for j, p in enumerate(PARAMS):
+            ax = axes[i, j]
+            U, V = dy.flow_field(p, W, Q, sizes, cfg["eta_ov"], r)
+            speed = np.hypot(U, V)
+            ax.streamplot(W, Q, U / (speed + 1e-300), V / (speed + 1e-300), color=np.log10(speed + 1e-300),
+                          cmap="Greys", density=0.7, linewidth=0.6, arrowsize=0.6)
+            for w0, q0 in inits:
+                f = dy.integrate(p, w0, q0, sizes, cfg["eta_ov"], r, t_max=1e5, n_points=60, rtol=1e-8, atol=1e-10)
+                ax.plot(f["w"], f["q"], lw=1.6)
+                ax.plot([w0], [q0], "k.", ms=4)
+            ax.set(xlim=(0, 12), ylim=(-2, 10))
+            if i == 0:
+                ax.set_title(p)
+            if j == 0:
+                ax.set_ylabel(f"ratio {r:g}\nq (QK)")
+            if i == len(ratios) - 1:
+                ax.set_xlabel("w (OV)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_lines(single: pd.DataFrame, mix: pd.DataFrame):
+    """T4: trajectories in the line coordinates ``(X(w), Y(q))`` (log-log axes, where a line
+    through the start shows as a curve tending to slope 1) and the relative residual from the
+    predicted line, for a single ``n`` (top) and the mixture (bottom)."""
+    import seaborn as sns
+
+    fig, axes = _fig(2, 2, w=4.3, h=3.2)
+    for i, (d, lab) in enumerate(((single, f"single n = {single['n'].iloc[0]}"), (mix, "mixture over n"))):
+        d = d[d["t"] > 0].assign(**{"Y − Y0": lambda f: f["Y"] - f.groupby(["parameterization", "ratio"])["Y"].transform("first"),
+                                    "slope·(X − X0)": lambda f: f["slope"] * (f["X"] - f.groupby(["parameterization", "ratio"])["X"].transform("first")),
+                                    "|residual|": lambda f: f["residual"].abs().clip(lower=1e-16)})
+        sns.lineplot(data=d, x="slope·(X − X0)", y="Y − Y0", hue="parameterization", style="ratio", ax=axes[i, 0],
+                     legend=False, errorbar=None)
+        lim = [max(d["Y − Y0"][d["Y − Y0"] > 0].min(), 1e-3), d["Y − Y0"].max()]
+        axes[i, 0].plot(lim, lim, "k--", lw=0.8)
+        axes[i, 0].set(xscale="log", yscale="log", title=f"{lab}: Y vs predicted line")
+        sns.lineplot(data=d, x="t", y="|residual|", hue="parameterization", style="ratio", ax=axes[i, 1], legend=(i == 0),
+                     errorbar=None)
+        axes[i, 1].set(xscale="log", yscale="log", title=f"{lab}: relative residual")
+    sns.move_legend(axes[0, 1], "upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def plot_ranking(runs: pd.DataFrame, full: pd.DataFrame, cfg: dict, ratio: float = 1.0):
+    """Common-token mass at ``ratio`` (equal rates by default) for the four parameterizations (ODE from the
+    symmetric init). Left: the training range (log t), with the full-model runs at their last
+    step (dots: random inits, crosses: symmetric init); right: the whole integration against
+    ``log10 t`` on a log axis, where the late crossings show."""
+    import seaborn as sns
+
+    fig, axes = _fig(1, 2, w=4.6, h=3.6)
+    pal = dict(zip(PARAMS, sns.color_palette(n_colors=len(PARAMS))))
+    sub = runs[(runs["ratio"] == ratio) & (runs["t"] >= 1)]
+    t_cut = 30 * cfg["full_steps"]
+    for p in PARAMS:
+        g = sub[sub["parameterization"] == p]
+        early = g[g["t"] <= t_cut]
+        axes[0, 0].plot(early["t"], early["common"], color=pal[p], label=f"{p} (ODE)")
+        late = g[g["t"] >= 10]
+        axes[0, 1].plot(np.log10(late["t"]), late["common"], color=pal[p], label=p)
+        fr = full[(full["parameterization"] == p) & (full["ratio"] == ratio)]
+        for init, mk in (("random", "o"), ("symmetric", "x")):
+            v = fr[fr["init"] == init]["common"]
+            axes[0, 0].plot([cfg["full_steps"]] * len(v), v, mk, color=pal[p], ms=6)
+    axes[0, 0].set(xscale="log", yscale="log", xlabel="t (steps)", ylabel="attention mass on common tokens",
+                   title="training range (dots/crosses: full model)")
+    axes[0, 1].set(xscale="log", yscale="log", xlabel="log10 t", title="whole integration")
+    axes[0, 0].legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
