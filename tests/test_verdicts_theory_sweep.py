@@ -301,11 +301,13 @@ def test_sweep_chapter_with_one_ratio_says_not_tested(overrides, expect):
     v = synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, None)
     assert {k: v[k].verdict for k in expect} == expect
     f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
-    assert "not tested" in f["s3_sentence"] and "not tested" in f["r3_sentence"] and "not tested" in f["rob_sentence"]
+    assert f["n_ratios_run"] == 1 and not f["rob_tested"] and "s3_n_up" not in f and "r3_moves" not in f
     assert f["thr_same_loss"] == "0.05 nats" and f["verdict_R3_synthetic"] == "not tested"
     rows = synthetic_sweeps.claims(f, v)
     assert [r["id"] for r in rows] == ["S1", "S2", "S3", "R3-synthetic", "S3-robustness"]
     assert all(r["rule"] and r["reason"] and r["verdict"] in C.VERDICTS for r in rows)
+    assert rows[2]["ours"] == rows[3]["ours"] == f"only ratio {cfg['ratios'][0]:g} run"
+    assert rows[4]["ours"] == "robustness variants not run"
     if len(cfg["ratios"]) == 1 and len(cfg["parameterizations"]) == 4:
         assert "move not tested" in v["S2"].reason
 
@@ -336,3 +338,24 @@ def test_s2_fafo_move_and_verdict_glue():
     assert g == {"verdict_R3_synthetic": "partly", "rule_R3_synthetic": C.S3_RULE, "reason_R3_synthetic": "x"}
     assert C.verdict_frame({"S3": _v("partly")}).loc["S3", "verdict"] == "partly"
     assert C.THRESHOLDS["CONST_TOL"].value == C.CONST_TOL
+
+
+def test_sweep_facts_with_two_ratios_give_the_s3_and_r3_numbers():
+    """With two ratios the S3 and R3-synthetic comparisons are made: their counts are numbers
+    the scorecard line quotes, and the S1 distances of four parameterizations are there."""
+    from qkov_lib.studies import synthetic as base
+
+    cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0, 1], steps=30, robustness=False, ratios=[1.0, 10.0])
+    grid = synthetic_sweeps.run_grid(cfg, matched_loss=cfg["matched_loss"])
+    table, mtable = base.runs_frame(grid.runs), base.runs_frame(grid.matched)
+    summary, matched = synthetic_sweeps.summarize_runs(grid.runs), synthetic_sweeps.matched_summary(grid.matched)
+    dtaps = base.mean_dtap(grid.runs)
+    toward = synthetic_sweeps.fafo_toward(dtaps, cfg["ratios"], 1.0)
+    v = synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, None)
+    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
+    assert f["s1_tested"] and f["tv_n_pairs"] == "6" and 0 <= int(f["tv_n_differ"]) <= 6
+    assert 0 <= int(f["s3_n_up"]) <= 4 and not f["s3_mid_tested"] and {f["r3_lo"], f["r3_hi"]} <= {"1", "10"}
+    rows = {r["id"]: r["ours"] for r in synthetic_sweeps.claims(f, v)}
+    assert rows["S3"].startswith("ratio 1 -> 10: attention up by at least") and f["s3_dloss"] in rows["S3"]
+    assert rows["R3-synthetic"].startswith(f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss")
+    assert f["tv_range"] in rows["S1"]

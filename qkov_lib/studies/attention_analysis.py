@@ -46,19 +46,6 @@ ATTENTIONS = ("model", "uniform", "random")
 CHAPTERS = {"squad": "05_squad", "hatexplain": "06_hatexplain", "sva": "07_sva"}
 
 
-def dataset_frame(ds: TextDataset) -> pd.DataFrame:
-    """Sizes of a dataset for display: instances, padded length, vocabulary, classes."""
-    rows = [("train instances", len(ds.train)), ("test instances", len(ds.test)),
-            ("test instances with relevant tokens", int(ds.test.relevant.any(1).sum())),
-            ("padded length T (words + query)", ds.max_len), ("vocabulary", ds.vocab_size),
-            ("classes", ds.n_classes)]
-    for name, b in (("train", ds.train), ("test", ds.test)):
-        counts = torch.bincount(b.y, minlength=ds.n_classes)
-        if ds.n_classes <= 4:
-            rows += [(f"{name}: {c}", int(n)) for c, n in zip(ds.class_names, counts)]
-    return pd.DataFrame(rows, columns=["what", "value"]).set_index("what")
-
-
 def spread(n_total: int, n: int) -> torch.Tensor:
     """``min(n, n_total)`` evenly spaced indices in ``[0, n_total)`` (all when ``n >= n_total``):
     a fixed subset that covers test files sorted by condition or source."""

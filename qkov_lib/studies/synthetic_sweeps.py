@@ -14,6 +14,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -563,37 +564,35 @@ def _counts(match: Mapping[float, str], n: int) -> str:
 
 def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFrame, mtable: pd.DataFrame,
                   toward: pd.DataFrame, rob_verdicts: pd.DataFrame | None, dtaps: dict, cfg: dict,
-                  verdicts: Mapping[str, Verdict]) -> dict[str, str]:
-    """Every number, threshold, verdict (with rule and reason) and result sentence the chapter's
-    prose quotes, as glue strings. Sentences are chosen by comparing the measured numbers with the
-    thresholds of :mod:`qkov_lib.claims`; comparisons the grid cannot make say "not tested"."""
+                  verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
+    """Every number, threshold and verdict (with rule and reason) the chapter's prose quotes, as
+    glue strings, and the comparisons that choose its sentences (bools, counts and words, from
+    the thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). Comparisons the
+    grid cannot make leave their ``*_tested`` flag False."""
     ratios = sorted(summary["ratio"].unique())
     lo, hi = ratios[0], ratios[-1]
     eq = equal_rate(ratios)
     by = summary.set_index(["parameterization", "ratio"])
     params = list(dict.fromkeys(summary["parameterization"]))
-    thr = {k: C.threshold_text(k) for k in ("SHARPER", "SAME_LOSS", "SAME_ACC", "DTAP_TV", "STUCK_ACC")}
-    f: dict[str, str] = {f"thr_{k.lower()}": v for k, v in thr.items()}
+    f: dict[str, Any] = {f"thr_{k.lower()}": C.threshold_text(k)
+                         for k in ("SHARPER", "SAME_LOSS", "SAME_ACC", "DTAP_TV", "STUCK_ACC")}
     f.update(C.verdict_glue(verdicts))
     f.update({"r_lo": f"{lo:g}", "r_hi": f"{hi:g}", "r_eq": f"{eq:g}", "n_runs": str(len(table)),
               "n_param": str(len(params)), "n_seeds": str(len(cfg["seeds"])),
               "n_diverged": str(int(table["diverged"].sum())), "matched_loss": f"{cfg['matched_loss']:g}",
-              "matched_steps": str(cfg["steps"])})
+              "matched_steps": str(cfg["steps"]), "n_ratios_run": len(ratios)})
+    pct = lambda xs: ", ".join(xs) or "none"  # noqa: E731
     # --- S1
     tv = s1_inputs(dtaps, params, eq)
     weak = lambda r: ", ".join(f"{p} {_fmt(_val(by, p, r, 'weak_attn_confident'))}" for p in params)  # noqa: E731
     f["weak_lo"], f["weak_eq"] = weak(lo), weak(eq)
+    f["s1_tested"], f["tv_range"] = bool(tv), "n/a"
     if tv:
         (a, b), t_max = max(tv.items(), key=lambda kv: kv[1])
         (c, d), t_min = min(tv.items(), key=lambda kv: kv[1])
-        n_diff = sum(x >= C.DTAP_TV for x in tv.values())
         f["tv_range"] = f"{t_min:.3f}–{t_max:.3f}"
-        f["s1_sentence"] = (f"At ratio {eq:g} the total-variation distance between two parameterizations' mean heatmaps "
-                            f"ranges from {t_min:.3f} ({c} vs {d}) to {t_max:.3f} ({a} vs {b}); {n_diff} of {len(tv)} "
-                            f"pairs are at least {thr['DTAP_TV']} apart, the distance the S1 rule counts as 'differ'.")
-    else:
-        f["tv_range"] = "n/a"
-        f["s1_sentence"] = "Fewer than two parameterizations were run, so there are no heatmaps to compare (S1 not tested)."
+        f.update(tv_min=f"{t_min:.3f}", tv_min_pair=f"{c} vs {d}", tv_max=f"{t_max:.3f}", tv_max_pair=f"{a} vs {b}",
+                 tv_n_differ=str(sum(x >= C.DTAP_TV for x in tv.values())), tv_n_pairs=str(len(tv)))
     # --- S2
     per_ratio = {r: order_at(summary, r) for r in ratios}
     per_ratio_m = {r: order_at(matched, r) for r in ratios}
@@ -604,32 +603,16 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
               "top2_eq": " and ".join(top_eq), "top2_eq_matched": " and ".join(top_m),
               "s2_fixed_counts": _counts(match_fixed, len(ratios)),
               "s2_matched_counts": _counts({r: s2_match(o[:2]) for r, o in per_ratio_m.items()}, len(ratios)),
-              "s2_eq_match": names[s2_match(top_eq)], "s2_eq_matched_match": names[s2_match(top_m)]})
+              "s2_eq_match": names[s2_match(top_eq)], "s2_eq_matched_match": names[s2_match(top_m)],
+              "s2_pair_kind": s2_verdict(top_eq, top_m)})
     move = fafo_move(toward, eq)
     f["fafo_toward"] = move or "not tested"
-    if move is None:
-        f["fafo_sentence"] = f"FAFO's move under a faster QK is not tested (no FAFO, FACO and CACO heatmaps at ratio {eq:g} and above)."
-    else:
-        b = toward[toward["FAFO at ratio"] == eq].iloc[0]
-        a = toward[toward["FAFO at ratio"] > eq].sort_values("FAFO at ratio").iloc[-1]
-        f["fafo_sentence"] = (
-            f"From ratio {eq:g} to {a['FAFO at ratio']:g}, FAFO's heatmap went from {b['TV to FACO']:.3f} to "
-            f"{a['TV to FACO']:.3f} in total variation from FACO's equal-rate heatmap and from {b['TV to CACO']:.3f} to "
-            f"{a['TV to CACO']:.3f} from CACO's: "
-            + {"FACO": "FAFO moves toward FACO, as the first summary says.",
-               "CACO": "FAFO moves toward CACO, as the second summary says.",
-               "neither": "FAFO moves away from both, as neither summary says."}[move])
-    if len(params) < 4:
-        f["s2_sentence"] = (f"Only {len(params)} of the four parameterizations {'was' if len(params) == 1 else 'were'} "
-                             "run, so S2 is not tested.")
-    else:
-        f["s2_sentence"] = (
-            f"The two sharpest parameterizations at equal rates are {f['top2_eq']} after {cfg['steps']} steps and "
-            f"{f['top2_eq_matched']} at matched loss; "
-            + {"A": "this is the first summary's pair (collapsed OV), not the second's.",
-               "B": "this is the second summary's pair, not the first's.",
-               "mixed": "the two regimes disagree, so neither summary holds in general.",
-               "neither": "neither summary's pair is measured."}[s2_verdict(top_eq, top_m)])
+    if move is not None:
+        b0 = toward[toward["FAFO at ratio"] == eq].iloc[0]
+        a0 = toward[toward["FAFO at ratio"] > eq].sort_values("FAFO at ratio").iloc[-1]
+        f.update(fafo_to_ratio=f"{a0['FAFO at ratio']:g}", tv_faco_before=f"{b0['TV to FACO']:.3f}",
+                 tv_faco_after=f"{a0['TV to FACO']:.3f}", tv_caco_before=f"{b0['TV to CACO']:.3f}",
+                 tv_caco_after=f"{a0['TV to CACO']:.3f}")
 
     def pairs_hold(summ: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> tuple[int, int]:
         """How many (ratio, pair) comparisons have the first above the second, of how many."""
@@ -646,113 +629,65 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
         for what, pairs in (("qk", qk_pairs), ("ov", ov_pairs)):
             ok, n = pairs_hold(summ, pairs)
             f[f"{what}_{name}"] = f"{ok} of {n}"
-    fafo_caco = [r for r in ratios if ("FAFO", r) in by.index and ("CACO", r) in by.index
-                 and _val(by, "FAFO", r, "attn_relevant") > _val(by, "CACO", r, "attn_relevant")]
-    f["fafo_over_caco"] = ", ".join(f"{r:g}" for r in fafo_caco) or "none"
+    f["fafo_over_caco"] = pct([f"{r:g}" for r in ratios if ("FAFO", r) in by.index and ("CACO", r) in by.index
+                               and _val(by, "FAFO", r, "attn_relevant") > _val(by, "CACO", r, "attn_relevant")])
     order_eq = order_at(summary, eq)
     t2 = order_eq[:2]
-    share = ("a factorized QK circuit, so at this horizon the QK effect decides the top" if all(p[:2] == "FA" for p in t2)
-             else "a collapsed OV circuit, so the OV effect decides the top" if all(p[2:] == "CO" for p in t2)
-             else "a collapsed QK circuit" if all(p[:2] == "CA" for p in t2)
-             else "a factorized OV circuit" if all(p[2:] == "FO" for p in t2) else "no circuit type")
-    a_ratios = [f"{r:g}" for r, v in match_fixed.items() if v == "A"]
-    b_ratios = [f"{r:g}" for r, v in match_fixed.items() if v == "B"]
-    last_cafo = [f"{r:g}" for r, o in per_ratio.items() if o[-1:] == ["CAFO"]]
-    f["top2_share"] = (
-        f"The two sharpest at equal rates share {share}. After the fixed steps the collapsed-OV pair "
-        f"(summary A) is on top at the ratios {', '.join(a_ratios) or 'none'}, the pair (CAFO, CACO) "
-        f"(summary B) at {', '.join(b_ratios) or 'none'}; CAFO is last at {', '.join(last_cafo) or 'none'}.")
-    f["rescaling_sentence"] = (
-        f"At ratio {eq:g} the order is {' > '.join(order_eq)}: "
-        + ("FACO first and CAFO last, as the effective ratio predicts. " if order_eq[:1] == ["FACO"]
-           and order_eq[-1:] == ["CAFO"] else "not the order the effective ratio predicts at the ends. ")
-        + f"FAFO is sharper than CACO at the ratios {f['fafo_over_caco']}.")
+    # which circuit type the two sharpest share: "FA" / "CO" / "CA" / "FO" (QK first), or "none"
+    f["top2_shared"] = next((k for k, sel in (("FA", lambda p: p[:2]), ("CO", lambda p: p[2:]), ("CA", lambda p: p[:2]),
+                                               ("FO", lambda p: p[2:])) if all(sel(p) == k for p in t2)), "none")
+    f["a_ratios"] = pct([f"{r:g}" for r, v in match_fixed.items() if v == "A"])
+    f["b_ratios"] = pct([f"{r:g}" for r, v in match_fixed.items() if v == "B"])
+    f["cafo_last_at"] = pct([f"{r:g}" for r, o in per_ratio.items() if o[-1:] == ["CAFO"]])
+    f["order_eq"] = " > ".join(order_eq)
+    f["order_as_predicted"] = order_eq[:1] == ["FACO"] and order_eq[-1:] == ["CAFO"]
     # --- S3: the verdict uses lowest -> highest; the prose also describes the ratios below the highest
     top = table[(table["ratio"] == hi) & (table["diverged"] == 0)]
     n_fail_hi = int((top["accuracy"] < C.STUCK_ACC).sum())
-    n_fail_below = int(((table["ratio"] < hi) & (table["accuracy"] < C.STUCK_ACC)).sum())
-    f["n_fail_hi"], f["n_hi_runs"], f["n_fail_below"] = str(n_fail_hi), str(len(top)), str(n_fail_below)
-    if len(ratios) < 2:
-        f["s3_sentence"] = f"Only ratio {lo:g} was run, so the effect of the ratio (S3) is not tested."
-        f["fail_sentence"] = ""
-    else:
+    f["n_fail_hi"], f["n_hi_runs"] = str(n_fail_hi), str(len(top))
+    f["n_fail_below"] = str(int(((table["ratio"] < hi) & (table["accuracy"] < C.STUCK_ACC)).sum()))
+    if len(ratios) >= 2:
+        absmax = lambda xs: _fmt(max((abs(x) for x in xs if np.isfinite(x)), default=float("nan")))  # noqa: E731
         d = ratio_changes(summary, ("attn_relevant", "loss", "accuracy", "AC@0.9"))
         up = [p for p, x in zip(params, d["attn_relevant"]) if x >= C.SHARPER]
-        absmax = lambda xs: max((abs(x) for x in xs if np.isfinite(x)), default=float("nan"))  # noqa: E731
-        text = (f"From ratio {lo:g} to {hi:g} (the comparison the S3 rule makes), attention on the distinct token rose "
-                f"by at least {thr['SHARPER']} for {len(up)} of {len(params)} parameterizations ({', '.join(up) or 'none'}); "
-                f"the mean test loss changed by up to {_fmt(absmax(d['loss']))} nats (rule: at most {thr['SAME_LOSS']}) "
-                f"and accuracy by up to {_fmt(absmax(d['accuracy']))} (rule: at most {thr['SAME_ACC']}).")
-        below = [r for r in ratios if r < hi]
-        rmid = below[-1]
+        f.update(s3_n_up=str(len(up)), s3_up=pct(up), s3_dloss=absmax(d["loss"]), s3_dacc=absmax(d["accuracy"]))
+        rmid = [r for r in ratios if r < hi][-1]
+        f["s3_mid_tested"], f["r_mid"] = bool(rmid > lo), f"{rmid:g}"
         if rmid > lo:
-            mid = summary[summary["ratio"].isin([lo, rmid])]
-            dm = ratio_changes(mid, ("attn_relevant", "loss", "accuracy", "AC@0.9"))
-            up_mid = sum(x >= C.SHARPER for x in dm["attn_relevant"])
-            text += (f" Up to ratio {rmid:g}, attention rose for {up_mid} of {len(params)}, AC at τ = 0.9 by up to "
-                     f"{_fmt(max((x for x in dm['AC@0.9'] if np.isfinite(x)), default=float('nan')))}, with test loss within {_fmt(absmax(dm['loss']))} "
-                     f"nats and accuracy within {_fmt(absmax(dm['accuracy']))}.")
+            dm = ratio_changes(summary[summary["ratio"].isin([lo, rmid])], ("attn_relevant", "loss", "accuracy", "AC@0.9"))
+            f.update(s3_mid_n_up=str(sum(x >= C.SHARPER for x in dm["attn_relevant"])),
+                     s3_mid_dac=_fmt(max((x for x in dm["AC@0.9"] if np.isfinite(x)), default=float("nan"))),
+                     s3_mid_dloss=absmax(dm["loss"]), s3_mid_dacc=absmax(dm["accuracy"]))
         mono = [p for p in params if all(_val(by, p, x, "attn_relevant") <= _val(by, p, y, "attn_relevant")
                                          for x, y in zip(ratios, ratios[1:]))]
         peak = {p: max(ratios, key=lambda r: np.nan_to_num(_val(by, p, r, "attn_relevant"), nan=-1.0)) for p in params}
-        text += (f" The rise is monotone over all ratios for {len(mono)} parameterizations ({', '.join(mono) or 'none'}); "
-                 f"attention peaks at {', '.join(f'{p} at {peak[p]:g}' for p in params)}.")
-        f["s3_sentence"] = text
+        f.update(s3_n_mono=str(len(mono)), s3_mono=pct(mono), s3_peaks=", ".join(f"{p} at {peak[p]:g}" for p in params))
         if n_fail_hi:
             stuck = top[top["accuracy"] < C.STUCK_ACC]
             ff = float((stuck["FFPT"] + stuck["FFPF"]).mean()) if {"FFPT", "FFPF"} <= set(stuck) else float("nan")
-            f["fail_sentence"] = (
-                f"At ratio {hi:g}, {n_fail_hi} of {len(top)} runs ended with test accuracy below {thr['STUCK_ACC']} "
-                f"('stuck'; at smaller ratios {n_fail_below} runs did). In those runs the most-attended token is a common "
-                f"token for {ff:.2f} of the test instances. Our diagnosis: with a random small init, QK learns {hi:g} "
-                "times faster than OV while OV is still random. Attention then commits to the tokens that the random OV "
-                "happens to favour, sometimes common tokens, before the OV circuit carries any class signal. Softmax "
-                "saturates and the run stays stuck. The theory avoids this by assuming a symmetric init.")
-        else:
-            f["fail_sentence"] = (f"No run at ratio {hi:g} ended with test accuracy below {thr['STUCK_ACC']} "
-                                  f"(at smaller ratios: {n_fail_below}).")
+            f["stuck_common_focus"] = f"{ff:.2f}"
     # --- R3-synthetic: matched loss
     reached = mtable[mtable["stop_step"].notna() & (mtable["diverged"] == 0)]
     f["n_reached"], f["n_matched_runs"] = str(len(reached)), str(len(mtable))
     mratios = sorted(matched["ratio"].unique())
-    if len(ratios) < 2:
-        f["r3_sentence"] = f"Only ratio {lo:g} was run, so the matched-loss comparison (R3-synthetic) is not tested."
-    else:
+    if len(ratios) >= 2:
         mby = matched.set_index(["parameterization", "ratio"])
         spread = {p: float(reached[reached.parameterization == p].groupby("ratio")["attn_relevant"].mean().pipe(
             lambda x: x.max() - x.min() if len(x) else float("nan"))) for p in params}
         mlo, mhi = (mratios[0], mratios[-1]) if mratios else (lo, hi)
-        verdict = verdicts["R3-synthetic"].verdict
-        f["r3_sentence"] = (
-            f"Every run is compared at the same training loss, {cfg['matched_loss']:g}. {len(reached)} of {len(mtable)} "
-            f"runs reached it within {cfg['steps']} steps. At that loss the mean attention on the distinct token spans "
-            f"(max − min over ratios): {', '.join(f'{p} {_fmt(v)}' for p, v in spread.items())}; from ratio {mlo:g} to "
-            f"{mhi:g} it moves: "
-            + ", ".join(f"{p} {_fmt(_val(mby, p, mlo, 'attn_relevant'))} -> {_fmt(_val(mby, p, mhi, 'attn_relevant'))}"
-                        for p in params) + ". "
-            + {"reproduced": f"Equal loss, different sharpness: at a higher ratio attention rose by at least "
-                             f"{thr['SHARPER']} while test accuracy changed by at most {thr['SAME_ACC']}, so here sharper "
-                             "attention is not a by-product of better prediction.",
-               "partly": f"Not decided by the rule: {verdicts['R3-synthetic'].reason}.",
-               "not reproduced": f"At matched loss, attention did not rise by {thr['SHARPER']} at any higher ratio.",
-               "not tested": "No cell above the lowest ratio reached the loss, so the comparison is not tested."}[verdict])
+        f.update(r3_spread=", ".join(f"{p} {_fmt(v)}" for p, v in spread.items()), r3_lo=f"{mlo:g}", r3_hi=f"{mhi:g}",
+                 r3_moves=", ".join(f"{p} {_fmt(_val(mby, p, mlo, 'attn_relevant'))} -> "
+                                    f"{_fmt(_val(mby, p, mhi, 'attn_relevant'))}" for p in params))
     # --- robustness (S3-robustness)
-    if rob_verdicts is not None and len(rob_verdicts):
+    f["rob_tested"] = rob_verdicts is not None and len(rob_verdicts) > 0
+    if f["rob_tested"]:
         rv = rob_verdicts
-        counts = rv["S3 verdict"].value_counts()
-        main_order = " > ".join(order_at(summary, eq))
-        f["rob_sentence"] = (
-            f"Per variant, S3's rule gives: {', '.join(f'{k} {n}' for k, n in counts.items())} (of {len(rv)}). "
-            f"Attention rose by at least {thr['SHARPER']} from the lowest to the highest ratio for every "
-            f"parameterization in {int((rv['attention up'] == rv['parameterizations']).sum())} of {len(rv)} variants. "
-            f"The largest change of mean test loss between those ratios, within any variant, was "
-            f"{_fmt(float(rv['max |Δ test loss|'].max()))} nats. At the highest ratio, "
-            f"{int(rv['stuck or diverged'].sum())} of {int(rv['runs at highest ratio'].sum())} runs got stuck (accuracy "
-            f"below {thr['STUCK_ACC']}) or diverged. The equal-rate ranking of the main grid reappears in "
-            f"{int((rv['ranking at equal rates'] == main_order).sum())} of {len(rv)} variants; the top two at equal "
-            f"rates match: {', '.join(f'{k}: {n}' for k, n in rv['top two match'].value_counts().items())}.")
-    else:
-        f["rob_sentence"] = "The robustness variants were not run (robustness = False), so S3-robustness is not tested."
+        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].value_counts().items()),
+                 rob_n=str(len(rv)), rob_up=str(int((rv["attention up"] == rv["parameterizations"]).sum())),
+                 rob_dloss=_fmt(float(rv["max |Δ test loss|"].max())), rob_stuck=str(int(rv["stuck or diverged"].sum())),
+                 rob_hi_runs=str(int(rv["runs at highest ratio"].sum())),
+                 rob_same_rank=str(int((rv["ranking at equal rates"] == " > ".join(order_at(summary, eq))).sum())),
+                 rob_top2=", ".join(f"{k}: {n}" for k, n in rv["top two match"].value_counts().items()))
     return f
 
 
@@ -763,21 +698,31 @@ def s2_verdict(top_fixed: Sequence[str], top_matched: Sequence[str]) -> str:
     return a if a == b else "mixed"
 
 
-def claims(facts: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
+def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
     """Scorecard rows for the paper's S1, S2, S3 and the extensions R3-synthetic and
-    S3-robustness: measured numbers from :func:`chapter_facts`, verdicts (with rule and reason)
-    from :func:`chapter_verdicts`."""
-    ch = "04_sweep"
+    S3-robustness: one line of measured numbers each, from :func:`chapter_facts`; verdicts (with
+    rule and reason) from :func:`chapter_verdicts`."""
+    f, ch = facts, "04_sweep"
+    s1 = (f"total-variation distance between mean heatmaps at ratio {f['r_eq']}: {f['tv_range']} ({f['tv_n_differ']} of "
+          f"{f['tv_n_pairs']} pairs at least {f['thr_dtap_tv']})" if f["s1_tested"] else "fewer than two parameterizations")
+    s3 = (f"ratio {f['r_lo']} -> {f['r_hi']}: attention up by at least {f['thr_sharper']} for {f['s3_n_up']} of "
+          f"{f['n_param']}; test loss changed by up to {f['s3_dloss']} nats, accuracy by up to {f['s3_dacc']}; "
+          f"{f['n_fail_hi']} of {f['n_hi_runs']} runs stuck at ratio {f['r_hi']}" if f["n_ratios_run"] > 1
+          else f"only ratio {f['r_lo']} run")
+    r3 = (f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss {f['matched_loss']}; attention on the distinct "
+          f"token there, ratio {f['r3_lo']} -> {f['r3_hi']}: {f['r3_moves']}" if f["n_ratios_run"] > 1
+          else f"only ratio {f['r_lo']} run")
+    rob = (f"per variant S3 gives {f['rob_counts']} (of {f['rob_n']}); attention up for every parameterization in "
+           f"{f['rob_up']} of {f['rob_n']} variants" if f["rob_tested"] else "robustness variants not run")
     return [
         claim("S1", "DTAP heatmaps differ between the four parameterizations",
-              f"{facts['n_runs']} runs ({facts['n_seeds']} seeds per cell); {facts['s1_sentence']}", verdicts["S1"], ch),
+              f"{f['n_runs']} runs ({f['n_seeds']} seeds per cell); {s1}", verdicts["S1"], ch),
         claim("S2", "summaries disagree: (CACO, FACO) or (CAFO, CACO) concentrate attention; FAFO moves toward "
                     "FACO or CACO",
-              f"ranking at ratio {facts['r_eq']}: {facts['rank_eq']}; at matched loss {facts['matched_loss']}: "
-              f"{facts['rank_eq_matched']}; top two per ratio match {facts['s2_fixed_counts']}; {facts['fafo_sentence']}",
-              verdicts["S2"], ch),
-        claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same",
-              f"{facts['s3_sentence']} {facts['fail_sentence']}".strip(), verdicts["S3"], ch),
-        claim("R3-synthetic", C.statement("R3-synthetic"), facts["r3_sentence"], verdicts["R3-synthetic"], ch),
-        claim("S3-robustness", C.statement("S3-robustness"), facts["rob_sentence"], verdicts["S3-robustness"], ch),
+              f"ranking at ratio {f['r_eq']}: {f['rank_eq']}; at matched loss {f['matched_loss']}: "
+              f"{f['rank_eq_matched']}; top two per ratio match {f['s2_fixed_counts']}; FAFO moves toward "
+              f"{f['fafo_toward']}", verdicts["S2"], ch),
+        claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same", s3, verdicts["S3"], ch),
+        claim("R3-synthetic", C.statement("R3-synthetic"), r3, verdicts["R3-synthetic"], ch),
+        claim("S3-robustness", C.statement("S3-robustness"), rob, verdicts["S3-robustness"], ch),
     ]
