@@ -25,13 +25,15 @@ ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from qkov_lib import claims
 from qkov_lib.data.batch import Batch
@@ -71,6 +73,15 @@ def grid(optimizers: Sequence[str], base_rates: Mapping[str, Sequence[float]], r
         raise ValueError(f"no base rates for optimizer(s) {missing}; base_rates has {sorted(base_rates)}")
     return [Cell(o, float(e), float(r), int(s)) for o in optimizers for e in base_rates[o]
             for r in ratios for s in seeds]
+
+
+def run_each(settings: Iterable[tuple], train_one: Callable[..., Any], desc: str, progress: bool = True) -> list:
+    """``[train_one(*s) for s in settings]`` in order, under one progress bar: the grid runner of
+    the studies whose models train one at a time through :func:`qkov_lib.train.train` (their own
+    parameter groups, batching or probes, which a stack cannot share). Grids of models that can
+    share a stack go through :func:`train_grid`."""
+    settings = list(settings)
+    return [train_one(*s) for s in tqdm(settings, desc=desc, disable=not progress)]
 
 
 def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], train: Batch, val: Batch,

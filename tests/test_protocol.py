@@ -236,3 +236,10 @@ def test_a_collapse_at_the_highest_ratio_is_a_negative_for_r1():
     assert _column_verdicts(t, chance=0.25, necessary=False)[("sgd", 0.3, "R3")] == "not tested"
     per_column = _column_verdicts(t, chance=0.25, necessary={("sgd", 0.3): False, ("adamw", 1e-3): True})
     assert per_column[("sgd", 0.3, "R3")] == "not tested"
+
+
+def test_run_each_trains_every_setting_in_order():
+    seen = []
+    out = P.run_each(((r, s) for r in (1.0, 10.0) for s in (0, 1)), lambda r, s: seen.append((r, s)) or r * 10 + s,
+                            "test grid", progress=False)
+    assert out == [10.0, 11.0, 100.0, 101.0] and seen == [(1.0, 0), (1.0, 1), (10.0, 0), (10.0, 1)]

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.models import SyntheticModel
 from qkov_lib import claims as C
+from qkov_lib import protocol
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig, train
@@ -186,9 +186,8 @@ def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
     chapter) and from the symmetric state ``(w0, q0)``; the final population metrics and scalars."""
     task = task_of(cfg)
     data = syn.population(task)
-    rows = []
-    grid = list(itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]]))
-    for p, r, init in tqdm(grid, desc="full-model runs", disable=not progress):
+
+    def one(p: str, r: float, init: str) -> dict:
         E = syn.make_embeddings(task, dtype=torch.float64)
         if init == "symmetric":
             model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=0.0, dtype=torch.float64)
@@ -203,10 +202,12 @@ def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
                                       progress=False)
         h = train(model, data, tc, probe=_probe(task, E, cfg["w0"], cfg["q0"]))
         fin = h.final
-        rows.append({"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
-                     "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
-                     "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"]})
-    return pd.DataFrame(rows)
+        return {"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
+                "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
+                "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"]}
+
+    grid = itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]])
+    return pd.DataFrame(protocol.run_each(grid, one, "full-model runs", progress))
 
 
 S2_NAMES = {"A": "the first summary (collapsed OV: CACO and FACO)", "B": "the second summary (CAFO and CACO)",

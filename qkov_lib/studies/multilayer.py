@@ -22,12 +22,11 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from qkov_lib.data.batch import Batch
 from qkov_lib.knob import knob_groups
 from qkov_lib.metrics import macro_f1, relevant_mass, seed_half_width
-from qkov_lib import claims
+from qkov_lib import claims, protocol
 from qkov_lib.metrics import tag_frame
 from qkov_lib.runtime import pick_device, seed_everything
 from qkov_lib.train import TrainConfig, train
@@ -296,7 +295,7 @@ def load_data(cfg: dict, data_dir=None) -> dict:
 def run_grid(cfg: dict, datasets: dict, device: torch.device | None = None) -> list[Run]:
     """Train every (dataset, ratio, seed) of ``cfg`` with a progress bar."""
     grid = list(itertools.product(cfg["datasets"], cfg["ratios"], cfg["seeds"]))
-    return [train_one(datasets[d], d, r, s, cfg, device) for d, r, s in tqdm(grid, desc="multi-layer grid")]
+    return protocol.run_each([(datasets[d], d, r, s, cfg, device) for d, r, s in grid], train_one, "multi-layer grid")
 
 
 # --- tables ---------------------------------------------------------------------------------

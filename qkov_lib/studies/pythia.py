@@ -22,7 +22,6 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.synthetic import SyntheticTask, sample
@@ -31,6 +30,7 @@ from qkov_lib.metrics import prediction_metrics
 from qkov_lib.profiles import profile_table
 from qkov_lib.runtime import seed_everything, torch_threads
 from qkov_lib.train import TrainConfig, predict, train
+from qkov_lib import protocol
 from qkov_lib.studies import multilayer as ml
 
 DATASET = "synthetic"
@@ -177,7 +177,7 @@ def run_grid(cfg: dict) -> list[ml.Run]:
     """Every (ratio, seed) of ``cfg``, on one shared test set, with a progress bar."""
     test = test_set(cfg)
     grid = list(itertools.product(cfg["ratios"], cfg["seeds"]))
-    return [train_one(cfg, r, s, test) for r, s in tqdm(grid, desc="Pythia grid")]
+    return protocol.run_each([(cfg, r, s, test) for r, s in grid], train_one, "Pythia grid")
 
 
 # --- the knob on this model ----------------------------------------------------------------
@@ -350,13 +350,14 @@ def sva_grid(ds, cfg: dict, out_dir: str) -> tuple[dict[str, pd.DataFrame], pd.D
     (mean over seeds), and the training logs of every run."""
     import os
 
-    rows, logs = [], []
-    for ratio, seed in tqdm(list(itertools.product(cfg["ratios"], cfg["seeds"])), desc="GPT-NeoX on SVA (Trainer)"):
+    def one(ratio: float, seed: int) -> tuple[list[dict], pd.DataFrame]:
         model, log = sva_train_one(ds, cfg, ratio, seed, os.path.join(out_dir, f"r{ratio:g}_s{seed}"))
-        for where, vals in sva_roles_of(model, ds).items():
-            rows.append({"ratio": float(ratio), "seed": seed, "where": where, **vals})
-        logs.append(log.assign(ratio=float(ratio), seed=seed))
-    frame = pd.DataFrame(rows)
+        return ([{"ratio": float(ratio), "seed": seed, "where": where, **vals} for where, vals in
+                 sva_roles_of(model, ds).items()], log.assign(ratio=float(ratio), seed=seed))
+
+    done = protocol.run_each(itertools.product(cfg["ratios"], cfg["seeds"]), one, "GPT-NeoX on SVA (Trainer)")
+    frame = pd.DataFrame([row for rows, _ in done for row in rows])
+    logs = [log for _, log in done]
     acc = frame[frame["where"] == "accuracy"].groupby("ratio")["accuracy"].mean()
     roles = {w: f.drop(columns=["where", "seed", "accuracy"]).groupby("ratio").mean()
              for w, f in frame[frame["where"] != "accuracy"].groupby("where", sort=True)}

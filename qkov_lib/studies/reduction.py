@@ -11,13 +11,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.metrics import circuit_scalars
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
 from qkov_lib import claims as C
+from qkov_lib import protocol
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig, train
@@ -159,8 +159,8 @@ def overlay_grid(cfg: dict) -> pd.DataFrame:
     """:func:`overlay` for every parameterization and ratio of ``cfg``, each with its larger
     learning rate equal to ``eta_max``."""
     task = task_of(cfg)
-    parts = [overlay(task, p, cfg["w0"], cfg["q0"], eta_ov_for(cfg["eta_max"], r), r, cfg["steps"], cfg["n_logs"])
-             for p, r in tqdm(list(itertools.product(PARAMS, cfg["ratios"])), desc="ODE vs GD")]
+    parts = protocol.run_each([(task, p, cfg["w0"], cfg["q0"], eta_ov_for(cfg["eta_max"], r), r, cfg["steps"], cfg["n_logs"])
+                               for p, r in itertools.product(PARAMS, cfg["ratios"])], overlay, "ODE vs GD")
     return pd.concat(parts, ignore_index=True)
 
 

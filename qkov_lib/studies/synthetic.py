@@ -10,10 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
-from tqdm.auto import tqdm
 
 from qkov_lib.data import synthetic as syn
-from qkov_lib import claims
+from qkov_lib import claims, protocol
 from qkov_lib.claims import Verdict
 from qkov_lib.metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
                        seed_half_width, summarize)
@@ -103,7 +102,7 @@ def run_grid(cfg: dict, device: torch.device | None = None) -> list[Run]:
     task = task_of(cfg)
     grid = list(itertools.product(cfg["parameterizations"], cfg["ratios"], cfg["seeds"]))
     with torch_threads(1):  # tiny tensors: a second thread only adds spin-waiting
-        return [train_one(task, p, r, s, cfg, device) for p, r, s in tqdm(grid, desc="synthetic grid")]
+        return protocol.run_each([(task, p, r, s, cfg, device) for p, r, s in grid], train_one, "synthetic grid")
 
 
 def runs_frame(runs: Iterable[Run]) -> pd.DataFrame:
