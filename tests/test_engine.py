@@ -293,3 +293,14 @@ def test_thread_setting_is_restored():
         with engine.torch_threads(0):
             pass
     assert torch.get_num_threads() == old
+
+
+def test_a_grid_that_stops_early_finishes_its_progress_bar_saying_so(capsys):
+    data = syn.population(TASK)
+    ms = [_model("CACO", s) for s in (0, 1)]
+    engine.train_batched(ms, data, [_cfg("gd", 1.0, s, steps=50) for s in (0, 1)], stop_loss=10.0, progress=True,
+                         desc="early")
+    err = capsys.readouterr().err
+    assert "early: stopped early at step 1" in err and "1/1" in err  # shown complete, not frozen at 1 of 50
+    engine.train_batched([_model("CACO", 0)], data, [_cfg("gd", 1.0, 0, steps=5)], progress=True, desc="full")
+    assert "stopped early" not in capsys.readouterr().err

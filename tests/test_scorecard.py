@@ -97,24 +97,13 @@ def test_scorecard_from_results(tmp_path: Path, book: Path):
     assert list(prov["chapter"]) == ["removed", "synthetic", "theory"] and list(prov["claims"]) == [1, 2, 3]
 
 
-def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
-    from markdown_it.token import Token
+def _table_widths(text: str) -> tuple[int, set[int]]:
+    """Rows and the set of cell counts per row of the MyST tables in ``text``."""
     from myst_parser.config.main import MdParserConfig
-    from myst_parser.parsers.mdit import create_md_parser
     from myst_parser.mdit_to_docutils.base import DocutilsRenderer
+    from myst_parser.parsers.mdit import create_md_parser
 
-    _results(tmp_path)
-    card = scorecard.build(scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book))
-    text = scorecard.to_myst(card)
-    assert "{doc}`01_synthetic`" in text and "{doc}`03_theory`" in text
-    assert "{bdg-success}`reproduced`" in text and "{bdg-warning}`partly`" in text
-    assert "they differ \\| a lot" in text
-    tokens: list[Token] = create_md_parser(MdParserConfig(), DocutilsRenderer).parse(text)
-    rows = [t for t in tokens if t.type == "tr_open"]
-    # header + one row per measurement (S3 twice, plus its combined row) + one per claim without
-    # measurement + the extension and the unknown ID
-    assert len(rows) == 1 + len(scorecard.CLAIMS) + 2 + 2
-    assert claims.R3_RULE.split(":")[0] in text  # the rule is shown next to the verdict
+    tokens = create_md_parser(MdParserConfig(), DocutilsRenderer).parse(text)
     widths, n = [], 0
     for t in tokens:
         if t.type == "tr_open":
@@ -123,9 +112,26 @@ def test_to_myst_is_a_valid_table_with_links(tmp_path: Path, book: Path):
             n += 1
         elif t.type == "tr_close":
             widths.append(n)
-    assert set(widths) == {6}
-    plain = scorecard.to_myst(card, link=False)
-    assert "{doc}" not in plain and "{bdg" not in plain and "**not run**" in plain
+    return len(widths), set(widths)
+
+
+def test_the_matrix_is_one_row_per_claim_with_links_and_the_details_fold_out(tmp_path: Path, book: Path):
+    _results(tmp_path)
+    card = scorecard.build(scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book))
+    text = scorecard.to_matrix(card)
+    assert "{doc}`01_synthetic`" in text and "{doc}`03_theory`" in text
+    assert "{bdg-success}`reproduced`" in text and "{bdg-warning}`partly`" in text
+    # header + one row per claim of the paper + the extension and the unknown ID; four columns
+    assert _table_widths(text) == (1 + len(scorecard.CLAIMS) + 2, {4})
+    assert claims.R3_RULE.split(":")[0] not in text  # rules are in the details, not the matrix
+    s3 = next(line for line in text.splitlines() if line.startswith("| **S3** |"))
+    assert "{doc}`01_synthetic`, {doc}`03_theory`" in s3 and s3.count("bdg-") == 3  # combined + one per chapter
+    details = scorecard.to_details(card)
+    assert details.count(":::{dropdown}") == len(card) and "they differ \\| a lot" in details
+    assert claims.R3_RULE.split(":")[0] in details
+    plain, plain_details = scorecard.to_matrix(card, link=False), scorecard.to_details(card, link=False)
+    assert "{doc}" not in plain + plain_details and "{bdg" not in plain + plain_details and "**not run**" in plain
+    assert "dropdown" not in plain_details
 
 
 def test_scorecard_cli(tmp_path: Path, capsys):
@@ -171,24 +177,25 @@ def test_disagreeing_chapters_keep_every_verdict_visible():
     assert card.loc["T1", "per_dataset"] == ""
     assert [scorecard.dataset_name(c) for c in ("squad", "05_squad", "hatexplain", "sva", "01_synthetic")] == \
         ["SQuAD", "SQuAD", "HateXplain", "SVA", "01_synthetic"]
-    # the combined row shows each dataset's verdict as its own badge next to the combined one
-    text = scorecard.to_myst(scorecard.build(_r1_rows(three)))
-    combined = next(line for line in text.splitlines() if "*combined:*" in line)
+    # the claim's row shows each dataset's verdict as its own badge next to the combined one
+    text = scorecard.to_matrix(scorecard.build(_r1_rows(three)))
+    row = next(line for line in text.splitlines() if line.startswith("| **R1** |"))
     assert ("{bdg-warning}`partly` SQuAD {bdg-success-line}`reproduced` HateXplain {bdg-danger-line}`not reproduced` "
-            "SVA {bdg-warning-line}`partly`") in combined
-    plain = scorecard.to_myst(scorecard.build(_r1_rows(three)), link=False)
+            "SVA {bdg-warning-line}`partly`") in row
+    assert "SQuAD: 05_squad why; HateXplain: 06_hatexplain why; SVA: 07_sva why" in row
+    plain = scorecard.to_matrix(scorecard.build(_r1_rows(three)), link=False)
     assert "**partly** SQuAD reproduced HateXplain not reproduced SVA partly" in plain
 
 
 def test_a_claims_rule_is_shown_once():
-    text = scorecard.to_myst(scorecard.build(_r1_rows({"05_squad": "reproduced", "06_hatexplain": "partly",
-                                                       "07_sva": "not reproduced"})))
+    text = scorecard.to_details(scorecard.build(_r1_rows({"05_squad": "reproduced", "06_hatexplain": "partly",
+                                                          "07_sva": "not reproduced"})))
     assert text.count(scorecard.myst_cell(claims.R1_RULE)) == 1
     rows = [line for line in text.splitlines() if "numbers" in line]
     assert len(rows) == 3 and scorecard.myst_cell(claims.R1_RULE) in rows[0]
-    assert all(line.split(" | ")[4] == "" for line in rows[1:])  # the rule cell of later rows is empty
-    # a row with a different rule still shows it
+    assert all("*Rule:*" not in line for line in rows[1:])
+    # a measurement with a different rule still shows it
     import pandas as pd
 
     other = pd.concat([_r1_rows({"05_squad": "reproduced"}), _r1_rows({"07_sva": "partly"}, rule="another rule")])
-    assert "| another rule |" in scorecard.to_myst(scorecard.build(other))
+    assert "*Rule:* another rule" in scorecard.to_details(scorecard.build(other))

@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     results = scorecard.load_results(folder)
     card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
                                                 pages=qcache.toc_files(REPO_ROOT)))
-    print(scorecard.to_myst(card, link=False))
+    print(scorecard.to_matrix(card, link=False))
+    print()
+    print(scorecard.to_details(card, link=False))
     print(json.dumps({"paper": scorecard.counts(card), "extension": scorecard.counts(card, "extension")}))
     return 0
 

@@ -157,39 +157,59 @@ def _badge(verdict: str, link: bool, small: bool = False) -> str:
     return f"{{{role if not small or role.endswith('-line') else role + '-line'}}}`{verdict}`"
 
 
-def to_myst(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
-    """The scorecard (or its rows of ``kind``) as a MyST table: claim | the paper says | we
-    measured | verdict | rule (thresholds) | chapter. A claim tested by several chapters gets one
-    row per chapter and a combined row, whose verdict cell shows the combined badge and each
-    dataset's verdict as its own small badge (so one dataset's negative stays visible). A rule is
-    shown once per claim: a later row of the same claim with the same rule leaves its cell empty.
-    With ``link`` (for ``{glue:md}`` with ``:format: myst``) chapters are ``{doc}`` links and
-    verdicts sphinx-design badges; without, plain text."""
-    lines = ["| claim | the paper says | we measured | verdict | rule (thresholds) | chapter |",
-             "|---|---|---|---|---|---|"]
+def _where(m: Mapping[str, Any], link: bool) -> str:
+    doc = m.get("doc")
+    return f"{{doc}}`{doc}`" if link and doc else myst_cell(m.get("chapter", ""))
+
+
+def to_matrix(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
+    """The scorecard at a glance, as a MyST table with one row per claim: claim ID | verdict |
+    measured | chapter. ``verdict`` is the combined badge, followed by each measurement's own
+    small badge (named by dataset) when several chapters report the claim; ``measured`` is each
+    measurement's reason (the rule's one-line summary of the numbers it decided on), named by
+    dataset when there are several. Statements, full measurements and rules are in
+    :func:`to_details`."""
+    lines = ["| claim | verdict | measured | chapter |", "|---|---|---|---|"]
     rows = card if kind is None else card[card["kind"] == kind]
     for _, r in rows.iterrows():
         ms = list(r["measurements"])
-        first = [f"**{r['id']}**", myst_cell(r["claim"])]
         if not ms:
-            lines.append("| " + " | ".join(first + ["no chapter in this build reported this claim",
-                                                    _badge("not run", link), "", ""]) + " |")
+            lines.append(f"| **{r['id']}** | {_badge('not run', link)} | no chapter in this build reported it | |")
             continue
+        named = len(ms) > 1
+        verdict = _badge(r["verdict"], link) + ("" if not named else " " + " ".join(
+            f"{myst_cell(dataset_name(m.get('chapter', '')))} {_badge(str(m.get('verdict', 'not tested')), link, small=True)}"
+            for m in ms))
+        measured = "; ".join((f"{myst_cell(dataset_name(m.get('chapter', '')))}: " if named else "")
+                             + myst_cell(m.get("reason", "") or m.get("ours", "")) for m in ms)
+        where = ", ".join(dict.fromkeys(_where(m, link) for m in ms))
+        lines.append(f"| **{r['id']}** | {verdict} | {measured} | {where} |")
+    return "\n".join(lines)
+
+
+def to_details(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
+    """Per claim, a folded block (a sphinx-design ``dropdown`` with ``link``, else a heading):
+    the paper's statement, what each chapter measured, its verdict and reason, and the rule
+    (shown once when the chapters share it)."""
+    out = []
+    rows = card if kind is None else card[card["kind"] == kind]
+    for _, r in rows.iterrows():
+        ms = list(r["measurements"])
+        body = [f"*The paper says:* {myst_cell(r['claim'])}", ""]
+        if not ms:
+            body.append("No chapter in this build reported this claim.")
         shown: set[str] = set()
-        for i, m in enumerate(ms):
-            doc = m.get("doc")
-            where = f"{{doc}}`{doc}`" if link and doc else myst_cell(m.get("chapter", ""))
-            ours = myst_cell(m.get("ours", "")) + (f" *Decided by:* {myst_cell(m['reason'])}" if m.get("reason") else "")
+        for m in ms:
             rule = myst_cell(m.get("rule", ""))
-            lines.append("| " + " | ".join((first if i == 0 else ["", ""]) + [
-                ours, _badge(str(m.get("verdict", "not tested")), link), "" if rule in shown else rule, where]) + " |")
+            body += [f"- {_where(m, link)} ({_badge(str(m.get('verdict', 'not tested')), link, small=True)}): "
+                     f"{myst_cell(m.get('ours', ''))} *Decided by:* {myst_cell(m.get('reason', ''))}"
+                     + ("" if not rule or rule in shown else f" *Rule:* {rule}")]
             shown.add(rule)
         if len(ms) > 1:
-            each = " ".join(f"{myst_cell(dataset_name(m.get('chapter', '')))} "
-                            f"{_badge(str(m.get('verdict', 'not tested')), link, small=True)}" for m in ms)
-            lines.append("| " + " | ".join(["", "", f"*combined:* {myst_cell(r['reason'])}",
-                                            f"{_badge(r['verdict'], link)} {each}", "", ""]) + " |")
-    return "\n".join(lines)
+            body += ["", f"*Combined:* {myst_cell(r['reason'])}"]
+        title = f"{r['id']}: {r['verdict']}"
+        out += ([f":::{{dropdown}} {title}", *body, ":::", ""] if link else [f"**{title}**", "", *body, ""])
+    return "\n".join(out)
 
 
 def rules_table() -> pd.DataFrame:

@@ -53,7 +53,7 @@ from qkov_lib.metrics import DEFAULT_TAUS, FOCUS_CELLS, dtap_histogram, instance
 from qkov_lib.models import SyntheticModel, group_of, param_groups
 from qkov_lib.runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
 from qkov_lib.train import History, NonFiniteError, TrainConfig, log_steps
-from qkov_lib.train.loop import NONFINITE_MODES, check_configs
+from qkov_lib.train.loop import NONFINITE_MODES, check_configs, finish_bar
 from qkov_lib.train.optim import StackedOptimizer, rates_of, stack_rates
 
 DEFAULT_THREADS = 1
@@ -538,8 +538,9 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
             hists[k].diverged_step = step
         active = active & ~bad
 
-    bar = tqdm(range(c0.steps + 1), desc=desc, disable=not show, leave=False, mininterval=1.0)
-    for step in bar:
+    bar = tqdm(total=c0.steps, desc=desc, disable=not show, leave=False, mininterval=1.0)
+    step = 0
+    for step in range(c0.steps + 1):
         if step in logs:
             record(step, active)
         if step == c0.steps or not bool(active.any()):
@@ -585,6 +586,8 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
         bad = active & ~stack.finite(values)
         if bool(bad.any()):
             fail(step, bad, "parameter", values)
+        bar.update()
+    finish_bar(bar, desc, step, c0.steps)
     stack.write_back(models)
     return hists
 

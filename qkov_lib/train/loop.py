@@ -502,7 +502,9 @@ class _Trainer:
 
     def run(self, desc: str, show: bool, on_step: Callable[[int], None] | None = None) -> list[History]:
         logs = set(log_schedule(self.c0))
-        for step in tqdm(range(self.c0.steps + 1), desc=desc, disable=not show, leave=False, mininterval=1.0):
+        bar = tqdm(total=self.c0.steps, desc=desc, disable=not show, leave=False, mininterval=1.0)
+        step = 0
+        for step in range(self.c0.steps + 1):
             if not self.rows:  # every model diverged or stopped early
                 break
             if step in logs:
@@ -510,7 +512,21 @@ class _Trainer:
             if step == self.c0.steps or not self.rows:
                 break
             self._step(step)
+            bar.update()
             if on_step is not None:
                 on_step(step)
+        finish_bar(bar, desc, step, self.c0.steps)
         self._finish(list(range(len(self.rows))))
         return self.hists
+
+
+def finish_bar(bar: tqdm, desc: str, step: int, steps: int) -> None:
+    """Close the progress bar of a loop that ended at ``step`` of ``steps``. One that ended
+    before its last step (every run stopped early or diverged) is shown complete and says
+    "stopped early at step N", so no bar is left frozen part-way, which would read as a failure."""
+    if step < steps:
+        bar.set_description(f"{desc}: stopped early at step {step}", refresh=False)
+        bar.reset(total=step)  # reset (not a bare total=): the notebook widget's maximum follows
+        bar.update(step)
+        bar.refresh()
+    bar.close()
