@@ -300,7 +300,9 @@ S2_PARTNER = {"A": "FACO", "B": "CACO"}  # where each summary says a faster QK m
 S2_RULE = ("reproduced: the two sharpest parameterizations at equal rates are one summary's pair AND faster QK "
            "moves FAFO toward that summary's partner (FACO for (CACO, FACO), CACO for (CAFO, CACO)); partly: only "
            "one of the two (or the pair matches and FAFO's move is not tested); not reproduced: neither; "
-           "not tested: fewer than four parameterizations")
+           "not tested: fewer than four parameterizations. FAFO moves toward a candidate when its distance to it "
+           "falls; when both fall and the two distances end equal within their 95 % seed interval (or exactly "
+           "equal, without seeds) the move is a tie, which supports neither summary")
 
 
 def s2_summary(attention: Mapping[str, float]) -> str:
@@ -324,20 +326,36 @@ def s2_which_pair(attention: Mapping[str, float], fafo_toward: str | None = None
     pair_ok = which != "neither"
     move_ok = fafo_toward == S2_PARTNER.get(which, "") if pair_ok else fafo_toward in S2_PARTNER.values()
     v = "reproduced" if pair_ok and move_ok else "partly" if pair_ok or move_ok else "not reproduced"
-    return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); FAFO moves toward {fafo_toward}")
+    move = ("FAFO's move is a tie between FACO and CACO" if fafo_toward == "tie"
+            else f"FAFO moves toward {fafo_toward}")
+    return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); {move}")
 
 
-def s2_fafo_move(before: Mapping[str, float], after: Mapping[str, float]) -> str | None:
+def s2_fafo_move(before: Mapping[str, float], after: Mapping[str, float], gap: Change | None = None) -> str | None:
     """Where a faster QK moves FAFO, for :func:`s2_which_pair`: ``before``/``after`` are FAFO's
     distances (at equal rates / at the faster ratio) to each candidate (``FACO``, ``CACO``) at
-    equal rates. The candidate whose distance fell (the closer one after, if both fell);
-    ``"neither"`` when FAFO moved away from both; None when a distance is missing."""
+    equal rates. The candidate whose distance fell; if both fell, the closer one after, unless the
+    two distances after are equal: :func:`is_tie` of ``gap`` (the per-seed difference of the
+    distances after, FACO's minus CACO's), or exactly equal without it. Then ``"tie"``, which
+    supports neither summary. ``"neither"`` when FAFO moved away from both; None when a distance
+    is missing."""
     keys = [k for k in before if k in after]
     vals = {k: (float(before[k]), float(after[k])) for k in keys}
     if not vals or not all(math.isfinite(a) and math.isfinite(b) for a, b in vals.values()):
         return None
     closer = [k for k, (a, b) in vals.items() if b < a]
+    if len(closer) == 2 and is_tie(vals[closer[0]][1] - vals[closer[1]][1], gap):
+        return "tie"
     return min(closer, key=lambda k: vals[k][1]) if closer else "neither"
+
+
+def is_tie(difference: float, gap: Change | None = None) -> bool:
+    """Whether two distances are equal for S2: their seed interval (``gap``, a :class:`Change`
+    of the per-seed differences) contains 0 or is unbounded (fewer than two seeds); without
+    ``gap``, whether ``difference`` is 0 (up to 1e-12)."""
+    if gap is None:
+        return abs(float(difference)) <= 1e-12
+    return not (gap.bounded and abs(gap.mean) > gap.half_width)
 
 
 S3_RULE = (f"reproduced: from the lowest to the highest ratio, attention on the distinct token rises by ≥ {_t('SHARPER')} "

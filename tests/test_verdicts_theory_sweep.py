@@ -141,18 +141,22 @@ def test_t4_flips_when_the_line_slope_changes_sign(asym):
     assert C.t4_line(*asymptotics.t4_inputs(_residual(single, -1.0), mix)).verdict == "not reproduced"
 
 
-def _full(att: dict[float, dict[str, float]]) -> pd.DataFrame:
-    """A full_model_runs-shaped table: one random-init run per (parameterization, ratio)."""
-    return pd.DataFrame([{"parameterization": p, "ratio": r, "init": "random", "seed": 0, "distinct": a}
-                         for r, d in att.items() for p, a in d.items()])
+def _full(att: dict[float, dict[str, float]], seeds: int = 1) -> pd.DataFrame:
+    """A full_model_runs-shaped table: ``seeds`` random-init runs per (parameterization, ratio),
+    seed ``s`` at ``a + 0.001 (s - mean seed)`` so that the seed means are ``a``."""
+    return pd.DataFrame([{"parameterization": p, "ratio": r, "init": "random", "seed": s,
+                          "distinct": a + 0.001 * (s - (seeds - 1) / 2)}
+                         for r, d in att.items() for p, a in d.items() for s in range(seeds)])
 
 
 ATT1 = {"FAFO": 0.80, "CAFO": 0.60, "FACO": 0.95, "CACO": 0.90}  # top two FACO, CACO: the first summary
 
 
 def test_s2_flips_with_the_ranking_and_fafos_move():
-    toward_faco = _full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.93}})
+    toward_faco = _full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.93}}, seeds=4)
     assert asymptotics.s2_inputs(toward_faco)[1] == "FACO"
+    # FAFO ends 0.02 from FACO and 0.03 from CACO: with one seed there is no interval, so a tie
+    assert asymptotics.s2_inputs(_full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.93}}))[1] == "tie"
     assert C.s2_which_pair(*asymptotics.s2_inputs(toward_faco)).verdict == "reproduced"
     flipped = {p: 1 - a for p, a in ATT1.items()}  # ranking reversed: top two CAFO, FAFO
     away = _full({1.0: flipped, 10.0: {**flipped, "FAFO": 0.4}})  # FAFO (0.2) moves away from FACO and CACO
@@ -359,3 +363,25 @@ def test_sweep_facts_with_two_ratios_give_the_s3_and_r3_numbers():
     assert rows["S3"].startswith("ratio 1 -> 10: attention up by at least") and f["s3_dloss"] in rows["S3"]
     assert rows["R3-synthetic"].startswith(f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss")
     assert f["tv_range"] in rows["S1"]
+
+
+def test_equal_distances_are_a_tie_that_supports_neither_summary():
+    """FAFO closer to both candidates, ending equally far from them: a tie, not "toward FACO"
+    (which taking the first minimum would say); decided by the seed interval when there is one."""
+    before, after = {"FACO": 0.9, "CACO": 0.9}, {"FACO": 0.448, "CACO": 0.448}
+    assert C.s2_fafo_move(before, after) == "tie"
+    assert C.s2_fafo_move(before, {"FACO": 0.40, "CACO": 0.45}) == "FACO"  # no seeds: unequal is not a tie
+    noisy = C.Change.of([-0.08, 0.02, 0.03, -0.01])  # per-seed FACO - CACO: the interval contains 0
+    assert C.s2_fafo_move(before, {"FACO": 0.40, "CACO": 0.41}, noisy) == "tie"
+    clear = C.Change.of([-0.05, -0.051, -0.049, -0.05])
+    assert C.s2_fafo_move(before, {"FACO": 0.40, "CACO": 0.45}, clear) == "FACO"
+    assert C.s2_fafo_move(before, {"FACO": 0.40, "CACO": 0.45}, C.Change.of([-0.05])) == "tie"  # one seed: no interval
+    v = C.s2_which_pair({"CACO": 0.9, "FACO": 0.8, "FAFO": 0.5, "CAFO": 0.3}, "tie")
+    assert v.verdict == "partly" and "tie" in v.reason  # the pair matches A, but a tie is no move toward FACO
+    assert C.s2_which_pair({"CACO": 0.9, "FACO": 0.8, "FAFO": 0.5, "CAFO": 0.3}, "FACO").verdict == "reproduced"
+    # the chapter table names a tie, not the first of two equal distances
+    h = np.zeros((10, 10)); h[9, 9] = 1.0
+    g = np.zeros((10, 10)); g[0, 9] = 1.0
+    dtaps = {("FAFO", 1.0): h, ("FAFO", 10.0): h, ("FACO", 1.0): g, ("CACO", 1.0): g}
+    t = synthetic_sweeps.fafo_toward(dtaps, [1.0, 10.0], 1.0, {("FAFO", 10.0): [h, h]})
+    assert list(t["closer to"]) == ["tie", "tie"] and synthetic_sweeps.fafo_move(t, 1.0) == "neither"

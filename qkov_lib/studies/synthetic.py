@@ -131,12 +131,24 @@ def seed_summary(frame: pd.DataFrame, by: Sequence[str], metrics: Sequence[str],
     return frame.groupby(list(by), sort=False).apply(agg, include_groups=False).reset_index()
 
 
-def mean_dtap(runs: Iterable[Run]) -> dict[tuple[str, float], np.ndarray]:
-    """DTAP histogram averaged over seeds, keyed by (parameterization, ratio)."""
+def seed_dtaps(runs: Iterable[Run]) -> dict[tuple[str, float], list[np.ndarray]]:
+    """Every run's DTAP histogram, in run order, keyed by (parameterization, ratio)."""
     acc: dict[tuple[str, float], list[np.ndarray]] = {}
     for r in runs:
         acc.setdefault((r.parameterization, r.ratio), []).append(r.dtap)
-    return {k: np.mean(v, axis=0) for k, v in acc.items()}
+    return acc
+
+
+def fafo_gap(fafo: Sequence[np.ndarray], dtaps: Mapping[tuple[str, float], np.ndarray], ref: float) -> claims.Change:
+    """S2's tie test: over FAFO's per-seed heatmaps ``fafo``, the difference of the distance to
+    FACO's and to CACO's mean heatmap at ratio ``ref`` (a :class:`qkov_lib.claims.Change`)."""
+    return claims.Change.of([dtap_distance(h, dtaps[("FACO", ref)]) - dtap_distance(h, dtaps[("CACO", ref)])
+                             for h in fafo])
+
+
+def mean_dtap(runs: Iterable[Run]) -> dict[tuple[str, float], np.ndarray]:
+    """DTAP histogram averaged over seeds, keyed by (parameterization, ratio)."""
+    return {k: np.mean(v, axis=0) for k, v in seed_dtaps(runs).items()}
 
 
 SUMMARY_METRICS = ["loss", "accuracy", "attn_relevant", "AC@0.5", "ACMC@0.5", "AC@0.7", "ACMC@0.7",
@@ -168,19 +180,23 @@ def pairwise_tv(dtaps: Mapping[tuple[str, float], np.ndarray], params: Sequence[
             for a, b in itertools.combinations(params, 2)}
 
 
-def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], lo: float, hi: float) -> str | None:
+def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], lo: float, hi: float,
+                seeds: Mapping[tuple[str, float], Sequence[np.ndarray]] | None = None) -> str | None:
     """Where a faster QK moves FAFO's DTAP heatmap (:func:`qkov_lib.claims.s2_fafo_move`): toward
     FACO or CACO at ratio ``lo`` (its total-variation distance to it shrank from ratio ``lo`` to
-    ``hi``), ``"neither"``, or None when the comparison cannot be made (one ratio, a missing model)."""
+    ``hi``), ``"tie"`` (both shrank to distances equal within the seed interval of
+    :func:`fafo_gap` over FAFO's per-seed heatmaps ``seeds[("FAFO", hi)]``; exactly equal without
+    ``seeds``), ``"neither"``, or None when the comparison cannot be made (one ratio, a missing model)."""
     keys = [("FAFO", lo), ("FAFO", hi), ("FACO", lo), ("CACO", lo)]
     if hi == lo or any(k not in dtaps for k in keys):
         return None
     dist = {r: {p: dtap_distance(dtaps[("FAFO", r)], dtaps[(p, lo)]) for p in ("FACO", "CACO")} for r in (lo, hi)}
-    return claims.s2_fafo_move(dist[lo], dist[hi])
+    gap = fafo_gap(seeds[("FAFO", hi)], dtaps, lo) if seeds and ("FAFO", hi) in seeds else None
+    return claims.s2_fafo_move(dist[lo], dist[hi], gap)
 
 
-def chapter_verdicts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray], cfg: dict
-                     ) -> dict[str, Verdict]:
+def chapter_verdicts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray], cfg: dict,
+                     seeds: Mapping[tuple[str, float], Sequence[np.ndarray]] | None = None) -> dict[str, Verdict]:
     """S1-S3 by the rules of :mod:`qkov_lib.claims`, from the seed summary and the mean DTAP
     heatmaps: S1 at the lowest ratio, S2 from attention at the lowest ratio and FAFO's move at the
     highest, S3 from the change between the lowest and the highest ratio."""
@@ -191,18 +207,18 @@ def chapter_verdicts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np
     d = {m: [float(by.loc[(p, hi), m] - by.loc[(p, lo), m]) for p in params] if hi != lo else []
          for m in ("attn_relevant", "loss", "accuracy")}
     return {"S1": claims.s1_heatmaps_differ(pairwise_tv(dtaps, params, lo)),
-            "S2": claims.s2_which_pair(att, fafo_toward(dtaps, lo, hi)),
+            "S2": claims.s2_which_pair(att, fafo_toward(dtaps, lo, hi, seeds)),
             "S3": claims.s3_ratio_sharpens(d["attn_relevant"], d["loss"], d["accuracy"])}
 
 
-def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray], cfg: dict
-                  ) -> dict[str, str]:
+def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray], cfg: dict,
+                  seeds: Mapping[tuple[str, float], Sequence[np.ndarray]] | None = None) -> dict[str, str]:
     """The numbers and sentences the chapter's prose quotes, computed from the seed summary and
     the heatmaps, with the S1-S3 verdicts and their rules."""
     lo, hi = min(cfg["ratios"]), max(cfg["ratios"])
     params = list(dict.fromkeys(summary["parameterization"]))
     by = summary.set_index(["parameterization", "ratio"])
-    v = chapter_verdicts(summary, dtaps, cfg)
+    v = chapter_verdicts(summary, dtaps, cfg, seeds)
     f = {"r_low": f"{lo:g}", "r_high": f"{hi:g}", "n_param": str(len(params)),
          "rank_low": " > ".join(ranking(summary, lo)), "rank_high": " > ".join(ranking(summary, hi))}
     f.update(claims.verdict_glue(v))
@@ -215,7 +231,7 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
         f["s1_sentence"] = "Only one parameterization was run, so there are no heatmaps to compare (S1 not tested)."
     top2 = ranking(summary, lo)[:2]
     which = claims.s2_summary({p: float(by.loc[(p, lo), "attn_relevant"]) for p in params})
-    toward = fafo_toward(dtaps, lo, hi)
+    toward = fafo_toward(dtaps, lo, hi, seeds)
     if len(params) < 4:
         f["s2_sentence"] = f"Only {len(params)} of the four parameterizations were run, so S2 is not tested."
     else:
@@ -225,7 +241,10 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
                                "neither": "neither summary"}[which]
                             + ("; FAFO's move under a faster QK was not measured (one ratio)." if toward is None else
                                "; with a faster QK, FAFO's heatmap moved away from both FACO's and CACO's."
-                               if toward == "neither" else f"; with a faster QK, FAFO's heatmap moved closer to {toward}'s."))
+                               if toward == "neither" else
+                               "; with a faster QK, FAFO's heatmap moved closer to both FACO's and CACO's and ended "
+                               "equally far from them within the seed interval (a tie, which supports neither)."
+                               if toward == "tie" else f"; with a faster QK, FAFO's heatmap moved closer to {toward}'s."))
     if hi == lo:
         f["s3_sentence"] = f"Only ratio {lo:g} was run, so the effect of the ratio (S3) is not tested."
     else:

@@ -298,13 +298,16 @@ def s2_match(top2: Sequence[str]) -> str:
     return next((k for k, pair in C.S2_PAIRS.items() if pair == frozenset(top2)), "neither")
 
 
-TOWARD_COLUMNS = ["FAFO at ratio", "TV to FACO", "TV to CACO", "closer to"]
+TOWARD_COLUMNS = ["FAFO at ratio", "TV to FACO", "TV to CACO", "FACO − CACO", "± (seeds)", "seeds", "closer to"]
 
 
-def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], ratios: Sequence[float], ref_ratio: float = 1.0
-                ) -> pd.DataFrame:
+def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], ratios: Sequence[float], ref_ratio: float = 1.0,
+                seeds: Mapping[tuple[str, float], Sequence[np.ndarray]] | None = None) -> pd.DataFrame:
     """DTAP total-variation distance of FAFO at each ratio to FACO and to CACO at ``ref_ratio``
-    (S2's "faster QK learning moves FAFO toward ..."), with the closer one; columns
+    (S2's "faster QK learning moves FAFO toward ..."), the per-seed difference of the two
+    (:func:`.synthetic.fafo_gap` over FAFO's heatmaps in ``seeds``: mean, 95 % half-width, seeds)
+    and the closer one, or ``"tie"`` when the two are equal within that interval
+    (:func:`qkov_lib.claims.is_tie`; exactly equal without ``seeds``); columns
     :data:`TOWARD_COLUMNS` (no rows when a heatmap is missing)."""
     rows = []
     for r in ratios:
@@ -313,8 +316,11 @@ def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], ratios: Sequence[
         d = {p: dtap_distance(dtaps[("FAFO", r)], dtaps[(p, ref_ratio)]) for p in ("FACO", "CACO")
              if (p, ref_ratio) in dtaps}
         if len(d) == 2:
+            gap = base.fafo_gap(seeds[("FAFO", r)], dtaps, ref_ratio) if seeds and ("FAFO", r) in seeds else None
             rows.append({"FAFO at ratio": float(r), "TV to FACO": d["FACO"], "TV to CACO": d["CACO"],
-                         "closer to": min(d, key=d.get)})
+                         "FACO − CACO": d["FACO"] - d["CACO"], "± (seeds)": gap.half_width if gap else math.nan,
+                         "seeds": gap.n if gap else 0,
+                         "closer to": "tie" if C.is_tie(d["FACO"] - d["CACO"], gap) else min(d, key=d.get)})
     return pd.DataFrame(rows, columns=TOWARD_COLUMNS)
 
 
@@ -327,7 +333,9 @@ def fafo_move(toward: pd.DataFrame, ref_ratio: float) -> str | None:
     if before.empty or after.empty:
         return None
     b, a = before.iloc[0], after.iloc[-1]
-    return C.s2_fafo_move({p: b[f"TV to {p}"] for p in ("FACO", "CACO")}, {p: a[f"TV to {p}"] for p in ("FACO", "CACO")})
+    gap = C.Change(a["FACO − CACO"], a["± (seeds)"], int(a["seeds"])) if int(a["seeds"]) else None
+    return C.s2_fafo_move({p: b[f"TV to {p}"] for p in ("FACO", "CACO")}, {p: a[f"TV to {p}"] for p in ("FACO", "CACO")},
+                          gap)
 
 
 def matched_table(runs: Sequence[base.Run]) -> pd.DataFrame:
