@@ -25,7 +25,7 @@ Choices (our reconstruction, stated where the paper is silent):
 * **AOPC** = the per-instance mean over fracs; ERASER then averages over instances (the order of
   the two means does not matter when nothing is undefined).
 
-HateXplain's own protocol, which differs from these definitions, is :mod:`qkov_lib.hatexplain_protocol`.
+HateXplain's own protocol, which differs from these definitions, is :mod:`qkov_lib.faithfulness_hatexplain`.
 """
 
 from __future__ import annotations

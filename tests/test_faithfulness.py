@@ -19,11 +19,11 @@ from qkov_lib.faithfulness import (DEFAULT_FRACS, aopc_scores, auprc, average_pr
                                    comprehensiveness, faithfulness, iou_f1, iou_match_counts, n_selected,
                                    plausibility, random_attention, sufficiency, token_f1, topk_mask,
                                    uniform_attention)
-from qkov_lib.hatexplain_protocol import (DEFINITIONAL_DIFFERENCES, HATEXPLAIN_TOP_K, auprc_trapezoid, batch_posts,
-                                          hatexplain_auprc, hatexplain_faithfulness, hatexplain_faithfulness_scores,
-                                          hatexplain_iou_counts, hatexplain_iou_f1, hatexplain_protocol,
-                                          hatexplain_token_f1, hatexplain_token_f1_per_post, hatexplain_top_k,
-                                          model_predict_fn, split_tokens)
+from qkov_lib.faithfulness_hatexplain import (DEFINITIONAL_DIFFERENCES, HATEXPLAIN_TOP_K, auprc_trapezoid, batch_posts,
+                                             hatexplain_auprc, hatexplain_faithfulness, hatexplain_faithfulness_scores,
+                                             hatexplain_iou_counts, hatexplain_iou_f1, hatexplain_protocol,
+                                             hatexplain_token_f1, hatexplain_token_f1_per_post, hatexplain_top_k,
+                                             model_predict_fn, split_tokens)
 from qkov_lib.models import SyntheticModel, TokenModel
 
 F64 = torch.float64

@@ -3,7 +3,7 @@
 :func:`rationale_roles` / :func:`role_table` give the attention mass on rationale positions vs
 the rest (:func:`qkov_lib.metrics.mass_by_role`); :func:`most_attended_words` ranks the words by
 the attention they receive; :func:`protocol_rows` runs HateXplain's own explainability protocol
-(:func:`qkov_lib.hatexplain_protocol.hatexplain_protocol`) on trained runs. Attention rows are (N, T)
+(:func:`qkov_lib.faithfulness_hatexplain.hatexplain_protocol`) on trained runs. Attention rows are (N, T)
 over the key positions of a left-padded batch (query last).
 """
 
@@ -75,11 +75,11 @@ def most_attended_words(attn: Tensor, batch: Batch, vocab: Sequence[str], k: int
 
 
 def protocol_rows(runs: Sequence[Any], test: Batch, n_classes: int) -> pd.DataFrame:
-    """HateXplain's own protocol (:func:`qkov_lib.hatexplain_protocol.hatexplain_protocol`) for every
+    """HateXplain's own protocol (:func:`qkov_lib.faithfulness_hatexplain.hatexplain_protocol`) for every
     trained run (objects with ``ratio``, ``seed`` and ``model``, e.g.
     :class:`~qkov_lib.studies.attention_analysis.RealRun`) on ``test``, with accuracy and macro-F1,
     averaged over seeds per ratio: the ``ours`` rows of :func:`qkov_lib.published.hatexplain_table`."""
-    from qkov_lib.hatexplain_protocol import hatexplain_protocol
+    from qkov_lib.faithfulness_hatexplain import hatexplain_protocol
 
     rows = []
     for r in runs:
