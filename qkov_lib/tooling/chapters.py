@@ -9,6 +9,7 @@ import ast
 import importlib
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -154,6 +155,18 @@ KERNEL_START_TRIES = 3
 KERNEL_DIED = "Kernel died before replying to kernel_info"
 
 
+def _ipc_config(folder: str):
+    """Kernel config: talk to the kernel over Unix sockets in ``folder`` (one per run), not TCP
+    ports, so that kernels started at the same moment (a parallel sweep) cannot be handed the same
+    port, and no socket file lands in the chapter's folder."""
+    from traitlets.config import Config
+
+    c = Config()
+    c.KernelManager.transport = "ipc"
+    c.KernelManager.ip = os.path.join(folder, "kernel")
+    return c
+
+
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
                 name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
     """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
@@ -185,12 +198,13 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     try:
         for attempt in range(KERNEL_START_TRIES):
             try:
-                pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
-                                    progress_bar=progress, kernel_name="python3")
+                with tempfile.TemporaryDirectory(prefix="qkov-kernel-") as sockets:
+                    pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
+                                        progress_bar=progress, kernel_name="python3", config=_ipc_config(sockets))
                 break
             except RuntimeError as exc:
-                # Kernels started at the same moment (a parallel sweep) can be handed the same free
-                # TCP port; the loser dies before running any cell, so starting it again is safe.
+                # A kernel that dies before running any cell (a busy machine's slow start) can be
+                # started again safely; kernels on Unix sockets no longer race for TCP ports.
                 if KERNEL_DIED not in str(exc) or attempt == KERNEL_START_TRIES - 1:
                     raise
     except BaseException as exc:
