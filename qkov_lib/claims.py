@@ -280,31 +280,8 @@ def t6_factorized_qk(margins: Sequence[float]) -> Verdict:
 
 
 # --- synthetic experiments -------------------------------------------------------------------
-S1_RULE = (f"reproduced: every pair of parameterizations has DTAP heatmaps at total-variation distance ≥ {_t('DTAP_TV')}; "
-           "partly: some pairs; not reproduced: no pair; not tested: fewer than two parameterizations")
-
-
-def s1_heatmaps_differ(tv: Mapping[tuple[str, str], float]) -> Verdict:
-    """S1 from the DTAP total-variation distance of each pair of parameterizations."""
-    d = {k: float(x) for k, x in tv.items() if x is not None and math.isfinite(float(x))}
-    if not d:
-        return Verdict("not tested", S1_RULE, "fewer than two parameterizations")
-    k = sum(x >= DTAP_TV for x in d.values())
-    v = "reproduced" if k == len(d) else "partly" if k else "not reproduced"
-    lo, hi = min(d.values()), max(d.values())
-    return Verdict(v, S1_RULE, f"{k}/{len(d)} pairs differ; distances {lo:.3f}-{hi:.3f}")
-
-
 S2_PAIRS = {"A": frozenset({"CACO", "FACO"}), "B": frozenset({"CAFO", "CACO"})}
 S2_PARTNER = {"A": "FACO", "B": "CACO"}  # where each summary says a faster QK moves FAFO
-S2_RULE = ("reproduced: the two sharpest parameterizations at equal rates are one summary's pair AND faster QK "
-           "moves FAFO toward that summary's partner (FACO for (CACO, FACO), CACO for (CAFO, CACO)); partly: only "
-           "one of the two (or the pair matches and FAFO's move is not tested); not reproduced: neither; "
-           "not tested: fewer than four parameterizations. FAFO moves toward a candidate when its distance to it "
-           "falls; when both fall and the two distances end equal within their 95 % seed interval (or exactly "
-           "equal, without seeds) the move is a tie, which supports neither summary")
-
-
 def s2_summary(attention: Mapping[str, float]) -> str:
     """Which summary (``A`` = (CACO, FACO), ``B`` = (CAFO, CACO), or ``neither``) the two
     parameterizations with the most attention on the distinct token match."""
@@ -312,27 +289,8 @@ def s2_summary(attention: Mapping[str, float]) -> str:
     return next((k for k, pair in S2_PAIRS.items() if pair == top), "neither")
 
 
-def s2_which_pair(attention: Mapping[str, float], fafo_toward: str | None = None) -> Verdict:
-    """S2 from the mean attention on the distinct token of each parameterization at equal rates
-    and the parameterization FAFO moves toward under a faster QK (None: not measured)."""
-    att = {p: float(a) for p, a in attention.items() if a is not None and math.isfinite(float(a))}
-    if set(att) != set(PARAMETERIZATIONS):
-        return Verdict("not tested", S2_RULE, f"{len(att)} of 4 parameterizations")
-    which = s2_summary(att)
-    order = " > ".join(sorted(att, key=lambda p: -att[p]))
-    if fafo_toward is None:
-        v = "partly" if which != "neither" else "not reproduced"
-        return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); FAFO's move not tested")
-    pair_ok = which != "neither"
-    move_ok = fafo_toward == S2_PARTNER.get(which, "") if pair_ok else fafo_toward in S2_PARTNER.values()
-    v = "reproduced" if pair_ok and move_ok else "partly" if pair_ok or move_ok else "not reproduced"
-    move = ("FAFO's move is a tie between FACO and CACO" if fafo_toward == "tie"
-            else f"FAFO moves toward {fafo_toward}")
-    return Verdict(v, S2_RULE, f"ranking {order} (top two: summary {which}); {move}")
-
-
 def s2_fafo_move(before: Mapping[str, float], after: Mapping[str, float], gap: Change | None = None) -> str | None:
-    """Where a faster QK moves FAFO, for :func:`s2_which_pair`: ``before``/``after`` are FAFO's
+    """Where a faster QK moves FAFO, for :func:`s2_ladder`: ``before``/``after`` are FAFO's
     distances (at equal rates / at the faster ratio) to each candidate (``FACO``, ``CACO``) at
     equal rates. The candidate whose distance fell; if both fell, the closer one after, unless the
     two distances after are equal: :func:`is_tie` of ``gap`` (the per-seed difference of the
@@ -356,6 +314,73 @@ def is_tie(difference: float, gap: Change | None = None) -> bool:
     if gap is None:
         return abs(float(difference)) <= 1e-12
     return not (gap.bounded and abs(gap.mean) > gap.half_width)
+
+
+S1_RULE = (f"at each training-loss level of the matched-loss ladder, a pair of parameterizations differs when "
+                  f"the 95 % seed interval of its per-seed DTAP total-variation distance lies at or above "
+                  f"{_t('DTAP_TV')}, and is the same when it lies below; reproduced: every pair differs at every level; "
+                  "partly: some pair differs at some level; not reproduced: every pair is the same at every level; "
+                  "not tested: no pair decided either way, or no level reached by two parameterizations")
+
+
+def s1_pair(tv: Change) -> str:
+    """One pair at one loss level for S1: ``"differ"`` when the seed interval of its per-seed
+    DTAP distance (``tv``) lies at or above ``DTAP_TV``, ``"same"`` when it lies below,
+    ``"undecided"`` when it straddles it or is unbounded (fewer than two seeds)."""
+    if not tv.bounded:
+        return "undecided"
+    return "differ" if tv.lo >= DTAP_TV else "same" if tv.hi < DTAP_TV else "undecided"
+
+
+def s1_ladder(levels: Mapping[float, Mapping[tuple[str, str], Change]]) -> Verdict:
+    """S1 on the matched-loss ladder: ``levels`` maps each training-loss level to the per-seed
+    DTAP distance of every pair of parameterizations there (:func:`s1_pair` decides each)."""
+    calls = {lv: {k: s1_pair(c) for k, c in pairs.items()} for lv, pairs in levels.items() if pairs}
+    if not calls:
+        return Verdict("not tested", S1_RULE, "no loss level reached by two parameterizations")
+    flat = [c for d in calls.values() for c in d.values()]
+    v = ("reproduced" if all(c == "differ" for c in flat) else "partly" if "differ" in flat else
+         "not reproduced" if all(c == "same" for c in flat) else "not tested")
+    parts = [f"loss {lv:g}: {sum(c == 'differ' for c in d.values())} of {len(d)} pairs differ, "
+             f"{sum(c == 'same' for c in d.values())} the same" for lv, d in sorted(calls.items(), reverse=True)]
+    return Verdict(v, S1_RULE, "; ".join(parts))
+
+
+S2_RULE = ("decided at equal rates at every training-loss level of the matched-loss ladder. At a level, the "
+           "top two are the two parameterizations with the most attention on the distinct token, unless the second "
+           "and third are equal within the 95 % seed interval of their per-seed difference (a tie: no top two); "
+           "FAFO's move compares its DTAP distances to FACO's and CACO's equal-rate heatmaps at the same level, at "
+           "equal rates and at the highest faster ratio, and is a tie when the two distances end equal within their "
+           "seed interval. Reproduced: at every level the top two are one summary's pair, the same summary "
+           "throughout, and FAFO moves toward its partner (FACO for (CACO, FACO), CACO for (CAFO, CACO)); partly: "
+           "some level supports a summary by its pair or by FAFO's move; not reproduced: no level does, and every "
+           "level's top two and move were measured; not tested: otherwise (no level reached by all four "
+           "parameterizations, or a top two or move without two seeds). A tie supports neither summary")
+
+
+def s2_level(pair: str, move: str | None) -> tuple[bool, bool]:
+    """Whether one ladder level's top two (``"A"``, ``"B"``, ``"neither"``, ``"tie"`` or ``"not
+    tested"``) and FAFO's move (``"FACO"``, ``"CACO"``, ``"neither"``, ``"tie"`` or None: not
+    measured) support a summary."""
+    pair_ok = pair in S2_PAIRS
+    move_ok = move == S2_PARTNER[pair] if pair_ok else move in S2_PARTNER.values()
+    return pair_ok, move_ok
+
+
+def s2_ladder(levels: Mapping[float, tuple[str, str | None]]) -> Verdict:
+    """The book's S2 verdict: ``levels`` maps each training-loss level reached by all four
+    parameterizations to (top two, FAFO's move), as :func:`s2_level` reads them."""
+    if not levels:
+        return Verdict("not tested", S2_RULE, "no loss level reached by all four parameterizations")
+    ok = {lv: s2_level(*pm) for lv, pm in levels.items()}
+    full = all(a and b for a, b in ok.values()) and len({p for p, _ in levels.values()}) == 1
+    measured = all(p != "not tested" and m is not None for p, m in levels.values())
+    v = ("reproduced" if full else "partly" if any(a or b for a, b in ok.values()) else
+         "not reproduced" if measured else "not tested")
+    name = {"A": "summary A", "B": "summary B", "neither": "neither pair", "tie": "a tie", "not tested": "not measured"}
+    parts = [f"loss {lv:g}: top two {name.get(p, p)}, FAFO's move {m or 'not measured'}"
+             for lv, (p, m) in sorted(levels.items(), reverse=True)]
+    return Verdict(v, S2_RULE, "; ".join(parts))
 
 
 S3_RULE = (f"reproduced: from the lowest to the highest ratio, attention on the distinct token rises by ≥ {_t('SHARPER')} "
@@ -643,7 +668,7 @@ def tuned_region(at_tuned: Mapping[str, str]) -> Verdict:
 RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,
              "S1": S1_RULE, "S2": S2_RULE, "S3": S3_RULE, "R1": R1_RULE, "R2": R2_RULE, "R3": R3_RULE}
 RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
-         "T6": t6_factorized_qk, "S1": s1_heatmaps_differ, "S2": s2_which_pair, "S3": s3_ratio_sharpens,
+         "T6": t6_factorized_qk, "S1": s1_ladder, "S2": s2_ladder, "S3": s3_ratio_sharpens,
          "R1": r1_performance_stable, "R2": r2_interpretability, "R3": r3_decoupled}
 
 

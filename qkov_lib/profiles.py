@@ -36,7 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 }
 # Numeric parameters by name (each element of a list is checked): (pattern, test, what it must be).
 _NUMERIC: tuple[tuple[re.Pattern, Any, str], ...] = tuple((re.compile(p), f, w) for p, f, w in (
-    (r"(^|_)(ratios?|rates|etas_convergence)$|^eta_|_eta_ov$|^matched_loss$|^t_max$|^init_scale$|^q0|^w0$",
+    (r"(^|_)(ratios?|rates|etas_convergence)$|^eta_|_eta_ov$|^matched_loss$|^loss_ladder$|^t_max$|^init_scale$|^q0|^w0$",
      lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     (r"(^|_)seeds?$", lambda v: float(v).is_integer() and v >= 0, "an integer >= 0"),
     (r"(^|_)steps$|^n_(?!val$)|^d_|^dim_|^max_len|_max_len$|^batch_size$|^eval_every$|^log_every$|^patience$"

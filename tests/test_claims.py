@@ -15,7 +15,6 @@ def ch(mean, half_width=0.005, n=4):
     return C.Change(mean, half_width, n)
 
 
-P4 = {"FAFO": 0.6, "CAFO": 0.5, "FACO": 0.95, "CACO": 0.7}  # top two: CACO, FACO (summary A)
 
 # rule -> verdict -> arguments that must give it
 CASES = {
@@ -32,12 +31,16 @@ CASES = {
                       "not tested": ({"FAFO": [0.3]}, {})},
     "t6_factorized_qk": {"reproduced": ([0.1, 0.2],), "partly": ([0.1, -0.2],), "not reproduced": ([-0.1, -0.2],),
                          "not tested": ([],)},
-    "s1_heatmaps_differ": {"reproduced": ({("FAFO", "CACO"): 0.3, ("FAFO", "FACO"): 0.2},),
-                           "partly": ({("FAFO", "CACO"): 0.3, ("FAFO", "FACO"): 0.01},),
-                           "not reproduced": ({("FAFO", "CACO"): 0.02},), "not tested": ({},)},
-    "s2_which_pair": {"reproduced": (P4, "FACO"), "partly": (P4, "CAFO"),
-                      "not reproduced": ({"FAFO": 0.99, "CAFO": 0.5, "FACO": 0.95, "CACO": 0.7}, "CAFO"),
-                      "not tested": ({"FAFO": 0.9}, "FACO")},
+    "s1_ladder": {"reproduced": ({0.3: {("FAFO", "CACO"): C.Change(0.3, 0.05, 5)},
+                                  0.1: {("FAFO", "CACO"): C.Change(0.2, 0.05, 5)}},),
+                  "partly": ({0.3: {("FAFO", "CACO"): C.Change(0.3, 0.05, 5)},
+                              0.1: {("FAFO", "CACO"): C.Change(0.02, 0.01, 5)}},),
+                  "not reproduced": ({0.3: {("FAFO", "CACO"): C.Change(0.02, 0.01, 5)}},),
+                  "not tested": ({},)},
+    "s2_ladder": {"reproduced": ({0.3: ("A", "FACO"), 0.1: ("A", "FACO")},),
+                  "partly": ({0.3: ("A", "FACO"), 0.1: ("B", "CACO")},),
+                  "not reproduced": ({0.3: ("neither", "neither"), 0.1: ("tie", "tie")},),
+                  "not tested": ({},)},
     "s3_ratio_sharpens": {"reproduced": ([0.1, 0.02], [0.01, -0.01], [0.0, 0.0]),
                           "partly": ([0.1, 0.02], [0.2, 0.0], [0.0, 0.0]),
                           "not reproduced": ([-0.1, 0.0], [0.0, 0.0], [0.0, 0.0]), "not tested": ([], [], [])},
@@ -78,6 +81,9 @@ def test_every_rule_is_covered_and_every_rule_can_fail():
     ("r1_performance_stable", ([ch(0.0), ch(0.01)], [ch(0.0), ch(0.01)]),
      lambda a: ([ch(-0.05), ch(-0.06)], [ch(-0.05), ch(-0.06)])),
     ("t6_factorized_qk", ([0.1, 0.2],), lambda a: ([-x for x in a[0]],)),
+    ("s1_ladder", ({0.3: {("FAFO", "CACO"): C.Change(0.3, 0.05, 5)}},),
+     lambda a: ({0.3: {("FAFO", "CACO"): C.Change(0.03, 0.05, 5)}},)),
+    ("s2_ladder", ({0.3: ("B", "CACO")},), lambda a: ({0.3: ("neither", "neither")},)),
     ("heads_sharpen", ([0.05, 0.03],), lambda a: ([-x for x in a[0]],)),
     ("t5_sharpening", ({"FAFO": [0.3, 0.1]}, {"FAFO": 0.1}), lambda a: ({"FAFO": [0.1, 0.3]}, {"FAFO": -0.1})),
 ])
@@ -207,3 +213,20 @@ def test_real_data_rules_state_their_thresholds():
         assert "95 % seed interval" in rule and "at least 3 seeds" in rule
     assert "0.02" in C.R1_RULE and "0.05" in C.R2_RULE and "0.01" in C.R2_RULE and "0.005" in C.R3_RULE
     assert "0.5" in C.R3_RULE and C.RULE_TEXT["R3"] == C.R3_RULE
+
+
+def test_ladder_calls_need_an_interval_and_ties_support_neither_summary():
+    """S1's per-pair call and S2's per-level support: an interval straddling the threshold, or one
+    seed, decides nothing; a tie in the top two or in FAFO's move supports neither summary."""
+    assert C.s1_pair(C.Change(0.3, 0.05, 5)) == "differ" and C.s1_pair(C.Change(0.03, 0.05, 5)) == "same"
+    assert C.s1_pair(C.Change(0.1, 0.05, 5)) == "undecided" and C.s1_pair(C.Change(0.9, math.nan, 1)) == "undecided"
+    only_undecided = {0.3: {("FAFO", "CACO"): C.Change(0.9, math.nan, 1)}}
+    assert C.s1_ladder(only_undecided).verdict == "not tested"
+    assert C.s2_level("A", "FACO") == (True, True) and C.s2_level("A", "tie") == (True, False)
+    assert C.s2_level("tie", "CACO") == (False, True) and C.s2_level("tie", "tie") == (False, False)
+    # the pair of one summary at one level and of the other at the next: partly, not reproduced
+    assert C.s2_ladder({0.3: ("A", "FACO"), 0.1: ("B", "CACO")}).verdict == "partly"
+    # no support anywhere, but a move not measured: cannot refute
+    v = C.s2_ladder({0.3: ("neither", None)})
+    assert v.verdict == "not tested" and "not measured" in v.reason
+    assert C.s2_ladder({0.3: ("not tested", "neither")}).verdict == "not tested"

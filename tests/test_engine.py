@@ -164,14 +164,18 @@ def test_stop_loss_freezes_each_model_where_it_reaches_the_target():
         assert hist.records[-2]["loss"] > target or h.stop_step <= 1
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-11)
-    # snapshot_loss: the same weights and step, and training goes on to the end
+    # snapshot_loss: the same weights and step, and training goes on to the end; a ladder of
+    # levels snapshots each one where a stop_loss run at that level would have stopped
     ms2 = [_model("CACO", s) for _, s in GRID]
-    hs2 = engine.train_batched(ms2, data, cfgs, snapshot_loss=target)
-    for h, h2, m, m2, (r, s), c in zip(hs, hs2, ms, ms2, GRID, cfgs):
-        assert h2.snapshot_step == h.stop_step and h2.frame()["step"].iloc[-1] == 300
-        assert h2.snapshot_record["loss"] == pytest.approx(h.records[-1]["loss"], abs=1e-12)
+    hs2 = engine.train_batched(ms2, data, cfgs, snapshot_loss=[0.6, target])
+    hs_hi = engine.train_batched([_model("CACO", s) for _, s in GRID], data, cfgs, stop_loss=0.6)
+    for h, h_hi, h2, m, m2, (r, s), c in zip(hs, hs_hi, hs2, ms, ms2, GRID, cfgs):
+        assert sorted(h2.snapshots) == [target, 0.6] and h2.frame()["step"].iloc[-1] == 300
+        snap = h2.snapshots[target]
+        assert snap.step == h.stop_step and h2.snapshots[0.6].step == h_hi.stop_step < snap.step
+        assert snap.record["loss"] == pytest.approx(h.records[-1]["loss"], abs=1e-12)
         for n, p in m.attention.named_parameters():
-            torch.testing.assert_close(h2.snapshot[n], p, rtol=1e-9, atol=1e-11)
+            torch.testing.assert_close(snap.weights[n], p, rtol=1e-9, atol=1e-11)
         ref = _model("CACO", s)
         train(ref, data, c)
         for p, q in zip(m2.parameters(), ref.parameters()):
@@ -232,6 +236,10 @@ def test_clear_errors():
         engine.train_batched([_model("CACO", 0)], data, c, stop_loss=-1.0)
     with pytest.raises(ValueError, match="snapshot_loss must be"):
         engine.train_batched([_model("CACO", 0)], data, c, snapshot_loss=float("nan"))
+    with pytest.raises(ValueError, match="snapshot_loss must be"):
+        engine.train_batched([_model("CACO", 0)], data, c, snapshot_loss=[0.5, -1.0])
+    with pytest.raises(ValueError, match="stop_loss must be a finite number > 0, got"):
+        engine.train_batched([_model("CACO", 0)], data, c, stop_loss=[0.5])
     with pytest.raises(ValueError, match="on_nonfinite"):
         engine.train_batched([_model("CACO", 0)], data, c, on_nonfinite="ignore")
     with pytest.raises(ValueError, match="got 1 data sets for 2 models"):

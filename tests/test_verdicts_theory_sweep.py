@@ -95,8 +95,7 @@ def asym():
 
 
 def test_asymptotics_verdicts_on_the_test_profile(asym):
-    assert _asym_verdicts(asym) == {"T3": "partly", "T4": "partly", "T5": "reproduced", "T6": "reproduced",
-                                    "S2": "partly"}
+    assert _asym_verdicts(asym) == {"T3": "partly", "T4": "partly", "T5": "reproduced", "T6": "reproduced"}
 
 
 def test_t5_flips_when_the_ratio_order_is_reversed(asym):
@@ -157,12 +156,12 @@ def test_s2_flips_with_the_ranking_and_fafos_move():
     assert asymptotics.s2_inputs(toward_faco)[1] == "FACO"
     # FAFO ends 0.02 from FACO and 0.03 from CACO: with one seed there is no interval, so a tie
     assert asymptotics.s2_inputs(_full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.93}}))[1] == "tie"
-    assert C.s2_which_pair(*asymptotics.s2_inputs(toward_faco)).verdict == "reproduced"
+    att, move = asymptotics.s2_inputs(toward_faco)
+    assert C.s2_level(C.s2_summary(att), move) == (True, True)
     flipped = {p: 1 - a for p, a in ATT1.items()}  # ranking reversed: top two CAFO, FAFO
     away = _full({1.0: flipped, 10.0: {**flipped, "FAFO": 0.4}})  # FAFO (0.2) moves away from FACO and CACO
-    assert asymptotics.s2_inputs(away)[1] == "neither"
-    assert C.s2_which_pair(*asymptotics.s2_inputs(away)).verdict == "not reproduced"
-    assert C.s2_which_pair(*asymptotics.s2_inputs(_full({1.0: ATT1, 10.0: {**ATT1, "FAFO": 0.05}}))).verdict == "partly"
+    att, move = asymptotics.s2_inputs(away)
+    assert move == "neither" and C.s2_level(C.s2_summary(att), move) == (False, False)
 
 
 def test_asymptotics_with_one_ratio_say_not_tested():
@@ -172,14 +171,12 @@ def test_asymptotics_with_one_ratio_say_not_tested():
                              t["full"], t["sizes"], t["cfg"], v)
     assert v["T5"].verdict == "not tested" and not f["t5_tested"] and not f["t5_full_tested"]
     assert f["t5_mono"] == f["t5_full"] == f["A_scaling"] == "not tested (one ratio)" and not f["A_tested"]
-    assert f["fafo_toward"] == "not tested"
-    assert "move not tested" in v["S2"].reason
+    assert f["fafo_toward"] == "not tested" and f["rule_S2"] == C.S2_RULE and "S2" not in v
     rows = asymptotics.asymptotics_claims(f, v)
-    assert [r["id"] for r in rows] == ["T3", "T4", "T5", "T6", "S2"] and all(r["rule"] and r["reason"] for r in rows)
-    # no equal rates: T6 and S2 cannot be judged
+    assert [r["id"] for r in rows] == ["T3", "T4", "T5", "T6"] and all(r["rule"] and r["reason"] for r in rows)
+    # no equal rates: T6 cannot be judged
     t = _asym_tables(ratios=[10.0], full_ratios=[10.0])
-    assert {k: x for k, x in _asym_verdicts(t).items() if k in ("T5", "T6", "S2")} == {
-        "T5": "not tested", "T6": "not tested", "S2": "not tested"}
+    assert {k: x for k, x in _asym_verdicts(t).items() if k in ("T5", "T6")} == {"T5": "not tested", "T6": "not tested"}
 
 
 def test_asymptotics_sentence_choices_follow_the_numbers(asym):
@@ -210,51 +207,99 @@ def _summary(rise: float, params=P4, ratios=(1.0, 10.0), acc_change: float = 0.0
     return pd.DataFrame(rows)
 
 
-def _dtaps(fafo_hi_on_faco: float, params=P4, ratios=(1.0, 10.0)) -> dict:
-    """Heatmaps with each parameterization in its own bin; FAFO half on FACO's bin at ratio 1 and
-    ``fafo_hi_on_faco`` on it at the highest ratio."""
-    bins = {"FAFO": (9, 0), "CAFO": (5, 5), "FACO": (9, 9), "CACO": (0, 9)}
+BINS = {"FAFO": (9, 0), "CAFO": (5, 5), "FACO": (9, 9), "CACO": (0, 9)}
+
+
+def _heat(p: str, ratio: float, fafo_hi_on_faco: float, jitter: float = 0.0) -> np.ndarray:
+    """A heatmap with each parameterization in its own bin; FAFO half on FACO's bin at ratio 1 and
+    ``fafo_hi_on_faco`` on it at the higher ratio (``jitter`` moves a little of that share)."""
+    h = np.zeros((10, 10))
+    if p == "FAFO":
+        share = 0.5 if ratio == 1.0 else fafo_hi_on_faco + jitter
+        h[BINS["FACO"]], h[BINS["FAFO"]] = share, 1 - share
+    else:
+        h[BINS[p]] = 1.0
+    return h
+
+
+def _ladder(att=ATT1, fafo_hi_on_faco: float = 0.8, seeds=(0, 1, 2, 3), levels=(0.3, 0.1), same=False,
+            params=P4, ratios=(1.0, 10.0)) -> dict:
+    """A matched-loss ladder of hand-made runs: at every level, parameterization p has attention
+    ``att[p]`` (± 0.001 by seed) and the heatmaps of :func:`_heat` (all alike with ``same``)."""
+    from qkov_lib.studies import synthetic as base
+
     out = {}
-    for p in params:
-        for r in ratios:
-            h = np.zeros((10, 10))
-            if p == "FAFO":
-                share = 0.5 if r == min(ratios) else fafo_hi_on_faco
-                h[bins["FACO"]], h[bins["FAFO"]] = share, 1 - share
-            else:
-                h[bins[p]] = 1.0
-            out[(p, r)] = h
+    for lv in levels:
+        runs = []
+        for p in params:
+            for r in ratios:
+                for s in seeds:
+                    h = np.full((10, 10), 0.01) if same else _heat(p, r, fafo_hi_on_faco, 0.01 * s)
+                    test = {"attn_relevant": att[p] + 0.001 * s, "stop_step": 10.0, "diverged": 0.0}
+                    runs.append(base.Run(p, r, s, None, test, h))
+        out[lv] = runs
     return out
 
 
-def _sweep_verdicts(summary, matched, dtaps, rob=None) -> dict[str, str]:
-    eq = synthetic_sweeps.equal_rate(summary["ratio"].unique())
-    toward = synthetic_sweeps.fafo_toward(dtaps, sorted(summary["ratio"].unique()), eq)
-    return {k: v.verdict for k, v in synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, rob).items()}
+def _sweep_verdicts(summary, matched, ladder=None, rob=None) -> dict[str, str]:
+    ladder = _ladder() if ladder is None else ladder
+    params = list(dict.fromkeys(summary["parameterization"]))
+    pairs = synthetic_sweeps.ladder_pairs(ladder, 1.0, params)
+    _, calls = synthetic_sweeps.ladder_s2(ladder, 1.0, params)
+    return {k: v.verdict for k, v in synthetic_sweeps.chapter_verdicts(summary, matched, pairs, calls, rob).items()}
 
 
 def test_sweep_verdicts_flip_with_the_measured_effects():
     up, down = _summary(+0.03), _summary(-0.03)
-    v = _sweep_verdicts(up, up, _dtaps(0.8))
+    v = _sweep_verdicts(up, up)
     # R3-synthetic is fed mean changes without seed pairs: no interval, so it cannot be decided
     assert v == {"S1": "reproduced", "S2": "reproduced", "S3": "reproduced", "R3-synthetic": "partly",
                  "S3-robustness": "not tested"}
     # attention falls with the ratio (fixed steps and at matched loss)
-    v = _sweep_verdicts(down, down, _dtaps(0.8))
+    v = _sweep_verdicts(down, down)
     assert v["S3"] == "not reproduced" and v["R3-synthetic"] == "partly"
-    reason = synthetic_sweeps.chapter_verdicts(down, down, _dtaps(0.8), synthetic_sweeps.fafo_toward(_dtaps(0.8), [1.0, 10.0], 1.0),
-                                    None)["R3-synthetic"].reason
+    pairs = synthetic_sweeps.ladder_pairs(_ladder(), 1.0, P4)
+    _, calls = synthetic_sweeps.ladder_s2(_ladder(), 1.0, P4)
+    reason = synthetic_sweeps.chapter_verdicts(down, down, pairs, calls, None)["R3-synthetic"].reason
     assert "no interval" in reason and "too few seeds" in reason and "-0.030" in reason
-    # identical heatmaps: S1 flips
-    same = {k: np.full((10, 10), 0.01) for k in _dtaps(0.8)}
-    assert _sweep_verdicts(up, up, same)["S1"] == "not reproduced"
+    # identical heatmaps at every level: S1 flips
+    assert _sweep_verdicts(up, up, _ladder(same=True))["S1"] == "not reproduced"
     # ranking reversed and FAFO moving away from FACO (and CACO): S2 flips
-    rev = _summary(+0.03, att={p: 1 - a for p, a in ATT1.items()})
-    assert _sweep_verdicts(rev, rev, _dtaps(0.2))["S2"] == "not reproduced"
+    assert _sweep_verdicts(up, up, _ladder(att={p: 1 - a for p, a in ATT1.items()}, fafo_hi_on_faco=0.2))["S2"] == \
+        "not reproduced"
     # sharper only with an accuracy change at matched loss: R3-synthetic partly
-    assert _sweep_verdicts(up, _summary(+0.03, acc_change=0.1), _dtaps(0.8))["R3-synthetic"] == "partly"
+    assert _sweep_verdicts(up, _summary(+0.03, acc_change=0.1))["R3-synthetic"] == "partly"
     # no ratio above the lowest at matched loss: not tested
-    assert _sweep_verdicts(up, up[up.ratio == 1.0], _dtaps(0.8))["R3-synthetic"] == "not tested"
+    assert _sweep_verdicts(up, up[up.ratio == 1.0])["R3-synthetic"] == "not tested"
+
+
+def test_the_ladder_tables_decide_ties_and_moves_from_seed_intervals():
+    """At each level the top two are a tie when the second and third are equal within their seed
+    interval; FAFO's move is measured at the highest faster ratio two seeds reached."""
+    lad = _ladder()
+    t, calls = synthetic_sweeps.ladder_s2(lad, 1.0, P4)
+    assert list(t.columns) == synthetic_sweeps.LADDER_S2_COLUMNS and list(t["training loss"]) == [0.3, 0.1]
+    assert calls == {0.3: ("A", "FACO"), 0.1: ("A", "FACO")} and set(t["FAFO at ratio"]) == {10.0}
+    assert t["ranking at equal rates"][0].startswith("FACO 0.951 ± ")
+    # CACO and FAFO equal on average (seed noise only): the top two are a tie at every level
+    tie = _ladder(att={**ATT1, "FAFO": ATT1["CACO"]})
+    jittered = {lv: [r if not (r.parameterization == "FAFO" and r.ratio == 1.0) else
+                     type(r)(r.parameterization, r.ratio, r.seed, None,
+                             {**r.test, "attn_relevant": r.test["attn_relevant"] + (0.002 if r.seed % 2 else -0.004)},
+                             r.dtap) for r in runs] for lv, runs in tie.items()}
+    _, calls = synthetic_sweeps.ladder_s2(jittered, 1.0, P4)
+    assert {p for p, _ in calls.values()} == {"tie"}
+    # one FAFO seed at the faster ratio: its move is not measured, and S2 cannot be refuted
+    one = {lv: [r for r in runs if not (r.parameterization == "FAFO" and r.ratio == 10.0 and r.seed > 0)]
+           for lv, runs in _ladder(att={p: 1 - a for p, a in ATT1.items()}).items()}
+    t, calls = synthetic_sweeps.ladder_s2(one, 1.0, P4)
+    assert set(t["FAFO moves toward"]) == {"not tested"} and C.s2_ladder(calls).verdict == "not tested"
+    # S1 pairs: one row per pair, one column per level, each cell with its interval and call
+    s1 = synthetic_sweeps.ladder_s1_table(synthetic_sweeps.ladder_pairs(lad, 1.0, P4))
+    assert list(s1.columns) == ["loss 0.3", "loss 0.1"] and len(s1) == 6
+    assert s1.loc["CAFO vs FACO", "loss 0.3"] == "1.000 ± 0.000 (4 seeds): differ"
+    maps = synthetic_sweeps.ladder_dtaps(lad, 1.0)
+    assert set(maps) == {(p, lv) for p in P4 for lv in (0.3, 0.1)}
 
 
 def _rob(rises: dict[str, float]) -> pd.DataFrame:
@@ -263,11 +308,11 @@ def _rob(rises: dict[str, float]) -> pd.DataFrame:
 
 def test_s3_robustness_combines_the_variants_and_flips():
     up = _summary(+0.03)
-    assert _sweep_verdicts(up, up, _dtaps(0.8), _rob({"a": 0.03, "b": 0.02}))["S3-robustness"] == "reproduced"
-    assert _sweep_verdicts(up, up, _dtaps(0.8), _rob({"a": 0.03, "b": -0.02}))["S3-robustness"] == "partly"
-    assert _sweep_verdicts(up, up, _dtaps(0.8), _rob({"a": -0.03, "b": -0.02}))["S3-robustness"] == "not reproduced"
+    assert _sweep_verdicts(up, up, rob=_rob({"a": 0.03, "b": 0.02}))["S3-robustness"] == "reproduced"
+    assert _sweep_verdicts(up, up, rob=_rob({"a": 0.03, "b": -0.02}))["S3-robustness"] == "partly"
+    assert _sweep_verdicts(up, up, rob=_rob({"a": -0.03, "b": -0.02}))["S3-robustness"] == "not reproduced"
     one = _rob({"a": 0.0}).query("ratio == 1.0")
-    assert _sweep_verdicts(up, up, _dtaps(0.8), one)["S3-robustness"] == "not tested"
+    assert _sweep_verdicts(up, up, rob=one)["S3-robustness"] == "not tested"
 
 
 def test_robustness_verdicts_table_uses_the_rule_and_the_stuck_threshold():
@@ -287,7 +332,8 @@ def test_robustness_verdicts_table_uses_the_rule_and_the_stuck_threshold():
 
 
 @pytest.mark.parametrize("overrides, expect", [
-    (dict(ratios=[1.0]), {"S3": "not tested", "R3-synthetic": "not tested", "S3-robustness": "not tested"}),
+    (dict(ratios=[1.0]), {"S1": "not tested", "S2": "not tested", "S3": "not tested", "R3-synthetic": "not tested",
+                          "S3-robustness": "not tested"}),
     (dict(ratios=[100.0], parameterizations=["FAFO"]),
      {"S1": "not tested", "S2": "not tested", "S3": "not tested", "R3-synthetic": "not tested",
       "S3-robustness": "not tested"}),
@@ -296,15 +342,18 @@ def test_sweep_chapter_with_one_ratio_says_not_tested(overrides, expect):
     from qkov_lib.studies import synthetic as base
 
     cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0], steps=20, robustness=False, **overrides)
-    grid = synthetic_sweeps.run_grid(cfg, matched_loss=cfg["matched_loss"])
-    table, mtable = base.runs_frame(grid.runs), base.runs_frame(grid.matched)
-    summary, matched = synthetic_sweeps.summarize_runs(grid.runs), synthetic_sweeps.matched_summary(grid.matched)
+    grid = synthetic_sweeps.run_grid(cfg, matched_loss=synthetic_sweeps.ladder_levels(cfg))
+    mruns = grid.matched[cfg["matched_loss"]]
+    table, mtable = base.runs_frame(grid.runs), base.runs_frame(mruns)
+    summary, matched = synthetic_sweeps.summarize_runs(grid.runs), synthetic_sweeps.matched_summary(mruns)
     dtaps = base.mean_dtap(grid.runs)
     eq = synthetic_sweeps.equal_rate(cfg["ratios"])
     toward = synthetic_sweeps.fafo_toward(dtaps, cfg["ratios"], eq)
-    v = synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, None)
+    pairs = synthetic_sweeps.ladder_pairs(grid.matched, eq, cfg["parameterizations"])
+    _, calls = synthetic_sweeps.ladder_s2(grid.matched, eq, cfg["parameterizations"])
+    v = synthetic_sweeps.chapter_verdicts(summary, matched, pairs, calls, None)
     assert {k: v[k].verdict for k in expect} == expect
-    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
+    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v, pairs)
     assert f["n_ratios_run"] == 1 and not f["rob_tested"] and "s3_n_up" not in f and "r3_moves" not in f
     assert f["thr_same_loss"] == "0.05 nats" and f["verdict_R3_synthetic"] == "not tested"
     rows = synthetic_sweeps.claims(f, v)
@@ -312,8 +361,8 @@ def test_sweep_chapter_with_one_ratio_says_not_tested(overrides, expect):
     assert all(r["rule"] and r["reason"] and r["verdict"] in C.VERDICTS for r in rows)
     assert rows[2]["ours"] == rows[3]["ours"] == f"only ratio {cfg['ratios'][0]:g} run"
     assert rows[4]["ours"] == "robustness variants not run"
-    if len(cfg["ratios"]) == 1 and len(cfg["parameterizations"]) == 4:
-        assert "move not tested" in v["S2"].reason
+    if len(cfg["ratios"]) == 1 and len(cfg["parameterizations"]) == 4 and v["S2"].verdict != "not tested":
+        raise AssertionError(f"one seed and one ratio cannot decide S2: {v['S2']}")
 
 
 # --- the claims helpers added for these chapters ------------------------------------------------
@@ -350,19 +399,23 @@ def test_sweep_facts_with_two_ratios_give_the_s3_and_r3_numbers():
     from qkov_lib.studies import synthetic as base
 
     cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0, 1], steps=30, robustness=False, ratios=[1.0, 10.0])
-    grid = synthetic_sweeps.run_grid(cfg, matched_loss=cfg["matched_loss"])
-    table, mtable = base.runs_frame(grid.runs), base.runs_frame(grid.matched)
-    summary, matched = synthetic_sweeps.summarize_runs(grid.runs), synthetic_sweeps.matched_summary(grid.matched)
+    grid = synthetic_sweeps.run_grid(cfg, matched_loss=synthetic_sweeps.ladder_levels(cfg))
+    mruns = grid.matched[cfg["matched_loss"]]
+    table, mtable = base.runs_frame(grid.runs), base.runs_frame(mruns)
+    summary, matched = synthetic_sweeps.summarize_runs(grid.runs), synthetic_sweeps.matched_summary(mruns)
     dtaps = base.mean_dtap(grid.runs)
     toward = synthetic_sweeps.fafo_toward(dtaps, cfg["ratios"], 1.0)
-    v = synthetic_sweeps.chapter_verdicts(summary, matched, dtaps, toward, None)
-    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v)
+    pairs = synthetic_sweeps.ladder_pairs(grid.matched, 1.0, cfg["parameterizations"])
+    s2_table, calls = synthetic_sweeps.ladder_s2(grid.matched, 1.0, cfg["parameterizations"])
+    v = synthetic_sweeps.chapter_verdicts(summary, matched, pairs, calls, None)
+    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v, pairs)
     assert f["s1_tested"] and f["tv_n_pairs"] == "6" and 0 <= int(f["tv_n_differ"]) <= 6
     assert 0 <= int(f["s3_n_up"]) <= 4 and not f["s3_mid_tested"] and {f["r3_lo"], f["r3_hi"]} <= {"1", "10"}
     rows = {r["id"]: r["ours"] for r in synthetic_sweeps.claims(f, v)}
     assert rows["S3"].startswith("ratio 1 -> 10: attention up by at least") and f["s3_dloss"] in rows["S3"]
     assert rows["R3-synthetic"].startswith(f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss")
-    assert f["tv_range"] in rows["S1"]
+    assert f["tv_range"] in rows["S1"] and f["s1_ladder_counts"] in rows["S1"] and rows["S2"] == v["S2"].reason
+    assert list(s2_table["training loss"]) == synthetic_sweeps.ladder_levels(cfg) == [0.6, 0.3]
 
 
 def test_equal_distances_are_a_tie_that_supports_neither_summary():
@@ -376,9 +429,9 @@ def test_equal_distances_are_a_tie_that_supports_neither_summary():
     clear = C.Change.of([-0.05, -0.051, -0.049, -0.05])
     assert C.s2_fafo_move(before, {"FACO": 0.40, "CACO": 0.45}, clear) == "FACO"
     assert C.s2_fafo_move(before, {"FACO": 0.40, "CACO": 0.45}, C.Change.of([-0.05])) == "tie"  # one seed: no interval
-    v = C.s2_which_pair({"CACO": 0.9, "FACO": 0.8, "FAFO": 0.5, "CAFO": 0.3}, "tie")
+    v = C.s2_ladder({0.3: ("A", "tie")})
     assert v.verdict == "partly" and "tie" in v.reason  # the pair matches A, but a tie is no move toward FACO
-    assert C.s2_which_pair({"CACO": 0.9, "FACO": 0.8, "FAFO": 0.5, "CAFO": 0.3}, "FACO").verdict == "reproduced"
+    assert C.s2_ladder({0.3: ("A", "FACO")}).verdict == "reproduced"
     # the chapter table names a tie, not the first of two equal distances
     h = np.zeros((10, 10)); h[9, 9] = 1.0
     g = np.zeros((10, 10)); g[0, 9] = 1.0

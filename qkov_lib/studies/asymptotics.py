@@ -368,10 +368,11 @@ def s2_inputs(full: pd.DataFrame) -> tuple[dict[str, float], str | None]:
 
 def asymptotics_verdicts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
                          lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame) -> dict[str, Verdict]:
-    """T3, T4, T5, T6 and S2 by the rules of :mod:`qkov_lib.claims`, from the chapter's tables."""
+    """T3, T4, T5 and T6 by the rules of :mod:`qkov_lib.claims`, from the chapter's tables. (The
+    chapter shows S2's ranking too; S2 itself is decided once, on the matched-loss ladder of
+    :mod:`qkov_lib.studies.synthetic_sweeps`.)"""
     return {"T3": C.t3_growth(*t3_inputs(table, t3)), "T4": C.t4_line(*t4_inputs(lines_single, lines_mix)),
-            "T5": C.t5_sharpening(*t5_inputs(runs, full)), "T6": C.t6_factorized_qk(t6_margins(hz, full)),
-            "S2": C.s2_which_pair(*s2_inputs(full))}
+            "T5": C.t5_sharpening(*t5_inputs(runs, full)), "T6": C.t6_factorized_qk(t6_margins(hz, full))}
 
 
 def _list(items: Sequence[str]) -> str:
@@ -500,11 +501,12 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
     f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
     f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], r_lo)['n_star']:.2f}"
     f.update(C.verdict_glue(verdicts))
+    f["rule_S2"] = C.S2_RULE
     return f
 
 
 def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
-    """Scorecard rows for T3, T4, T5, T6 and S2: numbers from :func:`asymptotics_facts`, verdicts
+    """Scorecard rows for T3, T4, T5 and T6: numbers from :func:`asymptotics_facts`, verdicts
     (with rule and reason) from :func:`asymptotics_verdicts`."""
     ch = "03_theory_asymptotics"
     return [
@@ -523,15 +525,6 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
         claim("T6", "at equal rates factorized and collapsed models differ; factorized QK gives sharper attention",
               f"factorized QK sharper than collapsed QK (FACO > CACO, FAFO > CAFO) in {f['t6_k']} of {f['t6_n']} "
               f"comparisons (ODE horizons and full-model runs at {f['full_steps']} steps)", verdicts["T6"], ch),
-        claim("S2", "summaries disagree: (CACO, FACO) or (CAFO, CACO) concentrate attention",
-              f"full-model runs at ratio {f['full_r_eq']}: {f['rank_full_random']} after {f['full_steps']} steps "
-              f"(top two {f['top2_full']}: {f['s2_full']}); FAFO with faster QK moves toward {f['fafo_toward']}; "
-              f"ODE asymptotically {f['rank_last']} (top two {f['top2_asym']}: {f['s2_asym']}); CACO sharper than FAFO "
-              f"after t = {f['cross_t']} at equal time; at matched loss "
-              + {"never": "never", "always": "at every loss level"}.get(f["cross_loss_kind"],
-                                                                       f"below a loss of {f['cross_loss_short']}")
-              + f"; CAFO {f['cafo_last']}",
-              verdicts["S2"], ch),
     ]
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,7 +26,7 @@ from qkov_lib.data import synthetic as syn
 from qkov_lib.data.batch import Batch
 from qkov_lib import claims as C
 from qkov_lib.claims import Verdict, claim
-from qkov_lib.metrics import circuit_scalars, dtap_distance  # noqa: F401  (dtap_distance re-exported for the chapter)
+from qkov_lib.metrics import circuit_scalars, dtap_distance, seed_half_width  # noqa: F401  (dtap_distance re-exported for the chapter)
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig
@@ -50,7 +50,8 @@ VARIANTS_CPU = [
 PROFILES: dict[str, dict] = {
     "test": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1], steps=150, eta_ov=0.5,
                  init_scale=0.1, optimizer="gd", n_classes=3, n_common_vocab=2, n_common=[2, 4],
-                 embedding="onehot", n_test=300, dtype="float64", n_logs=15, matched_loss=0.3, robustness=True,
+                 embedding="onehot", n_test=300, dtype="float64", n_logs=15, matched_loss=0.3, loss_ladder=[0.6, 0.3],
+                 robustness=True,
                  variant_ratios=[1.0, 10.0], variant_seeds=[0, 1], variant_steps=80,
                  variants=[{"name": "long T (n in {6})", "n_common": [6]},
                            {"name": "Gaussian embeddings", "embedding": "gaussian"},
@@ -59,12 +60,14 @@ PROFILES: dict[str, dict] = {
                            {"name": "AdamW", "optimizer": "adamw", "eta_ov": 0.02}]),
     "cpu": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1, 2, 3, 4], steps=2000,
                 eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=4, n_common_vocab=3, n_common=[2, 4, 8, 12],
-                embedding="onehot", n_test=4000, dtype="float64", n_logs=30, matched_loss=0.05, robustness=True,
+                embedding="onehot", n_test=4000, dtype="float64", n_logs=30, matched_loss=0.05, loss_ladder=[0.3, 0.1, 0.05],
+                robustness=True,
                 variant_ratios=RATIOS, variant_seeds=[0, 1, 2], variant_steps=1000, variants=VARIANTS_CPU),
     "full": dict(parameterizations=list(PARAMETERIZATIONS), ratios=[0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0],
                  seeds=list(range(20)), steps=20000, eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=8,
                  n_common_vocab=4, n_common=[2, 4, 8, 16], embedding="onehot", n_test=20000, dtype="float64",
-                 n_logs=40, matched_loss=0.01, robustness=True, variant_ratios=RATIOS,
+                 n_logs=40, matched_loss=0.01, loss_ladder=[0.3, 0.1, 0.05, 0.01], robustness=True,
+                 variant_ratios=RATIOS,
                  variant_seeds=list(range(10)), variant_steps=10000, variants=VARIANTS_CPU),
 }
 
@@ -160,12 +163,12 @@ def weak_attention_confident(dtap: np.ndarray) -> float:
 
 @dataclass
 class Grid:
-    """The runs of one grid: ``runs`` after the fixed number of steps and, when a matched loss
-    was asked for, ``matched``: the same runs evaluated at the step where their training loss
-    first reached it (``test["stop_step"]``; NaN and final weights where it never did)."""
+    """The runs of one grid: ``runs`` after the fixed number of steps and, per matched loss level
+    asked for, ``matched[level]``: the same runs evaluated at the step where their training loss
+    first reached that level (``test["stop_step"]``; NaN and final weights where it never did)."""
 
     runs: list[base.Run]
-    matched: list[base.Run] | None = None
+    matched: dict[float, list[base.Run]] = field(default_factory=dict)
 
 
 def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch.Tensor, stop: float) -> base.Run:
@@ -176,13 +179,13 @@ def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch
 
 
 def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
-             seeds: Sequence[int] | None = None, steps: int | None = None, matched_loss: float | None = None,
-             desc: str = "sweep") -> Grid:
+             seeds: Sequence[int] | None = None, steps: int | None = None,
+             matched_loss: float | Sequence[float] | None = None, desc: str = "sweep") -> Grid:
     """Train every (parameterization, ratio, seed) with the batched engine and evaluate on each
     seed's test sample. Diverging runs are frozen, not fatal. Each run's ``test`` dict has the
     metrics of :func:`qkov_lib.train.evaluate` plus ``weak_attn_confident`` and ``diverged``
-    (0/1). With ``matched_loss`` the engine also snapshots each run where its training loss
-    first reaches that value (``Grid.matched``)."""
+    (0/1). With ``matched_loss`` (one training loss or a ladder of them) the engine also
+    snapshots each run where its training loss first reaches each level (``Grid.matched``)."""
     parameterizations = list(parameterizations or cfg["parameterizations"])
     ratios = [float(r) for r in (ratios or cfg["ratios"])]
     seeds = list(seeds or cfg["seeds"])
@@ -198,21 +201,23 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
     tests = [b.seed(s)[3] for _, _, s in grid]
     rows, dtaps = engine.evaluate_models(models, tests, TAUS)
     runs = [_run(p, r, s, h, row, dt, float("nan")) for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
-    if matched_loss is None:
-        return Grid(runs)
-    snap = []
-    for (p, _, s), h, m in zip(grid, hists, models):
-        if h.snapshot is None:
-            snap.append(m)
-            continue
-        ms = b.model(p, s)
-        with torch.no_grad():
-            for n, w in h.snapshot.items():
-                getattr(ms.attention, n).copy_(w)
-        snap.append(ms)
-    rows, dtaps = engine.evaluate_models(snap, tests, TAUS)
-    matched = [_run(p, r, s, h, row, dt, float("nan") if h.snapshot_step is None else float(h.snapshot_step))
-               for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
+    levels = [] if matched_loss is None else sorted({float(x) for x in (
+        matched_loss if isinstance(matched_loss, (list, tuple)) else [matched_loss])}, reverse=True)
+    matched = {}
+    for level in levels:
+        snap = []
+        for (p, _, s), h, m in zip(grid, hists, models):
+            if level not in h.snapshots:
+                snap.append(m)
+                continue
+            ms = b.model(p, s)
+            with torch.no_grad():
+                for n, w in h.snapshots[level].weights.items():
+                    getattr(ms.attention, n).copy_(w)
+            snap.append(ms)
+        rows, dtaps = engine.evaluate_models(snap, tests, TAUS)
+        matched[level] = [_run(p, r, s, h, row, dt, float(h.snapshots[level].step) if level in h.snapshots
+                               else float("nan")) for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
     return Grid(runs, matched)
 
 
@@ -336,6 +341,111 @@ def fafo_move(toward: pd.DataFrame, ref_ratio: float) -> str | None:
     gap = C.Change(a["FACO − CACO"], a["± (seeds)"], int(a["seeds"])) if int(a["seeds"]) else None
     return C.s2_fafo_move({p: b[f"TV to {p}"] for p in ("FACO", "CACO")}, {p: a[f"TV to {p}"] for p in ("FACO", "CACO")},
                           gap)
+
+
+# --- the matched-loss ladder: S1 and S2 before saturation --------------------------------------
+def _reached_by(runs: Sequence[base.Run], ratio: float) -> dict[str, dict[int, base.Run]]:
+    """The runs at ``ratio`` that reached the loss level and did not diverge: parameterization ->
+    seed -> run."""
+    out: dict[str, dict[int, base.Run]] = {}
+    for r in runs:
+        if r.ratio == ratio and not math.isnan(r.test["stop_step"]) and not r.test["diverged"]:
+            out.setdefault(r.parameterization, {})[r.seed] = r
+    return out
+
+
+def ladder_pairs(ladder: Mapping[float, Sequence[base.Run]], ratio: float, params: Sequence[str]
+                 ) -> dict[float, dict[tuple[str, str], C.Change]]:
+    """S1's numbers on the matched-loss ladder: per training-loss level, for every pair of
+    ``params`` at ``ratio``, the DTAP total-variation distance between the two runs of each seed
+    both reached that level with (a :class:`qkov_lib.claims.Change` over those seeds)."""
+    out = {}
+    for level, runs in ladder.items():
+        by = _reached_by(runs, ratio)
+        have = [p for p in params if p in by]
+        out[level] = {(a, b): C.Change.of([dtap_distance(by[a][s].dtap, by[b][s].dtap)
+                                           for s in sorted(set(by[a]) & set(by[b]))])
+                      for a, b in itertools.combinations(have, 2)}
+    return out
+
+
+def ladder_levels(cfg: Mapping[str, Any]) -> list[float]:
+    """The training-loss levels a grid snapshots: the ``loss_ladder`` and the ``matched_loss``,
+    highest first."""
+    return sorted({float(x) for x in cfg["loss_ladder"]} | {float(cfg["matched_loss"])}, reverse=True)
+
+
+def ladder_s1_table(pairs: Mapping[float, Mapping[tuple[str, str], C.Change]], digits: int = 3) -> pd.DataFrame:
+    """:func:`ladder_pairs` as a table: one row per pair, one column per training-loss level
+    (highest first), each cell the per-seed distance's mean ± 95 % half-width, the number of seeds
+    and :func:`qkov_lib.claims.s1_pair`'s call."""
+    cells: dict[str, dict[str, str]] = {}
+    for lv in sorted(pairs, reverse=True):
+        for (a, b), c in pairs[lv].items():
+            ci = f" ± {c.half_width:.{digits}f}" if c.bounded else ""
+            cells.setdefault(f"loss {lv:g}", {})[f"{a} vs {b}"] = f"{c.mean:.{digits}f}{ci} ({c.n} seeds): {C.s1_pair(c)}"
+    return pd.DataFrame(cells).rename_axis("pair")
+
+
+def ladder_dtaps(ladder: Mapping[float, Sequence[base.Run]], ratio: float) -> dict[tuple[str, float], np.ndarray]:
+    """Mean DTAP heatmap at ``ratio`` of the runs that reached each training-loss level, keyed by
+    (parameterization, level)."""
+    return {(p, lv): np.mean([r.dtap for r in by.values()], axis=0)
+            for lv, runs in ladder.items() for p, by in _reached_by(runs, ratio).items()}
+
+
+LADDER_S2_COLUMNS = ["training loss", "ranking at equal rates", "2nd − 3rd", "± (seeds)", "top two",
+                     "FAFO at ratio", "FACO − CACO", "± (FAFO seeds)", "FAFO moves toward"]
+
+
+def ladder_s2(ladder: Mapping[float, Sequence[base.Run]], ratio: float, params: Sequence[str]
+              ) -> tuple[pd.DataFrame, dict[float, tuple[str, str | None]]]:
+    """S2's numbers on the matched-loss ladder, at equal rates ``ratio``. Per training-loss level:
+    the ranking by mean attention on the distinct token (± 95 % seed interval); the per-seed
+    difference between the second and third, whose interval decides a tie (then the top two are
+    ``"tie"``, else which summary's pair they are, :func:`s2_match`); and FAFO's move
+    (:func:`qkov_lib.claims.s2_fafo_move`) from ``ratio`` to the highest faster ratio at which
+    two or more FAFO seeds reached the level, on mean heatmaps at that level, its tie decided
+    over FAFO's per-seed heatmaps (:func:`.synthetic.fafo_gap`). Without two seeds (for the
+    second and third, or for FAFO at every faster ratio) that part is ``"not tested"``. Returns
+    the table (:data:`LADDER_S2_COLUMNS`) and, for :func:`qkov_lib.claims.s2_ladder`, (top two,
+    move) of each level reached by all four parameterizations at ``ratio``."""
+    rows, calls = [], {}
+    for level, runs in ladder.items():
+        by = _reached_by(runs, ratio)
+        att = {p: [by[p][s].test["attn_relevant"] for s in sorted(by[p])] for p in params if p in by}
+        order = sorted(att, key=lambda p: -np.mean(att[p]))
+        ranking = " > ".join(f"{p} {np.mean(att[p]):.3f}" + (f" ± {seed_half_width(att[p]):.3f}"
+                                                             if len(att[p]) > 1 else "") for p in order)
+        row = {"training loss": level, "ranking at equal rates": ranking or "no run reached it",
+               "2nd − 3rd": math.nan, "± (seeds)": math.nan, "top two": "not tested", "FAFO at ratio": math.nan,
+               "FACO − CACO": math.nan, "± (FAFO seeds)": math.nan, "FAFO moves toward": "not tested"}
+        if len(order) >= 3:
+            second, third = order[1], order[2]
+            gap = C.Change.of([by[second][s].test["attn_relevant"] - by[third][s].test["attn_relevant"]
+                               for s in sorted(set(by[second]) & set(by[third]))])
+            row.update({"2nd − 3rd": gap.mean, "± (seeds)": gap.half_width,
+                        "top two": "not tested" if not gap.bounded else "tie" if C.is_tie(gap.mean, gap)
+                        else s2_match(order[:2])})
+        move = None
+        faster = sorted(r.ratio for r in runs if r.ratio > ratio)
+        means = {(p, ratio): np.mean([x.dtap for x in by[p].values()], axis=0) for p in ("FAFO", "FACO", "CACO")
+                 if p in by}
+        for hi in sorted(set(faster), reverse=True):
+            fafo_hi = _reached_by(runs, hi).get("FAFO", {})
+            if len(fafo_hi) >= 2 and len(means) == 3:  # a move needs a seed interval
+                heat = [x.dtap for x in fafo_hi.values()]
+                d = {when: {p: dtap_distance(h, means[(p, ratio)]) for p in ("FACO", "CACO")}
+                     for when, h in (("before", means[("FAFO", ratio)]), ("after", np.mean(heat, axis=0)))}
+                gap = base.fafo_gap(heat, means, ratio)
+                move = C.s2_fafo_move(d["before"], d["after"], gap)
+                row.update({"FAFO at ratio": hi, "FACO − CACO": d["after"]["FACO"] - d["after"]["CACO"],
+                            "± (FAFO seeds)": gap.half_width, "FAFO moves toward": move})
+                break
+        rows.append(row)
+        if set(att) == set(PARAMETERIZATIONS):
+            calls[level] = (row["top two"], move)
+    return pd.DataFrame(rows, columns=LADDER_S2_COLUMNS), calls
 
 
 def matched_table(runs: Sequence[base.Run]) -> pd.DataFrame:
@@ -542,23 +652,20 @@ def r3_inputs(matched: pd.DataFrame) -> tuple[list[float], list[float]]:
     return att, acc
 
 
-def chapter_verdicts(summary: pd.DataFrame, matched: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray],
-                     toward: pd.DataFrame, rob_summary: pd.DataFrame | None) -> dict[str, Verdict]:
-    """The chapter's verdicts by the rules of :mod:`qkov_lib.claims`: S1 (pairwise DTAP distances
-    at equal rates), S2 (attention at equal rates and FAFO's move to the highest ratio), S3 (changes
-    from the lowest to the highest ratio), and the extensions R3-synthetic (attention and accuracy
-    changes at matched loss, :func:`r3_inputs`) and S3-robustness (:func:`robustness_s3`, combined by
-    :func:`qkov_lib.claims.s3_robustness`; not tested when the variants were not run)."""
-    ratios = sorted(summary["ratio"].unique())
-    eq = equal_rate(ratios)
-    params = list(dict.fromkeys(summary["parameterization"]))
-    by = summary.set_index(["parameterization", "ratio"])
-    att = {p: _val(by, p, eq, "attn_relevant") for p in params}
+def chapter_verdicts(summary: pd.DataFrame, matched: pd.DataFrame,
+                     pairs: Mapping[float, Mapping[tuple[str, str], C.Change]],
+                     s2_calls: Mapping[float, tuple[str, str | None]], rob_summary: pd.DataFrame | None
+                     ) -> dict[str, Verdict]:
+    """The chapter's verdicts by the rules of :mod:`qkov_lib.claims`: S1 and S2 on the matched-loss
+    ladder (:func:`ladder_pairs`, :func:`ladder_s2`; the book's one verdict on each), S3 (changes
+    from the lowest to the highest ratio after the fixed steps), and the extensions R3-synthetic
+    (attention and accuracy changes at matched loss, :func:`r3_inputs`) and S3-robustness
+    (:func:`robustness_s3`, combined by :func:`qkov_lib.claims.s3_robustness`; not tested when the
+    variants were not run)."""
     d = ratio_changes(summary)
     rob = (C.s3_robustness(robustness_s3(rob_summary)) if rob_summary is not None and len(rob_summary) else
            Verdict("not tested", C.S3_ROBUST_RULE, "robustness variants not run"))
-    return {"S1": C.s1_heatmaps_differ(s1_inputs(dtaps, params, eq)),
-            "S2": C.s2_which_pair(att, fafo_move(toward, eq)),
+    return {"S1": C.s1_ladder(pairs), "S2": C.s2_ladder(s2_calls),
             "S3": C.s3_ratio_sharpens(d["attn_relevant"], d["loss"], d["accuracy"]),
             # r3_inputs gives mean changes only (no per-seed pairs): each counts as one unpaired change
             "R3-synthetic": C.r3_decoupled(*([C.Change(x, math.nan, 1) for x in xs] for xs in r3_inputs(matched))),
@@ -572,7 +679,8 @@ def _counts(match: Mapping[float, str], n: int) -> str:
 
 def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFrame, mtable: pd.DataFrame,
                   toward: pd.DataFrame, rob_verdicts: pd.DataFrame | None, dtaps: dict, cfg: dict,
-                  verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
+                  verdicts: Mapping[str, Verdict],
+                  pairs: Mapping[float, Mapping[tuple[str, str], C.Change]] | None = None) -> dict[str, Any]:
     """Every number, threshold and verdict (with rule and reason) the chapter's prose quotes, as
     glue strings, and the comparisons that choose its sentences (bools, counts and words, from
     the thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). Comparisons the
@@ -590,7 +698,15 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
               "n_diverged": str(int(table["diverged"].sum())), "matched_loss": f"{cfg['matched_loss']:g}",
               "matched_steps": str(cfg["steps"]), "n_ratios_run": len(ratios)})
     pct = lambda xs: ", ".join(xs) or "none"  # noqa: E731
-    # --- S1
+    # --- S1 on the ladder (the verdict) and at the end of training (a view)
+    calls = {lv: [C.s1_pair(c) for c in d.values()] for lv, d in (pairs or {}).items() if d}
+    f["ladder"] = ", ".join(f"{lv:g}" for lv in sorted(calls, reverse=True)) or "none"
+    f["s1_all_differ_at"] = ", ".join(f"{lv:g}" for lv in sorted(calls, reverse=True)
+                                      if all(c == "differ" for c in calls[lv])) or "none"
+    deepest = min((lv for lv in calls if all(c == "differ" for c in calls[lv])), default=None)
+    f["s1_deepest_differ"] = "none" if deepest is None else f"{deepest:g}"
+    f["s1_ladder_counts"] = "; ".join(f"loss {lv:g}: {cs.count('differ')} of {len(cs)}" for lv, cs in
+                                      sorted(calls.items(), reverse=True)) or "no level reached"
     tv = s1_inputs(dtaps, params, eq)
     weak = lambda r: ", ".join(f"{p} {_fmt(_val(by, p, r, 'weak_attn_confident'))}" for p in params)  # noqa: E731
     f["weak_lo"], f["weak_eq"] = weak(lo), weak(eq)
@@ -724,12 +840,11 @@ def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[di
            f"{f['rob_up']} of {f['rob_n']} variants" if f["rob_tested"] else "robustness variants not run")
     return [
         claim("S1", "DTAP heatmaps differ between the four parameterizations",
-              f"{f['n_runs']} runs ({f['n_seeds']} seeds per cell); {s1}", verdicts["S1"], ch),
+              f"pairs of parameterizations whose per-seed heatmap distance at ratio {f['r_eq']} is at least "
+              f"{f['thr_dtap_tv']} (95 % interval), by training loss: {f['s1_ladder_counts']}; after the fixed steps: "
+              f"{s1}", verdicts["S1"], ch),
         claim("S2", "summaries disagree: (CACO, FACO) or (CAFO, CACO) concentrate attention; FAFO moves toward "
-                    "FACO or CACO",
-              f"ranking at ratio {f['r_eq']}: {f['rank_eq']}; at matched loss {f['matched_loss']}: "
-              f"{f['rank_eq_matched']}; top two per ratio match {f['s2_fixed_counts']}; FAFO moves toward "
-              f"{f['fafo_toward']}", verdicts["S2"], ch),
+                    "FACO or CACO", verdicts["S2"].reason, verdicts["S2"], ch),
         claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same", s3, verdicts["S3"], ch),
         claim("R3-synthetic", C.statement("R3-synthetic"), r3, verdicts["R3-synthetic"], ch),
         claim("S3-robustness", C.statement("S3-robustness"), rob, verdicts["S3-robustness"], ch),

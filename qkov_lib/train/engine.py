@@ -30,9 +30,9 @@ implementation the token-model trainer uses too). Minibatch orders replay
 equality with :func:`~qkov_lib.train.train` on a small grid.
 
 **Extras for sweeps.** ``stop_loss`` freezes each model at the first step where its full-batch
-training loss is ``<= stop_loss``; ``snapshot_loss`` instead keeps training and stores a copy
-of the weights (and a log record) at that step, so one run gives both a fixed-length and a
-matched-loss result; ``on_nonfinite="freeze"`` freezes a
+training loss is ``<= stop_loss``; ``snapshot_loss`` (one loss or a ladder of them) instead keeps
+training and stores a copy of the weights (and a log record) at the first step below each level,
+so one run gives both a fixed-length and matched-loss results; ``on_nonfinite="freeze"`` freezes a
 diverging model (records ``diverged_step``) instead of raising, so one bad run does not end a
 sweep. After training the stacked weights are written back into the models. Tensors follow the
 models' device; only CPU was exercised when this was written (no GPU was available).
@@ -406,14 +406,23 @@ def evaluate_stack(stack: Stack, bag: Bag, taus: Sequence[float] = DEFAULT_TAUS,
 
 # --- training ------------------------------------------------------------------------------
 @dataclass
+class Snapshot:
+    """A run at the first step where its training loss was ``<= level``: that ``step``, the log
+    ``record`` there and the attention ``weights`` (parameter name -> tensor)."""
+
+    level: float
+    step: int
+    record: dict
+    weights: dict[str, Tensor]
+
+
+@dataclass
 class EngineHistory(History):
     """A :class:`~qkov_lib.train.History` (``stop_step``: the step at which the run's training
-    loss first reached ``stop_loss``; ``diverged_step``) plus, with ``snapshot_loss``, the step,
-    log record and weights where the loss first reached it."""
+    loss first reached ``stop_loss``; ``diverged_step``) plus, with ``snapshot_loss``, one
+    :class:`Snapshot` per loss level the run reached (``snapshots``, keyed by level)."""
 
-    snapshot_step: int | None = None
-    snapshot_record: dict | None = None
-    snapshot: dict[str, Tensor] | None = None  # attention parameter name -> weights at snapshot_step
+    snapshots: dict[float, Snapshot] = field(default_factory=dict)
 
 
 BatchedProbe = Callable[["Stack"], dict[str, Sequence[float]]]
@@ -446,7 +455,7 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
                   cfgs: TrainConfig | Sequence[TrainConfig], probe: BatchedProbe | None = None,
                   stop_loss: float | None = None, on_nonfinite: str = "raise", desc: str = "batched",
                   progress: bool | None = None, threads: int | None = DEFAULT_THREADS,
-                  snapshot_loss: float | None = None) -> list[EngineHistory]:
+                  snapshot_loss: float | Sequence[float] | None = None) -> list[EngineHistory]:
     """Train ``models`` together, as :func:`qkov_lib.train.train` would train each one on
     its data (one shared :class:`Batch`, or one per model) with its config.
 
@@ -455,8 +464,9 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
     ``seed``. Returns one :class:`EngineHistory` per model and writes the trained weights back
     into ``models``.
     ``stop_loss`` (full-batch training only) freezes a model once its training loss is
-    ``<= stop_loss``, logging that step; ``snapshot_loss`` (full-batch only) records the step,
-    a log record and a copy of the weights where the loss first is ``<= snapshot_loss`` and
+    ``<= stop_loss``, logging that step; ``snapshot_loss`` (full-batch only; one level or a
+    sequence of them) records, per level, the step, a log record and a copy of the weights where
+    the loss first is ``<= level`` (:class:`Snapshot`, in ``EngineHistory.snapshots``) and
     trains on; ``on_nonfinite`` is ``"raise"`` (NonFiniteError, as
     ``train``) or ``"freeze"`` (the model stops, ``diverged_step`` is set, others go on);
     ``threads`` sets torch's intra-op threads while training (see :func:`torch_threads`)."""
@@ -465,13 +475,21 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
                               snapshot_loss)
 
 
-def _check_target(name: str, value: float | None, full_batch: bool) -> None:
+def _check_target(name: str, value, full_batch: bool, many: bool = False) -> list[float]:
+    """The loss levels of ``value`` (None: none; a number, or with ``many`` a sequence of
+    numbers), checked, highest first."""
     if value is None:
-        return
+        return []
     if not full_batch:
         raise ValueError(f"{name} needs full-batch training (batch_size None) to see the training loss")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    values = list(value) if many and isinstance(value, (list, tuple)) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < math.inf):
+            raise ValueError(f"{name} must be a finite number > 0{' (or a list of them)' if many else ''}, "
+                             f"got {value!r}")
+    if not values:
+        raise ValueError(f"{name} must name at least one loss level, got {value!r}")
+    return sorted({float(v) for v in values}, reverse=True)
 
 
 def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, on_nonfinite, desc,
@@ -492,7 +510,7 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
     N = len(bag)
     bs = N if c0.batch_size is None else min(c0.batch_size, N)
     _check_target("stop_loss", stop_loss, bs == N)
-    _check_target("snapshot_loss", snapshot_loss, bs == N)
+    levels = _check_target("snapshot_loss", snapshot_loss, bs == N, many=True)
     opt = StackedOptimizer(c0.optimizer, _rates(stack, models, cfgs), per_row=False)  # many tiny rows
 
     hists = [EngineHistory(config=asdict(c)) for c in cfgs]
@@ -522,7 +540,8 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
             for b, rec in records(step, idx).items():
                 hists[b].records.append(rec)
 
-    snapped = torch.zeros(B, dtype=torch.bool, device=device)
+    snapped = torch.zeros(B, len(levels), dtype=torch.bool, device=device)
+    level_t = torch.tensor(levels, dtype=torch.float64, device=device)
 
     def fail(step: int, bad: Tensor, what: str, tensors: dict[str, Tensor] | None = None) -> None:
         nonlocal active
@@ -558,13 +577,14 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
             p.grad = None
         loss = stack.loss_backward(batch)
         finite = torch.isfinite(loss)
-        if snapshot_loss is not None:
-            new = active & finite & ~snapped & (loss <= snapshot_loss)
+        if levels:
+            new = (active & finite)[:, None] & ~snapped & (loss.detach()[:, None] <= level_t.to(loss.dtype))
             if bool(new.any()):
-                idx = new.nonzero()[:, 0].tolist()
-                for b, rec in records(step, idx).items():
-                    hists[b].snapshot_step, hists[b].snapshot_record = step, rec
-                    hists[b].snapshot = stack.weights_of(b)
+                rows = new.any(1).nonzero()[:, 0].tolist()
+                for b, rec in records(step, rows).items():
+                    w = stack.weights_of(b)
+                    for k in new[b].nonzero()[:, 0].tolist():
+                        hists[b].snapshots[levels[k]] = Snapshot(levels[k], step, rec, w)
                 snapped |= new
         if stop_loss is not None:
             reached = active & finite & (loss <= stop_loss)
