@@ -116,7 +116,7 @@ def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     assert {k: v for k, (v, _) in scorecard.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",
                                                                         "R3": "reproduced"}
     md = scorecard.r_table_myst(table)
-    assert md.splitlines()[0] == "| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |"
+    assert md.splitlines()[0] == "| claim | paper | ours (means over seeds) | verdict | rule (thresholds) |"
     # a second R1 row (SVA's natural-prefix models) is a row of its own and enters the claim's verdict
     two = (*both, ("R1", "not reproduced"))
     results.save_results("sva", _map_params(), {"claims": _rows(two)}, path=tmp_path / "sva.json")

@@ -282,7 +282,7 @@ def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str]]:
 
 def r_table_myst(table: pd.DataFrame) -> str:
     """The R1-R3 table as MyST markdown: claim | paper | ours | verdict | rule."""
-    lines = ["| claim | paper | ours (mean ± 95% seed interval) | verdict | rule (thresholds) |", "|---|---|---|---|---|"]
+    lines = ["| claim | paper | ours (means over seeds) | verdict | rule (thresholds) |", "|---|---|---|---|---|"]
     for cid, g in table.groupby("claim", sort=True):
         for i, (_, r) in enumerate(g.iterrows()):
             ours = myst_cell(r["ours"]) + (f" *Decided by:* {myst_cell(r['reason'])}" if r["reason"] else "")
