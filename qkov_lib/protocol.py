@@ -369,10 +369,39 @@ def region_verdicts(cells: pd.DataFrame, selected: Mapping[str, float]) -> dict[
     return out
 
 
+PHASE_LABEL_CHARS = 5  # the longest cell label of :func:`plot_phase` ("+.12*")
+PHASE_COLS = 2  # panels side by side in a phase map (more rows instead): the labels stay legible on a page
+PHASE_SCALE_BELOW = 0.05  # a phase-map panel whose largest |change| is below this is drawn in units of 10^k
+
+
+def phase_label(value: float, significant: bool) -> str:
+    """The cell label of a phase-map panel: ``value`` to two decimals without the leading zero
+    ("+.12", "-.05"; "0" when it rounds to zero, one decimal from 1 on, none from 10 on), then
+    ``*`` when ``significant``; empty for a missing value. At most :data:`PHASE_LABEL_CHARS`
+    characters, so neighbouring cells never run into each other."""
+    if not np.isfinite(value):
+        return ""
+    a = abs(float(value))
+    if a >= 9.5:
+        text = f"{value:+.0f}"
+    elif a >= 0.995:
+        text = f"{value:+.1f}"
+    elif round(a, 2) == 0:
+        text = "0"
+    else:
+        text = f"{value:+.2f}".replace("0.", ".", 1)
+    return text + ("*" if significant else "")
+
+
 def plot_phase(phase: pd.DataFrame, metrics: Sequence[str], selected: Mapping[str, float] | None = None):
     """Heatmaps of ``d_<metric>`` (change against ratio 1) over base rate (rows) × ratio
-    (columns), one panel per (optimizer, metric); significant cells are marked with ``*``, and
-    the tuned base rate's row is outlined."""
+    (columns), one panel per (optimizer, metric), :data:`PHASE_COLS` panels to a row (each
+    optimizer's panels on rows of their own), each with its own colour bar: the colour scale
+    of a panel is symmetric around 0 and reaches that panel's largest absolute change. A panel
+    whose largest change is below :data:`PHASE_SCALE_BELOW` is drawn in units of ``10^k`` (``k``
+    the exponent of that change, named in its title). Each cell is labelled with
+    :func:`phase_label` (the change to two decimals, ``*`` when its 95% seed interval excludes
+    0); the tuned base rate's row is outlined."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -381,24 +410,42 @@ def plot_phase(phase: pd.DataFrame, metrics: Sequence[str], selected: Mapping[st
     setup()
     opts = list(dict.fromkeys(phase["optimizer"]))
     metrics = [m for m in metrics if f"d_{m}" in phase]
-    fig, axes = plt.subplots(len(opts), len(metrics), figsize=(3.6 * len(metrics) + 0.6, 2.6 * len(opts) + 0.6),
+    n_ratios = max(int(phase["ratio"].nunique()), 1)
+    ncols = max(min(len(metrics), PHASE_COLS), 1)
+    per_opt = -(-len(metrics) // ncols)  # rows of panels per optimizer
+    fig, axes = plt.subplots(len(opts) * per_opt, ncols, figsize=(max(3.4, 0.55 * n_ratios + 1.6) * ncols,
+                                                                  2.7 * len(opts) * per_opt + 0.4),
                              squeeze=False, facecolor=FACE)
+    font = 8 if n_ratios <= 5 else 7
+    for i in range(len(opts)):  # the empty slots after each optimizer's last panel
+        for jm in range(len(metrics), per_opt * ncols):
+            axes[i * per_opt + jm // ncols, jm % ncols].set_axis_off()
     for i, opt in enumerate(opts):
         sub = phase[phase["optimizer"] == opt]
-        for j, m in enumerate(metrics):
-            ax = axes[i, j]
+        for jm, m in enumerate(metrics):
+            j = jm % ncols
+            ax = axes[i * per_opt + jm // ncols, j]
             val = sub.pivot(index="eta_ov", columns="ratio", values=f"d_{m}")
             sig = sub.pivot(index="eta_ov", columns="ratio", values=f"d_{m}_sig").reindex_like(val)
-            text = val.map(lambda v: "" if not np.isfinite(v) else f"{v:+.2f}")
-            text = text + sig.map(lambda s: "*" if s == True else "")  # noqa: E712 (numpy bools)
             lim = float(np.nanmax(np.abs(val.to_numpy()))) if np.isfinite(val.to_numpy()).any() else 1.0
-            sns.heatmap(val, ax=ax, cmap="RdBu", center=0, vmin=-lim or -1, vmax=lim or 1, annot=text, fmt="",
-                        cbar=j == len(metrics) - 1, linewidths=0.5, linecolor="white")
-            ax.set_title(f"{opt}: Δ {m}", fontsize=9)
-            ax.set_xlabel("eta_QK / eta_OV")
-            ax.set_ylabel("eta_OV")
-            ax.set_yticklabels([f"{e:g}" for e in val.index], rotation=0)
-            ax.set_xticklabels([f"{r:g}" for r in val.columns])
+            # a panel whose changes are all below PHASE_SCALE_BELOW is drawn in units of 10^k
+            # (k: the exponent of its largest change), so its labels are not all "0"
+            k = int(np.floor(np.log10(lim))) if 0 < lim < PHASE_SCALE_BELOW else 0
+            shown = val / 10.0 ** k
+            text = pd.DataFrame([[phase_label(v, s == True) for v, s in zip(vr, sr)]  # noqa: E712 (numpy bools)
+                                 for vr, sr in zip(shown.to_numpy(dtype=float), sig.to_numpy())],
+                                index=val.index, columns=val.columns)
+            lim = lim / 10.0 ** k
+            sns.heatmap(shown, ax=ax, cmap="RdBu", center=0, vmin=-lim or -1, vmax=lim or 1, annot=text, fmt="",
+                        annot_kws={"fontsize": font}, cbar=True, cbar_kws={"shrink": 0.85, "pad": 0.03},
+                        linewidths=0.5, linecolor="white")
+            ax.collections[0].colorbar.ax.tick_params(labelsize=7)
+            ax.grid(False)  # a missing cell stays blank
+            ax.set_title(f"{opt}: Δ {m}" + (f" (×$10^{{{k}}}$)" if k else ""), fontsize=9)
+            ax.set_xlabel("eta_QK / eta_OV", fontsize=8)
+            ax.set_ylabel("eta_OV" if j == 0 else "", fontsize=8)
+            ax.set_yticklabels([f"{e:g}" for e in val.index], rotation=0, fontsize=8)
+            ax.set_xticklabels([f"{r:g}" for r in val.columns], fontsize=8)
             if selected and opt in selected and selected[opt] in list(val.index):
                 k = list(val.index).index(selected[opt])
                 ax.add_patch(plt.Rectangle((0, k), len(val.columns), 1, fill=False, edgecolor="black", lw=2))
@@ -434,4 +481,4 @@ def synthetic_demo(n: int = 600, T: int = 8, vocab: int = 12, seed: int = 0) -> 
 
 
 __all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table", "cell_verdicts",
-           "region_verdicts", "plot_phase", "failures", "synthetic_demo", "phase_metrics", "MAP_TAU", "R1_METRICS"]
+           "region_verdicts", "plot_phase", "phase_label", "PHASE_LABEL_CHARS", "PHASE_COLS", "PHASE_SCALE_BELOW", "failures", "synthetic_demo", "phase_metrics", "MAP_TAU", "R1_METRICS"]

@@ -243,3 +243,60 @@ def test_run_each_trains_every_setting_in_order():
     out = P.run_each(((r, s) for r in (1.0, 10.0) for s in (0, 1)), lambda r, s: seen.append((r, s)) or r * 10 + s,
                             "test grid", progress=False)
     assert out == [10.0, 11.0, 100.0, 101.0] and seen == [(1.0, 0), (1.0, 1), (10.0, 0), (10.0, 1)]
+
+
+def _phase_frame(n_ratios=5):
+    """A phase table of two optimizers x three base rates x ``n_ratios`` ratios whose changes
+    span tiny, negative, large and missing values, with every other cell significant."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for opt in ("adamw", "sgd"):
+        for eta in (1e-3, 3e-3, 1e-2):
+            for k, r in enumerate([1.0, 3.0, 10.0, 30.0, 100.0, 300.0][:n_ratios]):
+                acc = 0.0 if r == 1.0 else float(rng.choice([0.0004, -0.4567, 0.0321, 1.234, 12.5, np.nan]))
+                rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r, "d_accuracy": acc,
+                             "d_accuracy_sig": k % 2 == 1, "d_attn_relevant": (3.0 if opt == "sgd" else 2e-4) * k,
+                             "d_attn_relevant_sig": k % 2 == 0, "d_loss": -0.1 * k, "d_loss_sig": True})
+    return pd.DataFrame(rows)
+
+
+def test_phase_labels_are_short():
+    assert P.phase_label(0.1234, True) == "+.12*" and P.phase_label(-0.05, False) == "-.05"
+    assert P.phase_label(0.0004, False) == "0" and P.phase_label(float("nan"), True) == ""
+    assert P.phase_label(1.234, False) == "+1.2" and P.phase_label(-12.5, True) == "-12*"
+    values = np.concatenate([np.linspace(-20, 20, 4001), [0.995, -0.995, 9.5, -9.49, 0.005]])
+    assert max(len(P.phase_label(v, True)) for v in values) <= P.PHASE_LABEL_CHARS
+
+
+def test_phase_map_has_one_colour_bar_per_panel_and_labels_that_do_not_overlap():
+    import matplotlib.pyplot as plt
+
+    phase = _phase_frame()
+    fig = P.plot_phase(phase, ["accuracy", "attn_relevant", "not_a_metric", "loss"], {"adamw": 3e-3})
+    bars = [ax for ax in fig.axes if ax.get_label() == "<colorbar>"]
+    panels = [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.axison]
+    assert len(panels) == 2 * 3 and len(bars) == len(panels)  # two optimizers x three metrics
+    assert len({round(ax.get_position().x0, 3) for ax in panels}) == P.PHASE_COLS  # panels to a row
+    assert fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
+    # each panel's colour scale is its own: symmetric, up to that panel's largest |change| (in
+    # units of 10^k where the title says so)
+    for ax in panels:
+        opt, metric = ax.get_title().split(": Δ ")
+        metric, _, unit = metric.partition(" (×$10^{")
+        scale = 10.0 ** int(unit.split("}")[0]) if unit else 1.0
+        lim = np.nanmax(np.abs(phase.loc[phase["optimizer"] == opt, f"d_{metric}"])) / scale
+        assert ax.collections[0].get_clim() == pytest.approx((-lim, lim))
+    tiny = next(ax for ax in panels if ax.get_title().startswith("adamw: Δ attn_relevant"))
+    assert "10^{-4}" in tiny.get_title() and len({t.get_text() for t in tiny.texts}) > 2  # not all "0"
+    labels = [t for ax in panels for t in ax.texts]
+    assert labels and max(len(t.get_text()) for t in labels) <= P.PHASE_LABEL_CHARS
+    assert any(t.get_text().endswith("*") for t in labels)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in panels:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts if t.get_text()]
+        overlaps = [(a, b) for i, a in enumerate(boxes) for b in boxes[i + 1:] if a.overlaps(b)]
+        assert not overlaps, f"{ax.get_title()}: cell labels overlap"
+        cell_w = ax.get_window_extent(renderer).width / len(ax.get_xticks())
+        assert max(b.width for b in boxes) < cell_w, f"{ax.get_title()}: a label is wider than its cell"
+    plt.close(fig)

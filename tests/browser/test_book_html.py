@@ -10,6 +10,16 @@ menu offers the chapter's ``.md`` and ``.ipynb`` (both fetched and parsed); a sc
 both (``book__01_synthetic__progress_downloads.png``). Also checks the search page (Sphinx's local
 ``searchindex.js``). Saves a full-page screenshot of every page to ``_build/screenshots/``.
 
+Layout, at a desktop width (1300 px) and a phone width (400 px), on every page: the page does not
+scroll sideways (``scrollWidth <= innerWidth``), no element of the article reaches past the
+article's right edge unless it sits in a box that scrolls sideways by itself (``overflow-x: auto``
+or ``scroll``; a table wider than the page scrolls in its box, it is never cut off), no table cell
+shows text cut by pandas (``...``), no table is cut to "N rows × M columns", a table taller
+than its scroll box keeps its header in view (sticky ``thead``), every image
+decoded and every formula typeset. The scorecard's claims matrix (the first table of
+``book/10_scorecard``) fits without scrolling at 1300 px. Screenshots of the scorecard and of a
+real-data chapter at both widths: ``<page>__1300.png``, ``<page>__400.png``.
+
 Skips when the book is not built or Chromium/chromedriver/selenium are missing; set
 ``QKOV_BROWSER_REQUIRED=1`` (CI) to make those a failure instead. Paths: ``QKOV_BOOK_ROOT``
 (default: the repository), ``QKOV_HTML_DIR`` (default: ``<root>/_build/html``),
@@ -44,6 +54,46 @@ MATH_SOURCE = re.compile(r"\$[^$\n]+\$|\$\$|\{math\}|\\begin\{")
 WIDTH = 1280
 RAW_TEX = re.compile(r"\\\(|\\\[|\$\$")  # TeX delimiters MathJax would have consumed
 CHAPTER_WITH_BARS = "book/01_synthetic"
+LAYOUT_WIDTHS = (1300, 400)  # a desktop and a phone viewport (CSS px)
+SCORECARD = "book/10_scorecard"
+LAYOUT_SHOTS = (SCORECARD, "book/05_squad")  # pages saved at every layout width
+# What reaches past the article's right edge (outside any box that scrolls sideways by itself),
+# what pandas cut ("..." cells, "N rows × M columns"), and the page's own sideways scroll.
+LAYOUT = r"""
+const art = document.querySelector('article.bd-article') || document.querySelector('article')
+  || document.querySelector('main');
+const edge = art.getBoundingClientRect().right + 1;
+const scrolls = e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowX);
+const inScrollBox = e => { for (let p = e.parentElement; p && p !== art; p = p.parentElement) {
+  if (scrolls(p)) return true; } return false; };
+const name = e => e.tagName.toLowerCase() + (e.id ? '#' + e.id : '')
+  + (typeof e.className === 'string' && e.className.trim() ? '.' + e.className.trim().split(/\s+/).join('.') : '');
+const where = e => { const s = e.closest('section[id]'); return s ? s.id : ''; };
+const clip = (t, n) => Array.from(t || '').slice(0, n).join('');  // whole characters (no half surrogate)
+const wide = [];
+for (const e of art.querySelectorAll('*')) {
+  const r = e.getBoundingClientRect();
+  if ((r.width === 0 && r.height === 0) || r.right <= edge || inScrollBox(e)) continue;
+  if (e.closest('mjx-assistive-mml')) continue;  // MathJax's copy for screen readers, clipped to nothing
+  // report the outermost element that is too wide, not each of its children
+  if (e.parentElement && e.parentElement !== art && e.parentElement.getBoundingClientRect().right > edge
+      && !inScrollBox(e.parentElement)) continue;
+  wide.push({element: name(e), section: where(e), right: Math.round(r.right), edge: Math.round(edge),
+             text: clip((e.innerText || e.textContent || '').trim(), 60)});
+}
+const cut = Array.from(art.querySelectorAll('table td, table th'))
+  .filter(c => /\.\.\.$|…$/.test(c.innerText.trim()) && c.innerText.trim().length > 3)
+  .map(c => ({section: where(c), text: Array.from(c.innerText.trim()).slice(-60).join('')}));
+const dims = (art.innerText.match(/\d+ rows × \d+ columns/g) || []);
+// a table taller than its scroll box keeps its header row in view (a sticky thead)
+const unstuck = Array.from(art.querySelectorAll('table')).filter(t => {
+  const box = t.closest('div.output, div.pst-scrollable-table-container');
+  return box && box.scrollHeight > box.clientHeight + 1 && t.tHead
+    && getComputedStyle(t.tHead).position !== 'sticky';
+}).map(t => where(t));
+return {wide: wide, cut: cut, dims: dims, unstuck: unstuck, scrollWidth: document.documentElement.scrollWidth,
+        innerWidth: window.innerWidth};
+"""
 # Resolves when MathJax has typeset the page ('ok'), or says why not.
 WAIT_MATHJAX = """
 const done = arguments[arguments.length - 1];
@@ -175,16 +225,27 @@ def _source(doc: str) -> Path | None:
     return None
 
 
-def _screenshot(driver, doc: str) -> Path:
-    """Full-page PNG: the window is resized to the page height (capped) for the shot."""
+def _viewport(driver, width: int, height: int = 1000) -> None:
+    """Resize the window so that the page's viewport (``window.innerWidth``) is ``width`` CSS px."""
+    driver.set_window_size(width, height)
+    inner = driver.execute_script("return window.innerWidth")
+    if inner != width:  # window decorations: widen the window by the difference
+        driver.set_window_size(2 * width - inner, height)
+    time.sleep(0.2)
+
+
+def _screenshot(driver, doc: str, width: int = WIDTH, suffix: str = "") -> Path:
+    """Full-page PNG at viewport ``width``: the window is resized to the page height (capped) for
+    the shot, then back to ``WIDTH`` x 1000."""
     SHOTS.mkdir(parents=True, exist_ok=True)
+    _viewport(driver, width)
     height = driver.execute_script("return Math.max(document.body.scrollHeight, "
                                    "document.documentElement.scrollHeight)")
-    driver.set_window_size(WIDTH, min(max(int(height) + 150, 800), 16000))
+    _viewport(driver, width, min(max(int(height) + 150, 800), 16000))
     time.sleep(0.3)
-    path = SHOTS / f"{doc.replace('/', '__')}.png"
+    path = SHOTS / f"{doc.replace('/', '__')}{suffix}.png"
     driver.save_screenshot(str(path))
-    driver.set_window_size(WIDTH, 1000)
+    _viewport(driver, WIDTH)
     return path
 
 
@@ -261,6 +322,74 @@ def test_page(site, driver, doc):
 
     shot = _screenshot(driver, doc)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
+
+
+@pytest.mark.parametrize("width", LAYOUT_WIDTHS)
+@pytest.mark.parametrize("doc", DOCS)
+def test_page_fits_its_width(site, driver, doc, width):
+    """At a desktop and a phone width: nothing is wider than the page, no table is cut, every
+    image decoded and every formula typeset (screenshots of ``LAYOUT_SHOTS`` at this width)."""
+    _viewport(driver, width)
+    try:
+        _open(driver, f"{site}/{doc}.html")
+        src = _source(doc)
+        if src is not None and MATH_SOURCE.search(src.read_text(encoding="utf-8")):
+            _assert_math_typeset(driver, site, doc)  # typeset first: formulas change the widths
+        imgs = _images(driver)
+        broken = [i["src"] for i in imgs if not i["complete"] or i["w"] <= 0]
+        assert not broken, f"{doc} at {width} px: images that did not decode: {broken}"
+        time.sleep(0.2)
+        lay = driver.execute_script(LAYOUT)
+        assert lay["innerWidth"] == width, f"the viewport is {lay['innerWidth']} px, not {width}"
+        problems = []
+        if lay["wide"]:
+            problems.append(f"{len(lay['wide'])} element(s) reach past the article and are not in a box that "
+                            f"scrolls sideways: {lay['wide'][:8]}")
+        if lay["scrollWidth"] > lay["innerWidth"]:
+            problems.append(f"the page scrolls sideways (scrollWidth {lay['scrollWidth']} > {width})")
+        if lay["cut"]:
+            problems.append(f"{len(lay['cut'])} table cell(s) cut by pandas: {lay['cut'][:5]}")
+        if lay["dims"]:
+            problems.append(f"tables shown in part: {lay['dims']}")
+        if lay["unstuck"]:
+            problems.append(f"tables that scroll in their box without a sticky header, in sections {lay['unstuck']}")
+        assert not problems, f"{doc} at {width} px:\n" + "\n".join(problems)
+        if doc in LAYOUT_SHOTS:
+            shot = _screenshot(driver, doc, width, f"__{width}")
+            assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
+    finally:
+        _viewport(driver, WIDTH)
+
+
+@pytest.mark.parametrize("width", LAYOUT_WIDTHS)
+def test_scorecard_matrix_fits_at_desktop_width(site, driver, width):
+    """The scorecard's claims matrix (its first table) is seen whole at 1300 px, with no sideways
+    scroll of its own; at a phone width it may scroll in its own box but never widens the page."""
+    if SCORECARD not in DOCS:
+        pytest.fail(f"{SCORECARD} is not in _toc.yml any more; name the scorecard page here")
+    _viewport(driver, width)
+    try:
+        _open(driver, f"{site}/{SCORECARD}.html")
+        m = driver.execute_script("""
+            const t = document.querySelector('article table');
+            if (!t) return null;
+            let box = t.parentElement;  // the table's own scroll box, if any
+            while (box && !['auto', 'scroll'].includes(getComputedStyle(box).overflowX)
+                   && box.tagName !== 'ARTICLE') box = box.parentElement;
+            const head = Array.from(t.querySelectorAll('thead th')).map(h => h.innerText.trim());
+            return {head: head, right: t.getBoundingClientRect().right, width: t.getBoundingClientRect().width,
+                    boxScroll: box ? box.scrollWidth : 0, boxClient: box ? box.clientWidth : 0,
+                    boxRight: box ? box.getBoundingClientRect().right : 0, viewport: window.innerWidth,
+                    page: document.documentElement.scrollWidth};""")
+        assert m is not None, f"{SCORECARD}: no table"
+        assert m["head"][:2] == ["claim", "verdict"], f"{SCORECARD}: the first table is not the claims matrix: {m}"
+        assert m["page"] <= m["viewport"], f"{SCORECARD} at {width} px: the matrix widens the page: {m}"
+        assert m["boxRight"] <= m["viewport"], f"{SCORECARD} at {width} px: the matrix's box is wider than the view: {m}"
+        if width >= 1000:
+            assert m["boxScroll"] <= m["boxClient"] and m["right"] <= m["viewport"], \
+                f"{SCORECARD} at {width} px: the claims matrix needs a sideways scroll: {m}"
+    finally:
+        _viewport(driver, WIDTH)
 
 
 def test_index_redirects_to_root_page(site, driver):
