@@ -41,7 +41,8 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import yaml
+
+from qkov_lib.tooling.cache import toc_files
 
 ROOT = Path(os.environ.get("QKOV_BOOK_ROOT", Path(__file__).resolve().parents[2]))
 HTML = Path(os.environ.get("QKOV_HTML_DIR", ROOT / "_build" / "html"))
@@ -119,25 +120,7 @@ return text;
 """
 
 
-def _toc_docs(root: Path) -> list[str]:
-    """Docnames of ``_toc.yml`` in reading order (root first)."""
-    toc = yaml.safe_load((root / "_toc.yml").read_text())
-    out: list[str] = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            for k in ("root", "file"):
-                if isinstance(node.get(k), str):
-                    out.append(re.sub(r"\.(md|ipynb)$", "", node[k]))
-            for k in ("parts", "chapters", "sections"):
-                for child in node.get(k) or []:
-                    walk(child)
-
-    walk(toc)
-    return out
-
-
-DOCS = _toc_docs(ROOT) if (ROOT / "_toc.yml").exists() else []
+DOCS = toc_files(ROOT) if (ROOT / "_toc.yml").exists() else []
 
 
 def _unavailable(reason: str):

@@ -17,36 +17,17 @@ results files).
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from qkov_lib.tooling import booktext
+from qkov_lib.tooling.cache import toc_files
 
 ROOT = Path(os.environ.get("QKOV_BOOK_ROOT", Path(__file__).resolve().parents[2]))
 HTML = Path(os.environ.get("QKOV_HTML_DIR", ROOT / "_build" / "html"))
 RESULTS = Path(os.environ.get("QKOV_RESULTS_DIR", HTML.parent / "results"))
 REQUIRED = os.environ.get("QKOV_BROWSER_REQUIRED", "") not in ("", "0")
-
-
-def _toc_docs(root: Path) -> list[str]:
-    """Docnames of ``_toc.yml`` in reading order (root first)."""
-    toc = yaml.safe_load((root / "_toc.yml").read_text())
-    out: list[str] = []
-
-    def walk(node):
-        if isinstance(node, dict):
-            for k in ("root", "file"):
-                if isinstance(node.get(k), str):
-                    out.append(re.sub(r"\.(md|ipynb)$", "", node[k]))
-            for k in ("parts", "chapters", "sections"):
-                for child in node.get(k) or []:
-                    walk(child)
-
-    walk(toc)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +45,7 @@ def findings(html) -> list[booktext.Finding]:
 
 
 def test_the_checks_read_every_page_and_the_ratios_each_chapter_ran(html):
-    docs = _toc_docs(ROOT)
+    docs = toc_files(ROOT)
     assert docs, "no page in _toc.yml"
     assert {p.relative_to(html).with_suffix("").as_posix() for p in booktext.pages(html)} >= set(docs)
     for doc in docs:
