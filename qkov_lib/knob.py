@@ -1,65 +1,37 @@
 """The paper's knob on any PyTorch model: ``qk`` / ``ov`` / ``other`` optimizer groups.
 
-:func:`knob_groups` finds the attention parameters of a model and returns optimizer parameter
-groups with ``lr = eta_ov * ratio`` for the query/key projections (``qk``), ``eta_ov`` for the
-value and output projections (``ov``) and ``eta_other`` for everything else, plus a
-:class:`KnobReport` that says which tensor (or slice of a tensor) went where.
+:func:`knob_groups` (and :func:`knob_optimizer`) find the attention parameters of a model and
+return optimizer parameter groups with ``lr = eta_ov * ratio`` for the query/key projections
+(``qk``), ``eta_ov`` for the value and output projections (``ov``) and ``eta_other`` for the rest,
+plus a :class:`KnobReport` that says which tensor (or slice of a tensor) went where.
 
 Recognised attention modules ("families"):
 
-* ``torch.nn.MultiheadAttention`` (also inside ``nn.TransformerEncoderLayer`` /
-  ``nn.TransformerDecoderLayer`` / ``nn.TransformerEncoder``): the packed ``in_proj_weight``
-  (3E, E) and ``in_proj_bias`` (3E,) hold Q, K, V stacked along dim 0; with ``kdim`` or
-  ``vdim`` != ``embed_dim`` the weights are separate (``q_proj_weight`` ...) but the bias is
-  still packed. ``bias_k`` is K, ``bias_v`` is V, ``out_proj`` is O.
-* Hugging Face style sibling modules: ``q_proj``/``k_proj``/``v_proj`` with ``o_proj``,
-  ``out_proj`` or ``dense`` (Llama, OPT, BART, Phi ...); ``query``/``key``/``value`` (BERT,
-  RoBERTa, ViT) with ``attention.output.dense`` as O; ``q``/``k``/``v``/``o`` (T5);
-  ``q_lin``/``k_lin``/``v_lin``/``out_lin`` (DistilBERT). A family needs both a Q and a K child
-  in the same parent, so a lone ``out_proj`` (a classification head) stays ``other``. Every
-  parameter below a matched child goes with it (so LoRA adapters of ``q_proj`` are ``qk``).
-* GPT-2's packed ``c_attn`` (Q, K, V side by side; HF ``Conv1D`` stores the weight transposed,
-  (E, 3E), an ``nn.Linear`` version (3E, E)) with its sibling ``c_proj`` as O; with a sibling
-  ``q_attn`` (GPT-2 cross-attention) ``c_attn`` holds K, V only. The MLP's ``c_proj`` has no
-  ``c_attn`` sibling and stays ``other``.
-* Fused Q/K/V projections whose row layout is model-specific (:data:`FUSED_LAYOUTS`), recognised
-  by the class of the attention module that owns them, each checked against that model's own
-  forward in the tests: GPT-NeoX/Pythia and BLOOM ``query_key_value`` (heads interleaved,
-  ``[n_heads, 3, d_head]``), Falcon ``query_key_value`` (interleaved; ``multi_query``:
-  ``[Q; one K head; one V head]``; ``new_decoder_architecture``: per KV group its Q heads, then
-  K, then V), MPT and ModernBERT ``Wqkv`` (``[Q; K; V]``), Phi-3 ``qkv_proj`` (``[Q; K; V]`` with
-  grouped-query sizes), GPT-BigCode ``c_attn`` (interleaved; ``multi_query``: ``[Q; K; V]``).
-  An interleaved layout is split into one slice per head and part. A fused projection of any
-  other model (``query_key_value``, ``qkv``, ``Wqkv`` ... in an unknown class) is refused with
-  a clear error rather than guessed.
-* TransformerLens ``HookedTransformer`` attention (``W_Q``, ``W_K``, ``W_V``, ``W_O`` per-head
-  tensors and ``b_Q`` ... ``b_O``; grouped-query ``_W_K``/``_W_V``/``_b_K``/``_b_V``): Q, K to
-  ``qk``, V, O to ``ov``, everything else ``other``.
-* The library's own :class:`qkov_lib.models.QKOVAttention` (``W_QK, W_Q, W_K`` / ``W_OV, W_O, W_V``).
+* ``nn.MultiheadAttention`` (also in ``nn.Transformer*`` layers): packed ``in_proj_weight`` (3E, E)
+  and ``in_proj_bias`` (3E,) = ``[Q; K; V]`` (separate weights with ``kdim``/``vdim``), ``bias_k``,
+  ``bias_v``, ``out_proj``.
+* Sibling modules (:data:`SEPARATE_FAMILIES`: Llama/OPT/BART/Phi ``q_proj`` ..., BERT
+  ``query``/``key``/``value`` with ``attention.output.dense``, T5, DistilBERT). A parent needs a Q
+  and a K child (a lone ``out_proj`` head stays ``other``); a child takes every parameter below it
+  (LoRA adapters of ``q_proj`` are ``qk``).
+* GPT-2's packed ``c_attn`` (HF ``Conv1D`` (E, 3E) or ``nn.Linear`` (3E, E); K, V only beside a
+  ``q_attn``) with its sibling ``c_proj`` as O.
+* Fused projections with a model-specific layout (:data:`FUSED_LAYOUTS`: GPT-NeoX/Pythia, BLOOM,
+  Falcon, MPT, ModernBERT, Phi-3, GPT-BigCode), found by the class of their attention module and
+  each checked against that model's forward in the tests. A fused projection (``qkv``, ``Wqkv``,
+  ``query_key_value`` ...) of any other class is refused with a clear error, not guessed.
+* TransformerLens attention (``W_Q`` ... ``b_O``, grouped-query ``_W_K`` ...) and the library's
+  :class:`qkov_lib.models.QKOVAttention`.
 
-Per-slice learning rates for packed tensors. Scaling the gradient of a slice is right for SGD
-but wrong for Adam, whose update ``m / sqrt(v)`` does not change when the gradient is scaled.
-Instead :func:`split_packed` re-registers each packed tensor as leaf ``nn.Parameter`` s, one per
-run of adjacent slices of the same group (``[Q; K; V]``: a Q+K leaf and a V leaf; GPT-NeoX's
-``[n_heads, 3, d_head]``: per head a Q+K leaf and a V leaf), and rebuilds the packed tensor on
-every access with a ``torch.nn.utils.parametrize`` parametrization (:class:`PackedSlices`, a
-concatenation). Each leaf is then an ordinary parameter in its own optimizer group, which is
-right for every optimizer; the model computes exactly the same outputs. The report still lists
-every slice (Q, K, V) with the leaf that holds it.
-
-Checkpoints keep the original layout: a split module's ``state_dict()`` holds the packed tensor
-under its original key (the slices concatenated), and ``load_state_dict`` splits an original
-tensor into the slices (state-dict hooks). So an original checkpoint loads into a split model,
-a split model's checkpoint (``torch.save(model.state_dict())``, ``save_pretrained``, the
-``transformers`` Trainer's checkpoints) loads into an unsplit model, both with ``strict=True``.
-:func:`unsplit` returns a merged copy for export (``torch.save(model)`` of a parametrized module
-is refused by torch). The module imports with torch alone; pandas is needed only for
-:meth:`KnobReport.frame` and :meth:`KnobReport.summary`. :mod:`qkov_lib.knob_trainer` puts the
-knob into the ``transformers`` Trainer.
-
-Cost: the packed tensor is rebuilt (one ``torch.cat``) each time the module reads it, once per
-forward pass in every supported model, and the backward pass slices its gradient;
-``benchmarks/bench_knob.py`` measures the whole training step against the unsplit model.
+Scaling the gradient of a slice gives per-slice rates for SGD but not for Adam (``m / sqrt(v)``
+ignores the scale), so :func:`split_packed` re-registers each packed tensor as leaf parameters, one
+per run of adjacent slices of the same group (``[Q; K; V]``: Q+K and V; GPT-NeoX: per head Q+K and
+V), rebuilt on every access by a ``torch.nn.utils.parametrize`` concatenation (:class:`PackedSlices`;
+one ``torch.cat`` per forward, see ``benchmarks/bench_knob.py``). Outputs are unchanged, and
+state dicts keep the original keys and shapes both ways (hooks), so checkpoints load into split and
+unsplit models with ``strict=True``; :func:`unsplit` returns a merged copy for ``torch.save(model)``.
+Needs torch alone (pandas for :meth:`KnobReport.frame`); :mod:`qkov_lib.knob_trainer` puts the knob
+into the ``transformers`` Trainer.
 """
 
 from __future__ import annotations
@@ -69,6 +41,7 @@ import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -123,8 +96,7 @@ def stacked_layout(q: int, k: int, v: int) -> Layout:
 
 
 def interleaved_layout(n_heads: int, head_dim: int) -> Layout:
-    """``[n_heads, 3, head_dim]``: for each head its Q, K and V rows (GPT-NeoX, BLOOM, Falcon
-    without multi-query, GPT-BigCode without multi-query)."""
+    """``[n_heads, 3, head_dim]``: for each head its Q, K and V rows (GPT-NeoX, BLOOM ...)."""
     return _merge([(part, head_dim) for _ in range(n_heads) for part in "QKV"])
 
 
@@ -148,69 +120,54 @@ def _attr(module: nn.Module, *names: str) -> int:
                      "that give its fused Q/K/V layout")
 
 
-def _falcon_layout(a: nn.Module) -> Layout:
-    heads, hd = _attr(a, "num_heads", "num_attention_heads"), _attr(a, "head_dim")
-    if getattr(a, "new_decoder_architecture", False):
-        return grouped_layout(heads, _attr(a, "num_kv_heads"), hd)
-    if getattr(a, "multi_query", False):
-        return stacked_layout(heads * hd, hd, hd)
-    return interleaved_layout(heads, hd)
-
-
-def _bigcode_layout(a: nn.Module) -> Layout:
-    if getattr(a, "is_cross_attention", False):
-        raise ValueError("GPT-BigCode cross-attention (c_attn holding K, V of the encoder states) is not supported; "
-                         "pass rules={regex: group} to place it")
-    heads, hd = _attr(a, "num_heads"), _attr(a, "head_dim")
-    if getattr(a, "multi_query", False):
-        return stacked_layout(heads * hd, hd, hd)
-    return interleaved_layout(heads, hd)
-
-
-def _phi3_layout(a: nn.Module) -> Layout:
-    hd = _attr(a, "head_dim")
-    heads, kv = _attr(a, "num_attention_heads", "num_heads"), _attr(a, "num_key_value_heads")
-    return stacked_layout(heads * hd, kv * hd, kv * hd)
-
-
-def _thirds_layout(a: nn.Module) -> Layout:
-    e = _attr(a, "hidden_size", "d_model")
-    return stacked_layout(e, e, e)
-
-
 @dataclass(frozen=True)
 class FusedLayout:
-    """A fused Q/K/V projection (an ``nn.Linear`` child ``qkv`` of an attention module of class
-    ``attention``) whose output features follow ``layout(attention module)``, and the name of
-    its output-projection sibling ``out``. Each entry is checked against the model's forward in
-    ``tests/test_knob.py``."""
+    """A fused Q/K/V projection: the ``nn.Linear`` child ``qkv`` of an attention module of class
+    ``attention``, with output-projection sibling ``out``. ``kind`` says how :meth:`layout` reads
+    the blocks off the attention module (sizes from the attributes ``heads`` and ``head_dim``):
+    ``interleaved`` per head; ``falcon`` / ``bigcode``: interleaved, ``[Q; K; V]`` with one K/V head
+    when ``multi_query``, Falcon's ``new_decoder_architecture`` grouped; ``gqa``: ``[Q; K; V]``
+    with ``num_key_value_heads``; ``thirds``: ``[Q; K; V]`` of ``hidden_size`` each."""
 
     family: str
     attention: str
     qkv: str
     out: str
-    layout: Callable[[nn.Module], Layout]
+    kind: str
+    heads: tuple[str, ...] = ()
+    head_dim: tuple[str, ...] = ("head_dim",)
+
+    def layout(self, a: nn.Module) -> Layout:
+        """The (part, size) blocks of the projection's output features for the attention module ``a``."""
+        if self.kind == "thirds":
+            e = _attr(a, "hidden_size", "d_model")
+            return stacked_layout(e, e, e)
+        if self.kind == "gqa":
+            hd = _attr(a, *self.head_dim)
+            heads, kv = _attr(a, *self.heads), _attr(a, "num_key_value_heads")
+            return stacked_layout(heads * hd, kv * hd, kv * hd)
+        if self.kind == "bigcode" and getattr(a, "is_cross_attention", False):
+            raise ValueError("GPT-BigCode cross-attention (c_attn holding K, V of the encoder states) is not supported; "
+                             "pass rules={regex: group} to place it")
+        heads, hd = _attr(a, *self.heads), _attr(a, *self.head_dim)
+        if self.kind == "falcon" and getattr(a, "new_decoder_architecture", False):
+            return grouped_layout(heads, _attr(a, "num_kv_heads"), hd)
+        if self.kind != "interleaved" and getattr(a, "multi_query", False):
+            return stacked_layout(heads * hd, hd, hd)
+        return interleaved_layout(heads, hd)
 
 
 FUSED_LAYOUTS: tuple[FusedLayout, ...] = (
-    FusedLayout("GPT-NeoX query_key_value", "GPTNeoXAttention", "query_key_value", "dense",
-                lambda a: interleaved_layout(_attr(a, "num_attention_heads"), _attr(a, "head_size"))),
-    FusedLayout("BLOOM query_key_value", "BloomAttention", "query_key_value", "dense",
-                lambda a: interleaved_layout(_attr(a, "num_heads"), _attr(a, "head_dim"))),
-    FusedLayout("Falcon query_key_value", "FalconAttention", "query_key_value", "dense", _falcon_layout),
-    FusedLayout("MPT Wqkv", "MptAttention", "Wqkv", "out_proj", _thirds_layout),
-    FusedLayout("ModernBERT Wqkv", "ModernBertAttention", "Wqkv", "Wo", _thirds_layout),
-    FusedLayout("Phi-3 qkv_proj", "Phi3Attention", "qkv_proj", "o_proj", _phi3_layout),
-    FusedLayout("GPT-BigCode c_attn", "GPTBigCodeAttention", "c_attn", "c_proj", _bigcode_layout),
+    FusedLayout("GPT-NeoX query_key_value", "GPTNeoXAttention", "query_key_value", "dense", "interleaved",
+                ("num_attention_heads",), ("head_size",)),
+    FusedLayout("BLOOM query_key_value", "BloomAttention", "query_key_value", "dense", "interleaved", ("num_heads",)),
+    FusedLayout("Falcon query_key_value", "FalconAttention", "query_key_value", "dense", "falcon",
+                ("num_heads", "num_attention_heads")),
+    FusedLayout("MPT Wqkv", "MptAttention", "Wqkv", "out_proj", "thirds"),
+    FusedLayout("ModernBERT Wqkv", "ModernBertAttention", "Wqkv", "Wo", "thirds"),
+    FusedLayout("Phi-3 qkv_proj", "Phi3Attention", "qkv_proj", "o_proj", "gqa", ("num_attention_heads", "num_heads")),
+    FusedLayout("GPT-BigCode c_attn", "GPTBigCodeAttention", "c_attn", "c_proj", "bigcode", ("num_heads",)),
 )
-
-
-def _fused_layout_of(module: nn.Module, children: Mapping[str, nn.Module]) -> FusedLayout | None:
-    """The :data:`FUSED_LAYOUTS` entry for ``module`` (by its class name), if it has the child."""
-    for fl in FUSED_LAYOUTS:
-        if type(module).__name__ == fl.attention and fl.qkv in children:
-            return fl
-    return None
 
 
 def _known_fused() -> str:
@@ -221,7 +178,7 @@ def _known_fused() -> str:
 class PackedSlices(nn.Module):
     """Parametrization that rebuilds a packed tensor from its slices: ``forward(*slices)`` is
     ``torch.cat(slices, dim)``; ``right_inverse(packed)`` splits it into contiguous copies of
-    sizes ``sizes`` along ``dim``. ``parts`` labels the slices (e.g. ``("Q", "K", "V")``)."""
+    sizes ``sizes`` along ``dim``. ``parts`` labels the slices (e.g. ``("QK", "V")``)."""
 
     def __init__(self, sizes: Sequence[int], dim: int, parts: Sequence[str]) -> None:
         super().__init__()
@@ -251,6 +208,14 @@ def _packing(module: nn.Module, name: str) -> PackedSlices | None:
         return plist[0]
     raise ValueError(f"tensor {name!r} of {type(module).__name__} carries another parametrization; "
                      "the knob cannot split it")
+
+
+def _packed_attrs(module: nn.Module) -> list[tuple[str, PackedSlices]]:
+    """The ``(name, PackedSlices)`` of every split tensor of ``module`` itself."""
+    if not parametrize.is_parametrized(module):
+        return []
+    return [(attr, plist[0]) for attr, plist in module.parametrizations.items()
+            if len(plist) == 1 and isinstance(plist[0], PackedSlices)]
 
 
 # --- what goes where ----------------------------------------------------------------------
@@ -323,10 +288,6 @@ class KnobReport:
         out = f.groupby("group", sort=False).agg(tensors=("numel", "size"), numel=("numel", "sum"), lr=("lr", "first"))
         return out.reindex([g for g in GROUPS if g in out.index])
 
-    def names(self, group: str) -> list[str]:
-        """The ``where`` strings of one group."""
-        return [e.where for e in self.entries if e.group == group]
-
     def __str__(self) -> str:
         lines = [f"weight decay: {self.decay_rule}"] if self.decay_rule else []
         show_wd = any(e.weight_decay for e in self.entries)
@@ -343,20 +304,19 @@ class KnobReport:
         return "\n".join(lines)
 
 
-def _param_names(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
-
-
 def _join(*names: str) -> str:
     return ".".join(n for n in names if n)
 
 
+_SLOT = attrgetter("group", "dim", "start", "stop")
+
+
 class _Plan:
-    """Collects entries, keyed by parameter identity, and refuses conflicting ones."""
+    """Collects entries, keyed by parameter name, and refuses conflicting ones."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.ids = _param_names(model)
+        self.ids = {id(p): n for n, p in model.named_parameters()}
         self.owners: dict[int, list[str]] = {}  # every name of each parameter (shared ones have several)
         for n, p in model.named_parameters(remove_duplicate=False):
             self.owners.setdefault(id(p), []).append(n)
@@ -367,13 +327,17 @@ class _Plan:
 
     def _add(self, key: str, entries: list[Entry]) -> None:
         old = self.by_param.get(key)
-        if old is not None and [(e.group, e.dim, e.start, e.stop) for e in old] != [(e.group, e.dim, e.start, e.stop) for e in entries]:
+        if old is None:
+            self.by_param[key] = entries
+        elif list(map(_SLOT, old)) != list(map(_SLOT, entries)):
             raise ValueError(
                 f"ambiguous tensor {key}: it is reached as {old[0].where} ({old[0].part}, {old[0].family}) "
                 f"and as {entries[0].where} ({entries[0].part}, {entries[0].family}) with different groups; "
                 "untie the weights or pass rules={regex: group} to decide")
-        if old is None:
-            self.by_param[key] = entries
+
+    def _leaf(self, p: nn.Parameter, group: str, part: str, family: str) -> None:
+        key = self.ids[id(p)]
+        self._add(key, [Entry(key, group, part, family, tuple(p.shape), parameter=key)])
 
     def whole(self, module: nn.Module, mname: str, attr: str, part: str, family: str,
               group: str | None = None) -> None:
@@ -383,21 +347,17 @@ class _Plan:
             return
         if _packing(module, attr) is not None:
             raise ValueError(f"{_join(mname, attr)} was split into slices but should be whole; call merge_packed first")
-        if not isinstance(p, nn.Parameter):
-            return  # a buffer or a computed tensor: nothing to train
-        if not p.requires_grad:
+        if isinstance(p, nn.Parameter) and p.requires_grad:
+            self._leaf(p, group or PART_GROUP[part], part, family)
+        elif isinstance(p, nn.Parameter):  # else a buffer or a computed tensor: nothing to train
             self.frozen.append(_join(mname, attr))
-            return
-        key = self.ids[id(p)]
-        self._add(key, [Entry(key, group or PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
 
     def subtree(self, module: nn.Module, mname: str, part: str, family: str) -> None:
         """Every trainable parameter below ``module`` goes to the group of ``part``."""
         self.handled_modules.update(id(m) for m in module.modules())
         for pname, p in module.named_parameters():
             if p.requires_grad:
-                key = self.ids[id(p)]
-                self._add(key, [Entry(key, PART_GROUP[part], part, family, tuple(p.shape), parameter=key)])
+                self._leaf(p, PART_GROUP[part], part, family)
             else:
                 self.frozen.append(_join(mname, pname))
 
@@ -415,12 +375,12 @@ class _Plan:
                 raise ValueError(f"ambiguous packed tensor {tname}: size {n} along dim {dim} does not split into "
                                  f"{len(layout)} equal parts {tuple(layout)}")
             layout = tuple((part, n // len(layout)) for part in layout)
-        sizes = [s for _, s in layout]
-        runs = _runs(layout)
         if pk is not None:  # already split: one leaf original0, original1, ... per run of the layout
-            if tuple(pk.parts) != tuple(r[0] for r in runs) or pk.sizes != [r[1] for r in runs] or pk.dim != dim:
+            runs = _runs(layout)
+            parts, sizes = tuple(r[0] for r in runs), [r[1] for r in runs]
+            if pk.parts != parts or pk.sizes != sizes or pk.dim != dim:
                 raise ValueError(f"{tname} was split as {pk.parts} {pk.sizes} along dim {pk.dim}, expected "
-                                 f"{tuple(r[0] for r in runs)} {[r[1] for r in runs]} along {dim}")
+                                 f"{parts} {sizes} along {dim}")
             plist = module.parametrizations[attr]
             leaves = [getattr(plist, f"original{i}") for i, (_, _, blocks) in enumerate(runs) for _ in blocks]
         else:
@@ -428,16 +388,15 @@ class _Plan:
                 if isinstance(value, nn.Parameter):
                     self.frozen.append(tname)
                 return
-            if value.shape[dim] != sum(sizes):
+            if value.shape[dim] != sum(s for _, s in layout):
                 raise ValueError(f"ambiguous packed tensor {tname}: size {value.shape[dim]} along dim {dim}, but its "
-                                 f"layout {family} has {sum(sizes)} ({_layout_text(layout)})")
+                                 f"layout {family} has {sum(s for _, s in layout)} ({_layout_text(layout)})")
             tname = self.ids[id(value)]  # the canonical name, should the tensor be shared
             owners = self.owners[id(value)]  # one module under two names is no tie; two modules are
             if len({id(self.model.get_submodule(n.rpartition(".")[0])) for n in owners}) > 1:
                 self.shared[tname] = owners
-            leaves = [None] * len(sizes)
-        full = tuple(value.shape)
-        start, ents = 0, []
+            leaves = [None] * len(layout)
+        full, start, ents = tuple(value.shape), 0, []
         for (part, size), leaf in zip(layout, leaves):
             if leaf is None or leaf.requires_grad:
                 shape = full[:dim] + (size,) + full[dim + 1:]
@@ -446,6 +405,12 @@ class _Plan:
             start += size
         if ents:
             self._add(tname, ents)
+
+    def projection(self, module: nn.Module, mname: str, layout: str | Layout, dim: int, family: str) -> None:
+        """``module.weight`` (packed along ``dim``) and ``module.bias`` (along 0) hold ``layout``."""
+        self.packed(module, mname, "weight", layout, dim, family)
+        self.packed(module, mname, "bias", layout, 0, family)
+        self.handled_modules.add(id(module))
 
 
 def _runs(layout: Layout) -> list[tuple[str, int, list[int]]]:
@@ -467,18 +432,14 @@ def _layout_text(layout: Layout) -> str:
     return text + (f" ... ({len(layout)} blocks)" if len(layout) > 12 else "")
 
 
-def _weight_shape(module: nn.Module) -> tuple[int, ...] | None:
-    w = getattr(module, "weight", None)
-    return None if w is None else tuple(w.shape)
-
-
 def _conv1d_dim(module: nn.Module, mname: str, n_parts: int) -> int:
     """The dim of ``module.weight`` along which ``n_parts`` projections are packed: 0 for
     ``nn.Linear`` (out, in), 1 for a HF ``Conv1D`` (in, out; recognised by its class name or
     its ``nf`` attribute), else the one dim that is ``n_parts`` times the other."""
     if isinstance(module, nn.Linear):
         return 0
-    shape = _weight_shape(module)
+    w = getattr(module, "weight", None)
+    shape = None if w is None else tuple(w.shape)
     if shape is None or len(shape) != 2:
         raise ValueError(f"ambiguous packed projection {mname}: expected a 2-D weight, got {shape}")
     if type(module).__name__ == "Conv1D" or hasattr(module, "nf"):
@@ -488,12 +449,6 @@ def _conv1d_dim(module: nn.Module, mname: str, n_parts: int) -> int:
         raise ValueError(f"ambiguous packed projection {mname} ({type(module).__name__}, weight {shape}): "
                          f"cannot tell which dim holds the {n_parts} packed parts; use nn.Linear or HF Conv1D")
     return fits[0]
-
-
-def _is_transformer_lens_attention(module: nn.Module) -> bool:
-    """A TransformerLens attention module: it owns ``W_Q`` and ``W_K`` (or ``_W_K``) itself."""
-    own = {n for n, _ in module.named_parameters(recurse=False)}
-    return "W_Q" in own and bool({"W_K", "_W_K"} & own)
 
 
 def _check_only(module: nn.Module, mname: str, allowed: Sequence[str]) -> None:
@@ -519,22 +474,10 @@ def compile_rules(rules: Mapping[str, str] | None) -> list[tuple[re.Pattern, str
     return out
 
 
-def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobReport:
-    """Assign every trainable tensor (or slice of a packed tensor) of ``model`` to ``qk``, ``ov``
-    or ``other``, without changing the model. ``rules`` maps regular expressions on parameter
-    names to groups; a tensor matched by a rule goes whole to that group and overrides the
-    built-in families. Raises ValueError (TypeError for a non-module) when no attention parameter
-    is recognised (saying so when the attention parameters are all frozen), when no query/key
-    parameter is, when a tensor is reached with different groups (tied weights), when a packed
-    tensor is shared by several modules (naming them; a rule that keeps it whole resolves it),
-    when a packed tensor cannot be split, or when a rule is not a valid regular expression."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    compiled = compile_rules(rules)
+def _plan_families(model: nn.Module, mods: Mapping[str, nn.Module]) -> _Plan:
+    """The entries of the built-in families (module docstring) for ``model``, before any rule."""
     plan = _Plan(model)
-    mods = dict(model.named_modules())
-
-    for mname, m in mods.items():
+    for mname, m in mods.items():  # attention modules that own their tensors
         if isinstance(m, nn.MultiheadAttention):
             fam = "nn.MultiheadAttention"
             if m._qkv_same_embed_dim:
@@ -550,69 +493,77 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
         elif isinstance(m, QKOVAttention):
             for attr in QK_PARAMS + OV_PARAMS:
                 plan.whole(m, mname, attr, attr, "QKOVAttention", "qk" if attr in QK_PARAMS else "ov")
-        elif _is_transformer_lens_attention(m):
-            for attr, part in TRANSFORMER_LENS_PARTS.items():
-                plan.whole(m, mname, attr, part, "TransformerLens W_Q/W_K/W_V/W_O")
+        else:
+            own = {n for n, _ in m.named_parameters(recurse=False)}
+            if "W_Q" in own and {"W_K", "_W_K"} & own:  # TransformerLens
+                for attr, part in TRANSFORMER_LENS_PARTS.items():
+                    plan.whole(m, mname, attr, part, "TransformerLens W_Q/W_K/W_V/W_O")
 
-    for mname, m in mods.items():
+    for mname, m in mods.items():  # attention modules recognised by their children
         if id(m) in plan.handled_modules:
             continue
         # all children, also a module registered under two names (k_proj = q_proj), which
         # named_children() would list once
         children = {c: mod for c, mod in m._modules.items() if mod is not None}
-        fused = _fused_layout_of(m, children)
+        fused = next((fl for fl in FUSED_LAYOUTS if type(m).__name__ == fl.attention and fl.qkv in children), None)
         if fused is not None:
             qkv, qname = children[fused.qkv], _join(mname, fused.qkv)
             if not isinstance(qkv, nn.Linear):
                 raise ValueError(f"{qname} of {fused.attention} is a {type(qkv).__name__}; its layout "
                                  f"({fused.family}) is known for nn.Linear only")
             _check_only(qkv, qname, ("weight", "bias"))
-            layout = fused.layout(m)
-            plan.packed(qkv, qname, "weight", layout, 0, fused.family)
-            plan.packed(qkv, qname, "bias", layout, 0, fused.family)
-            plan.handled_modules.add(id(qkv))
+            plan.projection(qkv, qname, fused.layout(m), 0, fused.family)
             if fused.out in children:
                 plan.subtree(children[fused.out], _join(mname, fused.out), "O", fused.family)
             continue
         for fam, table in SEPARATE_FAMILIES:
             present = {c: part for c, part in table.items() if c in children}
-            if "Q" in present.values() and "K" in present.values():
+            if {"Q", "K"} <= set(present.values()):
                 for c, part in present.items():
                     if id(children[c]) not in plan.handled_modules:
                         plan.subtree(children[c], _join(mname, c), part, fam)
-        if "c_attn" in children and id(children["c_attn"]) not in plan.handled_modules:
-            fam = "GPT-2 c_attn/c_proj"
-            c_attn = children["c_attn"]
+        c_attn = children.get("c_attn")
+        if c_attn is not None and id(c_attn) not in plan.handled_modules:
+            fam, qname = "GPT-2 c_attn/c_proj", _join(mname, "c_attn")
             parts = "KV" if "q_attn" in children else "QKV"
-            dim = _conv1d_dim(c_attn, _join(mname, "c_attn"), len(parts))
-            _check_only(c_attn, _join(mname, "c_attn"), ("weight", "bias"))
-            plan.packed(c_attn, _join(mname, "c_attn"), "weight", parts, dim, fam)
-            plan.packed(c_attn, _join(mname, "c_attn"), "bias", parts, 0, fam)
-            plan.handled_modules.add(id(c_attn))
-            if "q_attn" in children:
-                plan.subtree(children["q_attn"], _join(mname, "q_attn"), "Q", fam)
-            if "c_proj" in children:
-                plan.subtree(children["c_proj"], _join(mname, "c_proj"), "O", fam)
+            dim = _conv1d_dim(c_attn, qname, len(parts))
+            _check_only(c_attn, qname, ("weight", "bias"))
+            plan.projection(c_attn, qname, parts, dim, fam)
+            for sibling, part in (("q_attn", "Q"), ("c_proj", "O")):
+                if sibling in children:
+                    plan.subtree(children[sibling], _join(mname, sibling), part, fam)
         if BERT_OUTPUT.search(mname) and id(m) not in plan.handled_modules:
             plan.subtree(m, mname, "O", "query/key/value")
+    return plan
 
-    # user rules override whole tensors
+
+def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobReport:
+    """Assign every trainable tensor (or slice of a packed tensor) of ``model`` to ``qk``, ``ov``
+    or ``other``, without changing the model; returns the :class:`KnobReport`. ``rules`` maps
+    regular expressions on parameter names to groups; a tensor matched by a rule goes whole to
+    that group, overriding the built-in families. Raises ValueError (TypeError for a non-module)
+    when no attention or no query/key parameter is recognised (saying so when they are frozen),
+    when a tensor is reached with different groups (tied weights), when a packed tensor is shared
+    by several modules or cannot be split, or when a rule is invalid."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    compiled = compile_rules(rules)
+    mods = dict(model.named_modules())
+    plan = _plan_families(model, mods)
+
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    ruled: dict[str, str] = {}
+    ruled: dict[str, tuple[str, str]] = {}  # parameter -> (group, family) of the first rule that matches it
     for n in names:
         for rx, g in compiled:
             if rx.search(n):
-                ruled[n] = g
+                ruled[n] = (g, f"rule {rx.pattern}")
                 break
-
     entries: list[Entry] = []
     seen: set[str] = set()
-    for key, ents in plan.by_param.items():
-        if any(e.parameter in ruled or (not e.parameter and e.tensor in ruled) for e in ents):
-            continue
-        entries.extend(ents)
-        seen.update(e.parameter or e.tensor for e in ents)
-    recognised = [e for e in entries if e.group in ("qk", "ov")]
+    for ents in plan.by_param.values():  # rules override the families' tensors, whole
+        if not any((e.parameter or e.tensor) in ruled for e in ents):
+            entries.extend(ents)
+            seen.update(e.parameter or e.tensor for e in ents)
 
     # packed projections of unknown layout must not silently land in "other"
     for mname, m in mods.items():
@@ -626,7 +577,6 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
                     "projection whose slice layout is model-specific (e.g. interleaved per head); the fused "
                     f"layouts checked against their models are {_known_fused()}; pass rules={{regex: group}} "
                     "to place it explicitly")
-
     shared = {t: owners for t, owners in plan.shared.items() if t not in ruled}
     if shared:
         raise ValueError(
@@ -636,15 +586,10 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
             "in one group")
 
     for n in names:
-        if n in ruled:
-            p = model.get_parameter(n)
-            entries.append(Entry(n, ruled[n], "-", f"rule {next(rx.pattern for rx, g in compiled if rx.search(n))}",
-                                 tuple(p.shape), parameter=n))
-        elif n not in seen:
-            p = model.get_parameter(n)
-            entries.append(Entry(n, "other", "-", "other", tuple(p.shape), parameter=n))
-
-    if not recognised and not any(g in ("qk", "ov") for g in ruled.values()):
+        if n in ruled or n not in seen:
+            group, family = ruled.get(n, ("other", "other"))
+            entries.append(Entry(n, group, "-", family, tuple(model.get_parameter(n).shape), parameter=n))
+    if not any(e.group in ("qk", "ov") for e in entries):
         if plan.frozen:
             raise ValueError(
                 f"the attention parameters of {type(model).__name__} are all frozen (requires_grad=False), e.g. "
@@ -663,11 +608,9 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
 
 # --- splitting packed tensors ------------------------------------------------------------
 def _private_class(module: nn.Module) -> None:
-    """Give a parametrized module its own copy of its ``Parametrized...`` class.
-
-    ``copy.deepcopy`` of a parametrized module shares the class object that carries the
-    parametrization properties, so adding or removing a parametrization on one copy would
-    change the other (``nn.TransformerEncoder`` deep-copies its layer). A private class avoids it."""
+    """Give a parametrized module its own copy of its ``Parametrized...`` class: deep copies
+    share that class, which carries the parametrization properties, so (un)registering on one
+    copy would change the other (``nn.TransformerEncoder`` deep-copies its layer)."""
     if not parametrize.is_parametrized(module):
         return
     cls = type(module)
@@ -680,14 +623,6 @@ def _owner(model: nn.Module, tensor: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(mname) if mname else model), attr
 
 
-def _packed_attrs(module: nn.Module) -> list[tuple[str, PackedSlices]]:
-    """The ``(name, PackedSlices)`` of every split tensor of ``module`` itself."""
-    if not parametrize.is_parametrized(module):
-        return []
-    return [(attr, plist[0]) for attr, plist in module.parametrizations.items()
-            if len(plist) == 1 and isinstance(plist[0], PackedSlices)]
-
-
 def _slice_keys(prefix: str, attr: str, pk: PackedSlices) -> list[str]:
     return [f"{prefix}parametrizations.{attr}.original{i}" for i in range(len(pk.sizes))]
 
@@ -695,8 +630,7 @@ def _slice_keys(prefix: str, attr: str, pk: PackedSlices) -> list[str]:
 def _state_dict_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
     """State-dict post-hook: the slices ``parametrizations.<attr>.original<i>`` of every split
     tensor become one tensor under the original key ``<attr>``, placed before the module's other
-    keys (where a module's own parameters stand), so that keys, shapes and order are those of the
-    unsplit model."""
+    keys (where a module's own parameters stand): keys, shapes and order of the unsplit model."""
     merged, drop = [], set()
     for attr, pk in _packed_attrs(module):
         keys = _slice_keys(prefix, attr, pk)
@@ -731,14 +665,9 @@ def _load_hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata:
             state_dict[k] = piece.clone(memory_format=torch.contiguous_format) if assign else piece
 
 
-def _has_hook(hooks: Mapping, fn: Callable) -> bool:
-    return any(getattr(h, "hook", h) is fn for h in hooks.values())
-
-
-def _drop_hooks(module: nn.Module) -> None:
-    for hooks, fn in ((module._state_dict_hooks, _state_dict_hook), (module._load_state_dict_pre_hooks, _load_hook)):
-        for k in [k for k, h in hooks.items() if getattr(h, "hook", h) is fn]:
-            del hooks[k]
+def _hook_keys(hooks: Mapping, fn: Callable) -> list:
+    """The keys under which ``fn`` is registered in a module's ``hooks`` dict."""
+    return [k for k, h in hooks.items() if getattr(h, "hook", h) is fn]
 
 
 def split_packed(model: nn.Module, report: KnobReport | None = None) -> list[str]:
@@ -749,7 +678,6 @@ def split_packed(model: nn.Module, report: KnobReport | None = None) -> list[str
     the names of the tensors that were split (idempotent: already split tensors are skipped).
     Build the optimizer *after* this call."""
     report = report or classify(model)
-    done = []
     by_tensor: dict[str, list[Entry]] = {}
     for e in report.entries:
         if e.dim is not None and not e.parameter:
@@ -758,13 +686,12 @@ def split_packed(model: nn.Module, report: KnobReport | None = None) -> list[str
         module, attr = _owner(model, tname)
         _private_class(module)
         runs = _runs(tuple((e.part, e.stop - e.start) for e in ents))
-        parametrize.register_parametrization(module, attr, PackedSlices([r[1] for r in runs], ents[0].dim,
-                                                                        [r[0] for r in runs]))
-        if not _has_hook(module._state_dict_hooks, _state_dict_hook):
+        pk = PackedSlices([r[1] for r in runs], ents[0].dim, [r[0] for r in runs])
+        parametrize.register_parametrization(module, attr, pk)
+        if not _hook_keys(module._state_dict_hooks, _state_dict_hook):
             module.register_state_dict_post_hook(_state_dict_hook)
             module.register_load_state_dict_pre_hook(_load_hook)
-        done.append(tname)
-    return done
+    return list(by_tensor)
 
 
 def _merge_split(model: nn.Module) -> list[str]:
@@ -776,7 +703,9 @@ def _merge_split(model: nn.Module) -> list[str]:
             parametrize.remove_parametrizations(m, attr, leave_parametrized=True)
             done.append(_join(mname, attr))
         if attrs:
-            _drop_hooks(m)
+            for hooks, fn in ((m._state_dict_hooks, _state_dict_hook), (m._load_state_dict_pre_hooks, _load_hook)):
+                for k in _hook_keys(hooks, fn):
+                    del hooks[k]
     return done
 
 
@@ -784,11 +713,10 @@ def merge_packed(model: nn.Module) -> list[str]:
     """Undo :func:`split_packed` in place: every :class:`PackedSlices` tensor becomes one plain
     parameter again, holding the current values. Returns the names that were merged.
 
-    Refused (ValueError, nothing changed) once the slices were handed to an optimizer by
-    :func:`knob_groups` / :func:`knob_optimizer`: the merged tensor would be a new parameter
-    that the optimizer does not hold, so ``opt.step()`` would silently stop training it. For a
-    checkpoint, ``model.state_dict()`` already has the original layout; for a merged model use
-    :func:`unsplit`, which returns a copy."""
+    Refused (ValueError, nothing changed) once :func:`knob_groups` / :func:`knob_optimizer` gave
+    the slices to an optimizer, which would silently stop training the merged tensor. For a
+    checkpoint ``model.state_dict()`` already has the original layout; :func:`unsplit` returns a
+    merged copy."""
     held = [_join(mname, attr) for mname, m in model.named_modules() for attr, pk in _packed_attrs(m) if pk.in_optimizer]
     if held:
         raise ValueError(f"cannot merge {held[:3]}{' ...' if len(held) > 3 else ''} in place: its slices are parameters "
@@ -810,9 +738,6 @@ def unsplit(model: nn.Module) -> nn.Module:
 # --- optimizer groups ---------------------------------------------------------------------
 NORM_CLASS = re.compile(r"norm", re.IGNORECASE)
 BIAS_NAME = re.compile(r"(?:^|\.)(?:bias|_?b_[A-Z]+|bias_[kv])$")
-
-
-DEFAULT_NO_DECAY_TEXT = "1-D tensors, biases (bias, bias_k, b_Q ...) and *Norm* modules: default_no_decay"
 
 
 def default_no_decay(name: str, param: Tensor, module: nn.Module) -> bool:
@@ -855,14 +780,12 @@ def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: 
     param, module)`` is true (default :func:`default_no_decay`; ``None``: decay everything) go
     to ``qk.no_decay`` / ``ov.no_decay`` / ``other.no_decay`` with ``weight_decay = 0``. Every
     group has the keys ``name``, ``params``, ``lr``, ``weight_decay`` and ``lr_scale`` (its
-    ``lr`` / ``eta_ov``: ``ratio`` for ``qk``), from which a scheduler that sets absolute rates
-    can be given per-group values (``OneCycleLR(max_lr=[peak * g["lr_scale"] for g in groups])``).
+    ``lr`` / ``eta_ov``), for schedulers that set absolute per-group rates
+    (``OneCycleLR(max_lr=[peak * g["lr_scale"] for g in groups])``). Empty groups are dropped.
 
     Everything is checked before the model is changed, so a refused call leaves it untouched.
-    Then packed tensors (``in_proj_weight``, ``c_attn``, ``query_key_value`` ...) are split in
-    place (:func:`split_packed`), so build the optimizer from the returned groups after this
-    call. With ``split=False`` a model that needs splitting raises ValueError. Empty groups are
-    dropped.
+    Then packed tensors are split in place (:func:`split_packed`; with ``split=False`` a model
+    that needs it raises ValueError): build the optimizer from the returned groups after this call.
     """
     weight_decay = _check_weight_decay(weight_decay)
     lrs = group_rates(eta_ov, ratio, eta_other)
@@ -887,12 +810,12 @@ def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: 
     elif no_decay is None:
         rule = f"{weight_decay:g} on every tensor (no_decay=None)"
     else:
-        why = DEFAULT_NO_DECAY_TEXT if no_decay is default_no_decay else f"no_decay={getattr(no_decay, '__name__', no_decay)}"
+        why = ("1-D tensors, biases (bias, bias_k, b_Q ...) and *Norm* modules: default_no_decay"
+               if no_decay is default_no_decay else f"no_decay={getattr(no_decay, '__name__', no_decay)}")
         rule = f"{weight_decay:g}; none on {sum(e.weight_decay == 0 for e in entries)} tensors/slices ({why})"
     groups = []
     for g in GROUPS:
-        ents = [e for e in entries if e.group == g]
-        leaves = list(dict.fromkeys(e.parameter for e in ents))  # one leaf can hold several slices (Q and K)
+        leaves = list(dict.fromkeys(e.parameter for e in entries if e.group == g))  # a leaf may hold Q and K
         for name, ps, wd in ((g, [params[n] for n in leaves if n not in quiet], weight_decay),
                              (f"{g}.no_decay", [params[n] for n in leaves if n in quiet], 0.0)):
             if ps:
@@ -927,29 +850,26 @@ def knob_optimizer(model: nn.Module, optimizer_cls: Any = torch.optim.AdamW, lr:
                    rules: Mapping[str, str] | None = None,
                    no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay,
                    **optimizer_kwargs) -> tuple[torch.optim.Optimizer, KnobReport]:
-    """``optimizer_cls(groups, **optimizer_kwargs)`` over :func:`knob_groups`: the call of peft's
-    ``create_loraplus_optimizer(model, optimizer_cls, lr, loraplus_lr_ratio, **kwargs)``.
+    """``(optimizer_cls(groups, **optimizer_kwargs), report)`` over :func:`knob_groups`: the call
+    of peft's ``create_loraplus_optimizer(model, optimizer_cls, lr, loraplus_lr_ratio, **kwargs)``.
 
     ``lr`` is the OV rate ``eta_OV`` (and the default of ``other_lr``), ``qk_ratio`` the knob
-    ``eta_QK / eta_OV``; ``optimizer_cls`` is any class taking parameter groups
-    (``torch.optim.Adam``, ``SGD``, third-party ...) or the shortcut ``"adamw"`` / ``"sgd"``.
-    The optimizer, its keyword arguments, the rates, the rules and the model are all checked
-    before the model is changed (the optimizer is first built on a stand-in tensor), so a
-    refused call leaves the model untouched. Returns (optimizer, report)."""
+    ``eta_QK / eta_OV``; ``optimizer_cls`` is any class taking parameter groups or the shortcut
+    ``"adamw"`` / ``"sgd"``. The optimizer and its keyword arguments (built first on stand-in
+    tensors), the rates, the rules and the model are all checked before the model is changed."""
     cls = _optimizer_class(optimizer_cls)
     weight_decay = _check_weight_decay(weight_decay)
     lrs = group_rates(lr, qk_ratio, other_lr)
-    report = classify(model, rules)
+    classify(model, rules)  # refuses a model it cannot place before the dry run
     probe = next((p for p in model.parameters() if p.requires_grad), None)
     try:  # a dry run: bad keyword arguments fail here, before the split
-        stand_in = torch.zeros(1, dtype=probe.dtype, device=probe.device, requires_grad=True)
-        cls([{"name": g, "params": [stand_in.clone().detach().requires_grad_()], "lr": lrs[g],
-              "weight_decay": weight_decay, "lr_scale": lrs[g] / lrs["ov"]} for g in GROUPS], **optimizer_kwargs)
+        cls([{"name": g, "params": [torch.zeros(1, dtype=probe.dtype, device=probe.device, requires_grad=True)],
+              "lr": lrs[g], "weight_decay": weight_decay, "lr_scale": lrs[g] / lrs["ov"]} for g in GROUPS],
+            **optimizer_kwargs)
     except Exception as err:
         kind = type(err) if isinstance(err, (TypeError, ValueError)) else ValueError
         raise kind(f"{getattr(cls, '__name__', cls)} refused the knob's groups with {optimizer_kwargs}: {err} "
                    "(the model was not changed)") from err
-    del report
     groups, report = knob_groups(model, lr, qk_ratio, other_lr, weight_decay, rules, no_decay=no_decay)
     return cls(groups, **optimizer_kwargs), report
 
