@@ -39,7 +39,7 @@ from qkov_lib import claims
 from qkov_lib.data.batch import Batch
 from qkov_lib.metrics import INSTANCE_METRICS, threshold_names
 from qkov_lib.runtime import torch_threads
-from qkov_lib.train import TrainConfig, train_stacked
+from qkov_lib.train import History, TrainConfig, train_stacked
 
 MAP_TAU = 0.5  # the AC/ACMC threshold the protocol map measures
 
@@ -75,6 +75,24 @@ def grid(optimizers: Sequence[str], base_rates: Mapping[str, Sequence[float]], r
             for r in ratios for s in seeds]
 
 
+def profile_cells(profile: Mapping[str, Any], ratios: Sequence[float], seeds: Sequence[int]) -> list[Cell]:
+    """The cells of a study at one setting: the optimizer and base rate of ``profile`` (a resolved
+    settings dict, read through :meth:`qkov_lib.train.TrainConfig.from_profile`) at every
+    ``(ratio, seed)``, ratio-major."""
+    base = TrainConfig.from_profile(profile, progress=False)
+    return [Cell(base.optimizer, base.eta_ov, float(r), int(s)) for r in ratios for s in seeds]
+
+
+def raise_if_diverged(frame: pd.DataFrame, what: str) -> None:
+    """Raise RuntimeError naming the cells of a :func:`train_grid` frame whose training produced
+    a non-finite loss or weight (for studies that report every run, so none may be dropped)."""
+    bad = frame[frame["diverged"]]
+    if len(bad):
+        cells = ", ".join(f"eta_ov {e:g} ratio {r:g} seed {s}" for e, r, s in zip(bad["eta_ov"], bad["ratio"], bad["seed"]))
+        raise RuntimeError(f"{what}: training diverged (non-finite loss or weights) at {cells}; "
+                           "lower eta_ov or the ratio")
+
+
 def run_each(settings: Iterable[tuple], train_one: Callable[..., Any], desc: str, progress: bool = True) -> list:
     """``[train_one(*s) for s in settings]`` in order, under one progress bar: the grid runner of
     the studies whose models train one at a time through :func:`qkov_lib.train.train` (their own
@@ -84,20 +102,23 @@ def run_each(settings: Iterable[tuple], train_one: Callable[..., Any], desc: str
     return [train_one(*s) for s in tqdm(settings, desc=desc, disable=not progress)]
 
 
-def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], train: Batch, val: Batch,
+def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], train: Batch, val: Batch | None,
                test: Batch, config: Callable[[Cell], TrainConfig],
                measure: Callable[[nn.Module, Batch], Mapping[str, float]], max_stack: int = 64,
                desc: str = "map", models_out: dict[Cell, nn.Module] | None = None,
-               threads: int | None = None, processes: int = 1) -> pd.DataFrame:
+               threads: int | None = None, processes: int = 1,
+               histories_out: dict[Cell, History] | None = None) -> pd.DataFrame:
     """Train every cell and measure it: one row per cell with its settings, ``diverged``,
     ``stop_step``, the validation metrics (``val_<metric>``) and the test metrics.
 
     ``make_model(seed)`` builds a fresh model (the same initialisation for every cell of a seed,
     so ratios are compared from the same start); ``config(cell)`` its training config;
-    ``measure(model, batch)`` the metrics of a trained model on a split. Cells are trained in
-    stacks of at most ``max_stack`` models that share an optimizer. ``models_out``, if given,
-    receives every trained model that did not diverge, keyed by its cell (for later analyses);
-    ``threads`` sets torch's intra-op threads while training and measuring.
+    ``measure(model, batch)`` the metrics of a trained model on a split (``val`` None: no
+    validation split, no ``val_*`` metrics). Cells are trained in stacks of at most ``max_stack``
+    models that share an optimizer. ``models_out`` and ``histories_out``, if given, receive every
+    trained model that did not diverge and every run's :class:`~qkov_lib.train.History`, keyed by
+    its cell (for later analyses); ``threads`` sets torch's intra-op threads while training and
+    measuring.
 
     ``processes`` > 1 trains the stacks in that many spawned processes at once, each with one
     torch thread (:func:`_train_in_processes`; ``make_model``, ``config`` and ``measure`` must
@@ -112,10 +133,12 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     else:
         done = [_train_unit(u, make_model, train, val, test, config, measure, desc, threads) for u in units]
     rows = []
-    for unit_rows, unit_models in done:
+    for unit_rows, unit_models, unit_hists in done:
         rows += unit_rows
         if models_out is not None:
             models_out.update(unit_models)
+        if histories_out is not None:
+            histories_out.update(unit_hists)
     return pd.DataFrame(rows)
 
 
@@ -131,8 +154,9 @@ def _stack_units(cells: Sequence[Cell], max_stack: int) -> list[tuple[str, list[
 
 def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, config, measure, desc: str,
                 threads: int | None, on_step: Callable[[int], None] | None = None,
-                ) -> tuple[list[dict], dict[Cell, nn.Module]]:
-    """Train and measure one stack of :func:`_stack_units`: its rows and its non-diverged models."""
+                ) -> tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]:
+    """Train and measure one stack of :func:`_stack_units`: its rows, its non-diverged models and
+    every run's history."""
     label, chunk = unit
     models = [make_model(c.seed) for c in chunk]
     hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
@@ -142,11 +166,12 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
         for c, m, h in zip(chunk, models, hists):
             row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
             if h.diverged_step is None:
-                row.update({f"val_{k}": v for k, v in measure(m, val).items()})
+                if val is not None:
+                    row.update({f"val_{k}": v for k, v in measure(m, val).items()})
                 row.update(measure(m, test))
                 kept[c] = m
             rows.append(row)
-    return rows, kept
+    return rows, kept, dict(zip(chunk, hists))
 
 
 _STEP_REPORT = 20  # a worker reports its progress every this many optimizer steps
@@ -175,7 +200,7 @@ def _worker(units, make_model, train, val, test, config, measure, desc, queue) -
 
 
 def _train_in_processes(units, make_model, train, val, test, config, measure, desc: str, processes: int,
-                        ) -> list[tuple[list[dict], dict[Cell, nn.Module]]]:
+                        ) -> list[tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]]:
     """:func:`_train_unit` of every unit, spread round-robin over ``processes`` spawned one-thread
     processes (spawn, not fork: a process forked after torch ran with two threads can hang in the
     OpenMP pool); one progress bar over all their steps, which ends full when stacks stop early."""

@@ -168,6 +168,36 @@ def test_train_grid_on_a_tiny_task_learns_and_is_deterministic():
     assert fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
 
 
+def test_train_grid_without_validation_keeps_histories_and_names_diverged_cells():
+    """val None: no val_* columns and no early stopping; histories_out gets every run's history
+    (also a diverged one, which has no metrics); raise_if_diverged names the diverged cell."""
+    train, _, test = P.synthetic_demo(n=200)
+    cells = [P.Cell("sgd", 0.5, 1.0, 0), P.Cell("sgd", 1e6, 1.0, 0)]  # the second diverges at once
+
+    def config(c):
+        return TrainConfig(optimizer="sgd", eta_ov=c.eta_ov, ratio=c.ratio, steps=30, batch_size=64, seed=c.seed,
+                           n_logs=3, progress=False)
+
+    hists, models = {}, {}
+    f = P.train_grid(cells, _tiny_model, train, None, test, config, _tiny_measure, histories_out=hists,
+                     models_out=models)
+    assert not any(col.startswith("val_") for col in f.columns)
+    assert f["diverged"].tolist() == [False, True] and set(models) == {cells[0]} and set(hists) == set(cells)
+    assert hists[cells[0]].frame()["step"].iloc[-1] == 30 and hists[cells[1]].diverged_step is not None
+    assert np.isnan(f.loc[1, "accuracy"]) and f.loc[0, "accuracy"] > 0.25
+    with pytest.raises(RuntimeError, match=r"demo: training diverged .* at eta_ov 1e\+06 ratio 1 seed 0"):
+        P.raise_if_diverged(f, "demo")
+    P.raise_if_diverged(f.iloc[:1], "demo")  # nothing diverged: no error
+
+
+def test_profile_cells_read_the_optimizer_and_rate_through_train_config():
+    cells = P.profile_cells({"optimizer": "adamw", "eta_ov": 1e-3, "steps": 5}, [1, 10], [0, 1])
+    assert cells == [P.Cell("adamw", 1e-3, r, s) for r in (1.0, 10.0) for s in (0, 1)]
+    assert P.profile_cells({}, [1], [0]) == [P.Cell("gd", 0.5, 1.0, 0)]  # TrainConfig's defaults
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        P.profile_cells({"optimizer": "lion"}, [1], [0])
+
+
 def _failing_measure(model, batch):
     raise ValueError("measure broke on purpose")
 

@@ -13,7 +13,7 @@ Natural prefixes. :func:`make_natural_model` builds the analysed-head model of
 convolution (``+-(kernel // 2) * layers`` words; "the *members* of", "*that*") and positions
 counted from the first word as well as from the query, values stay token-local, so the head
 still has to pick the word whose number decides and its attention stays the object of study.
-:func:`train_natural` trains it on ``numpred.val`` minus a held-out validation part (early
+:func:`natural_grid` trains it on ``numpred.val`` minus a held-out validation part (early
 stopping on validation loss), :func:`attractor_accuracy` tests it on Linzen's attractor sets and
 :func:`natural_r1` / :func:`natural_claim_row` give its R1 verdict and scorecard row.
 """
@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 from torch import Tensor, nn
 
-from qkov_lib import claims
+from qkov_lib import claims, protocol
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.sva import ROLE_CODES
 from qkov_lib.data.text import TextDataset
@@ -36,7 +36,7 @@ from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.metrics import mass_by_role
 from qkov_lib.profiles import profile_table
 from qkov_lib.runtime import seed_everything
-from qkov_lib.train import History, TrainConfig, predict, train_stacked
+from qkov_lib.train import History, TrainConfig, predict
 
 ROLES: tuple[str, ...] = tuple(ROLE_CODES.values())  # subject, attractor, verb, last, rest
 LAST_ANY = "last position"  # mass on the word right before the verb, whatever its role (not exclusive)
@@ -130,20 +130,6 @@ def natural_train_config(cfg: Mapping[str, Any], ratio: float, seed: int) -> Tra
                                     log_seed=cfg["data_seed"])
 
 
-def train_natural(ds: TextDataset, cfg: Mapping[str, Any], grid: Sequence[tuple[float, int]],
-                  device: torch.device | None = None) -> tuple[list[nn.Module], list[History]]:
-    """Train one :func:`make_natural_model` per ``(ratio, seed)`` of ``grid`` as one stack
-    (:func:`qkov_lib.train.loop.train_stacked`) on ``ds.train`` minus the validation part
-    (``cfg["val_frac"]``), with early stopping on validation loss when ``cfg["patience"]``."""
-    device = device or torch.device("cpu")
-    train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
-    models = [make_natural_model(ds, cfg, s).to(device) for _, s in grid]
-    cfgs = [natural_train_config(cfg, r, s) for r, s in grid]
-    hists = train_stacked(models, train.to(device), cfgs, val=val.to(device), desc=f"{ds.name}: {len(grid)} models",
-                          threads=cfg.get("threads"))
-    return models, hists
-
-
 def attractor_accuracy(model: nn.Module, ds: TextDataset) -> pd.DataFrame:
     """Test accuracy per number of attractors (and ``"all"``): rows ``n_attractors``, ``n``,
     ``accuracy``. Needs ``ds.test_info["n_attractors"]`` (the Linzen attractor sets)."""
@@ -160,18 +146,28 @@ def attractor_accuracy(model: nn.Module, ds: TextDataset) -> pd.DataFrame:
 
 
 def natural_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | None = None) -> pd.DataFrame:
-    """:func:`train_natural` at every ``(ratio, seed)`` of ``cfg``; one row per run and number of
-    attractors (:func:`attractor_accuracy`) with the run's best validation loss and accuracy and
-    the step it was taken from."""
-    grid = [(float(r), s) for r in cfg["ratios"] for s in cfg["seeds"]]
-    models, hists = train_natural(ds, cfg, grid, device)
+    """Train one :func:`make_natural_model` per ``(ratio, seed)`` of ``cfg`` through
+    :func:`qkov_lib.protocol.train_grid` (one stack) on ``ds.train`` minus the validation part
+    (``cfg["val_frac"]``), with early stopping on validation loss when ``cfg["patience"]``. One row
+    per run and number of attractors (:func:`attractor_accuracy`) with the run's best validation
+    loss and accuracy and the step it was taken from. A diverged run is an error."""
+    device = device or torch.device("cpu")
+    train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
+    cells = protocol.profile_cells(cfg, cfg["ratios"], cfg["seeds"])
+    models: dict[protocol.Cell, nn.Module] = {}
+    hists: dict[protocol.Cell, History] = {}
+    frame = protocol.train_grid(
+        cells, lambda s: make_natural_model(ds, cfg, s).to(device), train.to(device), val.to(device),
+        ds.test.to(device), lambda c: natural_train_config(cfg, c.ratio, c.seed), lambda m, b: {},
+        max_stack=len(cells), desc=ds.name, models_out=models, threads=cfg.get("threads"), histories_out=hists)
+    protocol.raise_if_diverged(frame, f"{ds.name} natural prefixes")
     frames = []
-    for m, h, (r, s) in zip(models, hists, grid):
-        f = h.frame()
+    for c in cells:
+        f = hists[c].frame()
         best = f.loc[f["val_loss"].idxmin()]
-        frames.append(attractor_accuracy(m, ds).assign(
-            ratio=r, seed=s, best_step=int(best["step"]), val_loss=float(best["val_loss"]),
-            val_accuracy=float(best["val_accuracy"]), stop_step=h.stop_step))
+        frames.append(attractor_accuracy(models[c], ds).assign(
+            ratio=c.ratio, seed=c.seed, best_step=int(best["step"]), val_loss=float(best["val_loss"]),
+            val_accuracy=float(best["val_accuracy"]), stop_step=hists[c].stop_step))
     return pd.concat(frames, ignore_index=True)
 
 

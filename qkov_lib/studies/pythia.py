@@ -377,26 +377,30 @@ ONE_HEAD_PROFILES: dict[str, dict] = profile_table(
 def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """The one-head model of :data:`ONE_HEAD_PROFILES` (a :class:`~qkov_lib.models.TokenModel`)
     for ``profile``, trained on ``ds`` at the ratios and seeds of ``cfg`` as one stack
-    (:func:`qkov_lib.train.loop.train_stacked`). Returns the mean attention mass per token role
+    (:func:`qkov_lib.protocol.train_grid`). Returns the mean attention mass per token role
     (ratio x role, means over seeds), the test accuracy per ratio and the one-head settings."""
     from qkov_lib.models import TokenModel
     from qkov_lib.profiles import resolve
-    from qkov_lib.train import train_stacked
     from qkov_lib.studies import agreement_roles
 
     rcfg = {**resolve(ONE_HEAD_PROFILES, profile), "ratios": list(cfg["ratios"]), "seeds": list(cfg["seeds"])}
-    grid = [(float(r), s) for r in rcfg["ratios"] for s in rcfg["seeds"]]
-    models = [TokenModel(ds.vocab_size, rcfg["d_model"], ds.n_classes, ds.max_len, generator=seed_everything(s),
-                         parameterization=rcfg["parameterization"], init_scale=rcfg["init_scale"]) for _, s in grid]
-    cfgs = [TrainConfig.from_profile(rcfg, ratio=r, seed=s, progress=False, log_seed=rcfg["data_seed"]) for r, s in grid]
-    train_stacked(models, ds.train, cfgs, desc=f"{ds.name}: {len(grid)} one-head models", progress=True)
-    rows = []
-    for (ratio, seed), m in zip(grid, models):
-        attn, probs = predict(m, ds.test)
-        rows.append({"ratio": ratio, "seed": seed,
-                     "accuracy": prediction_metrics(probs, ds.test.y, ds.n_classes)["accuracy"],
-                     **agreement_roles.role_mass(attn, ds.test_info["roles"], ds.test.key_mask), QUERY_SELF: 0.0})
-    f = pd.DataFrame(rows).drop(columns="seed").groupby("ratio").mean()
+    cells = protocol.profile_cells(rcfg, rcfg["ratios"], rcfg["seeds"])
+
+    def measure(m: nn.Module, batch: Batch) -> dict[str, float]:
+        attn, probs = predict(m, batch)
+        return {"accuracy": prediction_metrics(probs, batch.y, ds.n_classes)["accuracy"],
+                **agreement_roles.role_mass(attn, ds.test_info["roles"], batch.key_mask), QUERY_SELF: 0.0}
+
+    frame = protocol.train_grid(
+        cells, lambda s: TokenModel(ds.vocab_size, rcfg["d_model"], ds.n_classes, ds.max_len,
+                                    generator=seed_everything(s), parameterization=rcfg["parameterization"],
+                                    init_scale=rcfg["init_scale"]),
+        ds.train, None, ds.test,
+        lambda c: TrainConfig.from_profile(rcfg, ratio=c.ratio, seed=c.seed, progress=False, log_seed=rcfg["data_seed"]),
+        measure, max_stack=len(cells), desc=f"{ds.name}: one-head models")
+    protocol.raise_if_diverged(frame, f"{ds.name} one-head models")
+    rows = frame.drop(columns=["optimizer", "eta_ov", "diverged", "stop_step"])
+    f = rows.drop(columns="seed").groupby("ratio").mean()
     return f.drop(columns="accuracy"), f[["accuracy"]], rcfg
 
 
