@@ -387,27 +387,48 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
     thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). ``verdicts`` defaults
     to :func:`asymptotics_verdicts`."""
     verdicts = verdicts or asymptotics_verdicts(runs, table, t3, hz, lines_single, lines_mix, full)
-    nan = float("nan")
     f: dict[str, Any] = {f"thr_{n.lower()}": C.threshold_text(n)
                          for n in ("SLOPE_TOL", "LITERAL_TOL", "LINE_EXACT", "LINE_APPROX", "SHARPER", "CONST_TOL")}
     ratios = sorted(float(r) for r in cfg["ratios"])
-    r_lo, r_hi = ratios[0], ratios[-1]
     eq = equal_or_lowest(ratios)
-    f["r_lo"], f["r_hi"], f["r_eq"] = f"{r_lo:g}", f"{r_hi:g}", f"{eq:g}"
+    f["r_lo"], f["r_hi"], f["r_eq"] = f"{ratios[0]:g}", f"{ratios[-1]:g}", f"{eq:g}"
     f["t_fit_lo"], f["t_fit_hi"] = f"{cfg['fit_windows'][-2]:.0e}", f"{cfg['fit_windows'][-1]:.0e}"
     f["t_end"], f["s_end"] = f"{cfg['t_max']:.0e}", f"{math.log(cfg['t_max']):.0f}"
-    # --- T3: exponents and constants
+    f.update(_t3_facts(table, t3, eq))
+    f.update(_t5_facts(runs, full, ratios))
+    f.update(_t4_facts(lines_single, lines_mix))
+    f.update(_ranking_facts(runs, hz, ml, full, cfg, eq))
+    margins = [m for m in t6_margins(hz, full) if np.isfinite(m)]
+    f["t6_k"], f["t6_n"] = str(sum(m > 0 for m in margins)), str(len(margins))
+    f["t6_min_margin"] = f"{min(margins):+.3g}" if margins else "n/a"
+    att, move = s2_inputs(full)
+    f["fafo_toward"] = move or "not tested"
+    if move is not None:
+        fhi = max(full_means(full).index.get_level_values(1))
+        f["fafo_lo"], f["fafo_hi"] = f"{att['FAFO']:.4f}", f"{float(full_means(full)[('FAFO', fhi)]):.4f}"
+        f["faco_lo"], f["caco_lo"] = f"{att['FACO']:.4f}", f"{att['CACO']:.4f}"
+    f["kappa_qk"], f["nbar"] = f"{sizes.kappa_qk:.4g}", f"{sizes.n_mean:g}"
+    f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
+    f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], ratios[0])['n_star']:.2f}"
+    f.update(C.verdict_glue(verdicts))
+    f["rule_S2"] = C.S2_RULE
+    return f
+
+
+def _t3_facts(table: pd.DataFrame, t3: pd.DataFrame, eq: float) -> dict[str, Any]:
+    """T3: the fitted OV exponents, beta and A against their derived values, and the growth
+    exponents of q and exp(q) in log t per parameterization."""
     ov = table["OV exp. fitted"].astype(float)
-    f["ov_slope_range"] = f"{ov.min():.3f}–{ov.max():.3f}"
-    f["beta_err"] = f"{(table['β fitted'] - table['β derived']).abs().max():.3f}"
     a_gap = (table["A fitted/derived"] - 1).abs()
-    f["A_err"] = f"{a_gap.max() * 100:.1f}%"
-    f["A_err_worst"] = str(table.loc[a_gap.idxmax(), "parameterization"])
     scale = constant_scaling(table)
-    f["A_tested"] = not scale.empty
-    f["A_scaling"] = ", ".join(f"{p} {v:.2f}" for p, v in scale.items()) or "not tested (one ratio)"
-    f["A_agree"] = _list([p for p, v in scale.items() if abs(v - 1) <= C.CONST_TOL])
-    f["A_off"] = ", ".join(f"{p} ({v:.2f})" for p, v in scale.items() if abs(v - 1) > C.CONST_TOL)
+    f: dict[str, Any] = {
+        "ov_slope_range": f"{ov.min():.3f}–{ov.max():.3f}",
+        "beta_err": f"{(table['β fitted'] - table['β derived']).abs().max():.3f}",
+        "A_err": f"{a_gap.max() * 100:.1f}%", "A_err_worst": str(table.loc[a_gap.idxmax(), "parameterization"]),
+        "A_tested": not scale.empty,
+        "A_scaling": ", ".join(f"{p} {v:.2f}" for p, v in scale.items()) or "not tested (one ratio)",
+        "A_agree": _list([p for p, v in scale.items() if abs(v - 1) <= C.CONST_TOL]),
+        "A_off": ", ".join(f"{p} ({v:.2f})" for p, v in scale.items() if abs(v - 1) > C.CONST_TOL)}
     by = t3.set_index("parameterization")
     for p in PARAMS:
         have = p in by.index
@@ -418,17 +439,22 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
     f["ov_ok"] = bool((ov - 1).abs().max() <= C.SLOPE_TOL)
     q_exps = t3["exponent of q in log t"].astype(float)
     f["q_literal"] = bool(((q_exps - 2).abs() <= C.LITERAL_TOL).any())
-    caco_exp = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else nan
+    caco_exp = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else float("nan")
     f["expq_ok"], f["caco_expq"] = bool(abs(caco_exp - 2) <= C.SLOPE_TOL), f"{caco_exp:.2f}"
     f["q_exp_max"] = f"{q_exps.max():.2f}"
     f["expq_fits"] = ", ".join(f"{p} {by.loc[p, 'exponent of exp(q) in log t']:.2f} "
                                f"(derived {by.loc[p, 'derived exponent of exp(q)']:g}"
                                + (" × log log t" if p.startswith("FA") else "") + ")" for p in PARAMS if p in by.index)
-    # --- T5
+    return f
+
+
+def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float]) -> dict[str, Any]:
+    """T5: the ODE's attention on common tokens at the end (ratio x value product, whether it
+    falls with the ratio) and the full models' rise in attention from the lowest ratio."""
+    r_lo, r_hi = ratios[0], ratios[-1]
     end = end_common(runs)
     falls = {p: bool(np.all(np.diff(end.loc[p].to_numpy()) < 0)) for p in PARAMS if p in end.index.get_level_values(0)}
-    f["t5_tested"] = r_hi > r_lo
-    f["t5_prod"], f["t5_mono"] = "n/a", "not tested (one ratio)"
+    f: dict[str, Any] = {"t5_tested": r_hi > r_lo, "t5_prod": "n/a", "t5_mono": "not tested (one ratio)"}
     if r_hi > r_lo:
         prod = {p: float(end.loc[(p, r_hi)] * r_hi / (end.loc[(p, r_lo)] * r_lo)) for p in falls}
         f["t5_closest"] = closest = min(prod, key=lambda p: abs(prod[p] - 1))
@@ -438,27 +464,34 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
                         + ("" if all(falls.values()) else f" (not for {_list([p for p, v in falls.items() if not v])})"))
     _, rise = t5_inputs(runs, full)
     fratios = sorted(set(full_means(full).index.get_level_values(1)))
-    flo, fhi = fratios[0], fratios[-1]
-    f["full_r_lo"], f["full_r_hi"] = f"{flo:g}", f"{fhi:g}"
+    f["full_r_lo"], f["full_r_hi"] = f"{fratios[0]:g}", f"{fratios[-1]:g}"
     f["t5_full_tested"] = bool(rise)
-    f["t5_full"] = (f"rose by at least {f['thr_sharper']} for {sum(v >= C.SHARPER for v in rise.values())} of {len(rise)}"
-                    if rise else "not tested (one ratio)")
+    f["t5_full"] = (f"rose by at least {C.threshold_text('SHARPER')} for "
+                    f"{sum(v >= C.SHARPER for v in rise.values())} of {len(rise)}" if rise else "not tested (one ratio)")
     f["t5_full_changes"] = ", ".join(f"{p} {v:+.3f}" for p, v in rise.items())
-    # --- T4
+    return f
+
+
+def _t4_facts(lines_single: pd.DataFrame, lines_mix: pd.DataFrame) -> dict[str, Any]:
+    """T4: the residuals of the line law on single-class and mixed-class inputs."""
     res_single, res_mix_max = t4_inputs(lines_single, lines_mix)
     res_mix = lines_mix.groupby(["parameterization", "ratio"])["residual"].apply(lambda x: x.abs().max())
-    f["line_res_single"] = f"{res_single:.1e}"
-    f["line_res_mix"] = f"{res_mix_max * 100:.1f}%"
-    f["line_res_mix_worst"] = "{} at ratio {:g}".format(*res_mix.idxmax())
-    f["line_res_mix_best"] = f"{res_mix.min() * 100:.2g}%"
-    f["line_approx_pct"] = f"{C.LINE_APPROX:.0%}"
-    f["single_n"] = str(int(lines_single["n"].iloc[0]))
-    f["single_exact"], f["mix_approx"] = bool(res_single <= C.LINE_EXACT), bool(res_mix_max <= C.LINE_APPROX)
-    # --- rankings at equal rates (ODE)
-    f["rank_first"], f["t_first"] = hz["ranking"].iloc[0], f"{hz['t'].iloc[0]:.0e}"
-    f["rank_last"], f["t_last"] = hz["ranking"].iloc[-1], f"{hz['t'].iloc[-1]:.0e}"
-    f["rank_ml_first"], f["rank_ml_last"] = ml["ranking"].iloc[0], ml["ranking"].iloc[-1]
-    f["ml_first"], f["ml_last"] = f"{ml['loss'].iloc[0]:.0e}", f"{ml['loss'].iloc[-1]:.0e}"
+    return {"line_res_single": f"{res_single:.1e}", "line_res_mix": f"{res_mix_max * 100:.1f}%",
+            "line_res_mix_worst": "{} at ratio {:g}".format(*res_mix.idxmax()),
+            "line_res_mix_best": f"{res_mix.min() * 100:.2g}%", "line_approx_pct": f"{C.LINE_APPROX:.0%}",
+            "single_n": str(int(lines_single["n"].iloc[0])),
+            "single_exact": bool(res_single <= C.LINE_EXACT), "mix_approx": bool(res_mix_max <= C.LINE_APPROX)}
+
+
+def _ranking_facts(runs: pd.DataFrame, hz: pd.DataFrame, ml: pd.DataFrame, full: pd.DataFrame, cfg: dict,
+                   eq: float) -> dict[str, Any]:
+    """The rankings at equal rates: the ODE's by time and by loss, the FAFO/CACO crossover, and
+    the full models' (random and symmetric init) with their top two and CAFO's place."""
+    nan = float("nan")
+    f: dict[str, Any] = {"rank_first": hz["ranking"].iloc[0], "t_first": f"{hz['t'].iloc[0]:.0e}",
+                         "rank_last": hz["ranking"].iloc[-1], "t_last": f"{hz['t'].iloc[-1]:.0e}",
+                         "rank_ml_first": ml["ranking"].iloc[0], "rank_ml_last": ml["ranking"].iloc[-1],
+                         "ml_first": f"{ml['loss'].iloc[0]:.0e}", "ml_last": f"{ml['loss'].iloc[-1]:.0e}"}
     tx = crossover(runs, "FAFO", "CACO", eq, "t")
     lx = crossover(runs, "FAFO", "CACO", eq, "loss")
     first_loss = float(runs[(runs["ratio"] == eq) & (runs["parameterization"] == "FAFO")]["loss"].iloc[0])
@@ -469,8 +502,7 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
     f["cross_loss_kind"] = "never" if not np.isfinite(lx) else "always" if lx >= 0.99 * first_loss else "below"
     f["cross_loss_short"] = f"{lx:.1e}" if np.isfinite(lx) else "never"
     f["full_steps"], f["eta_ov"], f["n_seeds"] = str(cfg["full_steps"]), f"{cfg['eta_ov']:g}", str(len(cfg["full_seeds"]))
-    # --- full-model rankings (at equal rates when run)
-    feq = equal_or_lowest(fratios)
+    feq = equal_or_lowest(sorted(set(full_means(full).index.get_level_values(1))))
     f["full_r_eq"] = f"{feq:g}"
     rank_rand, m_rand = full_ranking(full, feq, "random")
     rank_sym, m_sym = full_ranking(full, feq, "symmetric")
@@ -487,21 +519,6 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
         f["fafo_place"] = rank_rand.split(" > ").index("FAFO") + 1  # 1 = sharpest
         f["fafo_weak"], f["fafo_mean"] = bool(m_rand["FAFO"] < 0.5), f"{m_rand['FAFO']:.3f}"
         f["n_ranked"] = str(len(rank_rand.split(" > ")))
-    # --- T6
-    margins = [m for m in t6_margins(hz, full) if np.isfinite(m)]
-    f["t6_k"], f["t6_n"] = str(sum(m > 0 for m in margins)), str(len(margins))
-    f["t6_min_margin"] = f"{min(margins):+.3g}" if margins else "n/a"
-    # --- S2
-    att, move = s2_inputs(full)
-    f["fafo_toward"] = move or "not tested"
-    if move is not None:
-        f["fafo_lo"], f["fafo_hi"] = f"{att['FAFO']:.4f}", f"{float(full_means(full)[('FAFO', fhi)]):.4f}"
-        f["faco_lo"], f["caco_lo"] = f"{att['FACO']:.4f}", f"{att['CACO']:.4f}"
-    f["kappa_qk"], f["nbar"] = f"{sizes.kappa_qk:.4g}", f"{sizes.n_mean:g}"
-    f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
-    f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], r_lo)['n_star']:.2f}"
-    f.update(C.verdict_glue(verdicts))
-    f["rule_S2"] = C.S2_RULE
     return f
 
 

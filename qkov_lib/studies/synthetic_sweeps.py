@@ -686,19 +686,39 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
     the thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). Comparisons the
     grid cannot make leave their ``*_tested`` flag False."""
     ratios = sorted(summary["ratio"].unique())
-    lo, hi = ratios[0], ratios[-1]
     eq = equal_rate(ratios)
-    by = summary.set_index(["parameterization", "ratio"])
     params = list(dict.fromkeys(summary["parameterization"]))
     f: dict[str, Any] = {f"thr_{k.lower()}": C.threshold_text(k)
                          for k in ("SHARPER", "SAME_LOSS", "SAME_ACC", "DTAP_TV", "STUCK_ACC")}
     f.update(C.verdict_glue(verdicts))
-    f.update({"r_lo": f"{lo:g}", "r_hi": f"{hi:g}", "r_eq": f"{eq:g}", "n_runs": str(len(table)),
+    f.update({"r_lo": f"{ratios[0]:g}", "r_hi": f"{ratios[-1]:g}", "r_eq": f"{eq:g}", "n_runs": str(len(table)),
               "n_param": str(len(params)), "n_seeds": str(len(cfg["seeds"])),
               "n_diverged": str(int(table["diverged"].sum())), "matched_loss": f"{cfg['matched_loss']:g}",
               "matched_steps": str(cfg["steps"]), "n_ratios_run": len(ratios)})
-    pct = lambda xs: ", ".join(xs) or "none"  # noqa: E731
-    # --- S1 on the ladder (the verdict) and at the end of training (a view)
+    f.update(_s1_facts(summary, dtaps, pairs, params, ratios))
+    f.update(_s2_facts(summary, matched, toward, ratios))
+    f.update(_s3_facts(summary, table, params, ratios))
+    f.update(_r3_facts(matched, mtable, params, ratios))
+    f["rob_tested"] = rob_verdicts is not None and len(rob_verdicts) > 0
+    if f["rob_tested"]:
+        rv = rob_verdicts
+        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].value_counts().items()),
+                 rob_n=str(len(rv)), rob_up=str(int((rv["attention up"] == rv["parameterizations"]).sum())),
+                 rob_dloss=_fmt(float(rv["max |Δ test loss|"].max())), rob_stuck=str(int(rv["stuck or diverged"].sum())),
+                 rob_hi_runs=str(int(rv["runs at highest ratio"].sum())),
+                 rob_same_rank=str(int((rv["ranking at equal rates"] == " > ".join(order_at(summary, eq))).sum())),
+                 rob_top2=", ".join(f"{k}: {n}" for k, n in rv["top two match"].value_counts().items()))
+    return f
+
+
+def _listing(xs: Sequence[str]) -> str:
+    return ", ".join(xs) or "none"
+
+
+def _s1_facts(summary: pd.DataFrame, dtaps: dict, pairs: Mapping[float, Mapping[tuple[str, str], C.Change]] | None,
+              params: Sequence[str], ratios: Sequence[float]) -> dict[str, Any]:
+    """S1 on the matched-loss ladder (the verdict's inputs) and the DTAP distances at equal rates."""
+    eq, by, f = equal_rate(ratios), summary.set_index(["parameterization", "ratio"]), {}
     calls = {lv: [C.s1_pair(c) for c in d.values()] for lv, d in (pairs or {}).items() if d}
     f["ladder"] = ", ".join(f"{lv:g}" for lv in sorted(calls, reverse=True)) or "none"
     f["s1_all_differ_at"] = ", ".join(f"{lv:g}" for lv in sorted(calls, reverse=True)
@@ -709,7 +729,7 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
                                       sorted(calls.items(), reverse=True)) or "no level reached"
     tv = s1_inputs(dtaps, params, eq)
     weak = lambda r: ", ".join(f"{p} {_fmt(_val(by, p, r, 'weak_attn_confident'))}" for p in params)  # noqa: E731
-    f["weak_lo"], f["weak_eq"] = weak(lo), weak(eq)
+    f["weak_lo"], f["weak_eq"] = weak(ratios[0]), weak(eq)
     f["s1_tested"], f["tv_range"] = bool(tv), "n/a"
     if tv:
         (a, b), t_max = max(tv.items(), key=lambda kv: kv[1])
@@ -717,18 +737,38 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
         f["tv_range"] = f"{t_min:.3f}–{t_max:.3f}"
         f.update(tv_min=f"{t_min:.3f}", tv_min_pair=f"{c} vs {d}", tv_max=f"{t_max:.3f}", tv_max_pair=f"{a} vs {b}",
                  tv_n_differ=str(sum(x >= C.DTAP_TV for x in tv.values())), tv_n_pairs=str(len(tv)))
-    # --- S2
+    return f
+
+
+def _pairs_hold(summary: pd.DataFrame, ratios: Sequence[float], pairs: Sequence[tuple[str, str]]) -> str:
+    """"k of n": the (ratio, pair) comparisons with the first above the second in attention."""
+    b2 = summary.set_index(["parameterization", "ratio"])["attn_relevant"]
+    n = ok = 0
+    for r in ratios:
+        for x, y in pairs:
+            if (x, r) in b2.index and (y, r) in b2.index:
+                n += 1
+                ok += int(b2[(x, r)] > b2[(y, r)])
+    return f"{ok} of {n}"
+
+
+def _s2_facts(summary: pd.DataFrame, matched: pd.DataFrame, toward: pd.DataFrame,
+              ratios: Sequence[float]) -> dict[str, Any]:
+    """S2: the rankings at fixed steps and matched loss, which summary their top two match, the
+    QK and OV pair comparisons, and where FAFO moves as its ratio rises."""
+    eq, by = equal_rate(ratios), summary.set_index(["parameterization", "ratio"])
     per_ratio = {r: order_at(summary, r) for r in ratios}
     per_ratio_m = {r: order_at(matched, r) for r in ratios}
     top_eq, top_m = order_at(summary, eq)[:2], order_at(matched, eq)[:2]
     match_fixed = {r: s2_match(o[:2]) for r, o in per_ratio.items()}
     names = {"A": "summary A (CACO, FACO)", "B": "summary B (CAFO, CACO)", "neither": "neither summary"}
-    f.update({"rank_eq": _ranking_text(summary, eq), "rank_eq_matched": _ranking_text(matched, eq),
-              "top2_eq": " and ".join(top_eq), "top2_eq_matched": " and ".join(top_m),
-              "s2_fixed_counts": _counts(match_fixed, len(ratios)),
-              "s2_matched_counts": _counts({r: s2_match(o[:2]) for r, o in per_ratio_m.items()}, len(ratios)),
-              "s2_eq_match": names[s2_match(top_eq)], "s2_eq_matched_match": names[s2_match(top_m)],
-              "s2_pair_kind": s2_verdict(top_eq, top_m)})
+    f: dict[str, Any] = {
+        "rank_eq": _ranking_text(summary, eq), "rank_eq_matched": _ranking_text(matched, eq),
+        "top2_eq": " and ".join(top_eq), "top2_eq_matched": " and ".join(top_m),
+        "s2_fixed_counts": _counts(match_fixed, len(ratios)),
+        "s2_matched_counts": _counts({r: s2_match(o[:2]) for r, o in per_ratio_m.items()}, len(ratios)),
+        "s2_eq_match": names[s2_match(top_eq)], "s2_eq_matched_match": names[s2_match(top_m)],
+        "s2_pair_kind": s2_verdict(top_eq, top_m)}
     move = fafo_move(toward, eq)
     f["fafo_toward"] = move or "not tested"
     if move is not None:
@@ -737,81 +777,74 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
         f.update(fafo_to_ratio=f"{a0['FAFO at ratio']:g}", tv_faco_before=f"{b0['TV to FACO']:.3f}",
                  tv_faco_after=f"{a0['TV to FACO']:.3f}", tv_caco_before=f"{b0['TV to CACO']:.3f}",
                  tv_caco_after=f"{a0['TV to CACO']:.3f}")
-
-    def pairs_hold(summ: pd.DataFrame, pairs: Sequence[tuple[str, str]]) -> tuple[int, int]:
-        """How many (ratio, pair) comparisons have the first above the second, of how many."""
-        b2 = summ.set_index(["parameterization", "ratio"])["attn_relevant"]
-        n = ok = 0
-        for r in ratios:
-            for x, y in pairs:
-                if (x, r) in b2.index and (y, r) in b2.index:
-                    n += 1
-                    ok += int(b2[(x, r)] > b2[(y, r)])
-        return ok, n
     qk_pairs, ov_pairs = [("FACO", "CACO"), ("FAFO", "CAFO")], [("FACO", "FAFO"), ("CACO", "CAFO")]
     for name, summ in (("fixed", summary), ("matched", matched)):
         for what, pairs in (("qk", qk_pairs), ("ov", ov_pairs)):
-            ok, n = pairs_hold(summ, pairs)
-            f[f"{what}_{name}"] = f"{ok} of {n}"
-    f["fafo_over_caco"] = pct([f"{r:g}" for r in ratios if ("FAFO", r) in by.index and ("CACO", r) in by.index
-                               and _val(by, "FAFO", r, "attn_relevant") > _val(by, "CACO", r, "attn_relevant")])
+            f[f"{what}_{name}"] = _pairs_hold(summ, ratios, pairs)
+    f["fafo_over_caco"] = _listing([f"{r:g}" for r in ratios if ("FAFO", r) in by.index and ("CACO", r) in by.index
+                                    and _val(by, "FAFO", r, "attn_relevant") > _val(by, "CACO", r, "attn_relevant")])
     order_eq = order_at(summary, eq)
     t2 = order_eq[:2]
     # which circuit type the two sharpest share: "FA" / "CO" / "CA" / "FO" (QK first), or "none"
     f["top2_shared"] = next((k for k, sel in (("FA", lambda p: p[:2]), ("CO", lambda p: p[2:]), ("CA", lambda p: p[:2]),
                                                ("FO", lambda p: p[2:])) if all(sel(p) == k for p in t2)), "none")
-    f["a_ratios"] = pct([f"{r:g}" for r, v in match_fixed.items() if v == "A"])
-    f["b_ratios"] = pct([f"{r:g}" for r, v in match_fixed.items() if v == "B"])
-    f["cafo_last_at"] = pct([f"{r:g}" for r, o in per_ratio.items() if o[-1:] == ["CAFO"]])
+    f["a_ratios"] = _listing([f"{r:g}" for r, v in match_fixed.items() if v == "A"])
+    f["b_ratios"] = _listing([f"{r:g}" for r, v in match_fixed.items() if v == "B"])
+    f["cafo_last_at"] = _listing([f"{r:g}" for r, o in per_ratio.items() if o[-1:] == ["CAFO"]])
     f["order_eq"] = " > ".join(order_eq)
     f["order_as_predicted"] = order_eq[:1] == ["FACO"] and order_eq[-1:] == ["CAFO"]
-    # --- S3: the verdict uses lowest -> highest; the prose also describes the ratios below the highest
+    return f
+
+
+def _s3_facts(summary: pd.DataFrame, table: pd.DataFrame, params: Sequence[str],
+              ratios: Sequence[float]) -> dict[str, Any]:
+    """S3: failures at the highest ratio, and the changes lowest -> highest (the verdict's) and
+    lowest -> the ratio below the highest, monotonicity and peaks of the attention."""
+    lo, hi, by = ratios[0], ratios[-1], summary.set_index(["parameterization", "ratio"])
     top = table[(table["ratio"] == hi) & (table["diverged"] == 0)]
     n_fail_hi = int((top["accuracy"] < C.STUCK_ACC).sum())
-    f["n_fail_hi"], f["n_hi_runs"] = str(n_fail_hi), str(len(top))
-    f["n_fail_below"] = str(int(((table["ratio"] < hi) & (table["accuracy"] < C.STUCK_ACC)).sum()))
-    if len(ratios) >= 2:
-        absmax = lambda xs: _fmt(max((abs(x) for x in xs if np.isfinite(x)), default=float("nan")))  # noqa: E731
-        d = ratio_changes(summary, ("attn_relevant", "loss", "accuracy", "AC@0.9"))
-        up = [p for p, x in zip(params, d["attn_relevant"]) if x >= C.SHARPER]
-        f.update(s3_n_up=str(len(up)), s3_up=pct(up), s3_dloss=absmax(d["loss"]), s3_dacc=absmax(d["accuracy"]))
-        rmid = [r for r in ratios if r < hi][-1]
-        f["s3_mid_tested"], f["r_mid"] = bool(rmid > lo), f"{rmid:g}"
-        if rmid > lo:
-            dm = ratio_changes(summary[summary["ratio"].isin([lo, rmid])], ("attn_relevant", "loss", "accuracy", "AC@0.9"))
-            f.update(s3_mid_n_up=str(sum(x >= C.SHARPER for x in dm["attn_relevant"])),
-                     s3_mid_dac=_fmt(max((x for x in dm["AC@0.9"] if np.isfinite(x)), default=float("nan"))),
-                     s3_mid_dloss=absmax(dm["loss"]), s3_mid_dacc=absmax(dm["accuracy"]))
-        mono = [p for p in params if all(_val(by, p, x, "attn_relevant") <= _val(by, p, y, "attn_relevant")
-                                         for x, y in zip(ratios, ratios[1:]))]
-        peak = {p: max(ratios, key=lambda r: np.nan_to_num(_val(by, p, r, "attn_relevant"), nan=-1.0)) for p in params}
-        f.update(s3_n_mono=str(len(mono)), s3_mono=pct(mono), s3_peaks=", ".join(f"{p} at {peak[p]:g}" for p in params))
-        if n_fail_hi:
-            stuck = top[top["accuracy"] < C.STUCK_ACC]
-            ff = float((stuck["FFPT"] + stuck["FFPF"]).mean()) if {"FFPT", "FFPF"} <= set(stuck) else float("nan")
-            f["stuck_common_focus"] = f"{ff:.2f}"
-    # --- R3-synthetic: matched loss
+    f: dict[str, Any] = {"n_fail_hi": str(n_fail_hi), "n_hi_runs": str(len(top)),
+                         "n_fail_below": str(int(((table["ratio"] < hi) & (table["accuracy"] < C.STUCK_ACC)).sum()))}
+    if len(ratios) < 2:
+        return f
+    absmax = lambda xs: _fmt(max((abs(x) for x in xs if np.isfinite(x)), default=float("nan")))  # noqa: E731
+    d = ratio_changes(summary, ("attn_relevant", "loss", "accuracy", "AC@0.9"))
+    up = [p for p, x in zip(params, d["attn_relevant"]) if x >= C.SHARPER]
+    f.update(s3_n_up=str(len(up)), s3_up=_listing(up), s3_dloss=absmax(d["loss"]), s3_dacc=absmax(d["accuracy"]))
+    rmid = [r for r in ratios if r < hi][-1]
+    f["s3_mid_tested"], f["r_mid"] = bool(rmid > lo), f"{rmid:g}"
+    if rmid > lo:
+        dm = ratio_changes(summary[summary["ratio"].isin([lo, rmid])], ("attn_relevant", "loss", "accuracy", "AC@0.9"))
+        f.update(s3_mid_n_up=str(sum(x >= C.SHARPER for x in dm["attn_relevant"])),
+                 s3_mid_dac=_fmt(max((x for x in dm["AC@0.9"] if np.isfinite(x)), default=float("nan"))),
+                 s3_mid_dloss=absmax(dm["loss"]), s3_mid_dacc=absmax(dm["accuracy"]))
+    mono = [p for p in params if all(_val(by, p, x, "attn_relevant") <= _val(by, p, y, "attn_relevant")
+                                     for x, y in zip(ratios, ratios[1:]))]
+    peak = {p: max(ratios, key=lambda r: np.nan_to_num(_val(by, p, r, "attn_relevant"), nan=-1.0)) for p in params}
+    f.update(s3_n_mono=str(len(mono)), s3_mono=_listing(mono), s3_peaks=", ".join(f"{p} at {peak[p]:g}" for p in params))
+    if n_fail_hi:
+        stuck = top[top["accuracy"] < C.STUCK_ACC]
+        ff = float((stuck["FFPT"] + stuck["FFPF"]).mean()) if {"FFPT", "FFPF"} <= set(stuck) else float("nan")
+        f["stuck_common_focus"] = f"{ff:.2f}"
+    return f
+
+
+def _r3_facts(matched: pd.DataFrame, mtable: pd.DataFrame, params: Sequence[str],
+              ratios: Sequence[float]) -> dict[str, Any]:
+    """R3 on the synthetic task: the runs that reached the matched loss, the spread of their
+    attention over the ratios and its move from the lowest to the highest matched ratio."""
     reached = mtable[mtable["stop_step"].notna() & (mtable["diverged"] == 0)]
-    f["n_reached"], f["n_matched_runs"] = str(len(reached)), str(len(mtable))
+    f: dict[str, Any] = {"n_reached": str(len(reached)), "n_matched_runs": str(len(mtable))}
+    if len(ratios) < 2:
+        return f
     mratios = sorted(matched["ratio"].unique())
-    if len(ratios) >= 2:
-        mby = matched.set_index(["parameterization", "ratio"])
-        spread = {p: float(reached[reached.parameterization == p].groupby("ratio")["attn_relevant"].mean().pipe(
-            lambda x: x.max() - x.min() if len(x) else float("nan"))) for p in params}
-        mlo, mhi = (mratios[0], mratios[-1]) if mratios else (lo, hi)
-        f.update(r3_spread=", ".join(f"{p} {_fmt(v)}" for p, v in spread.items()), r3_lo=f"{mlo:g}", r3_hi=f"{mhi:g}",
-                 r3_moves=", ".join(f"{p} {_fmt(_val(mby, p, mlo, 'attn_relevant'))} -> "
-                                    f"{_fmt(_val(mby, p, mhi, 'attn_relevant'))}" for p in params))
-    # --- robustness (S3-robustness)
-    f["rob_tested"] = rob_verdicts is not None and len(rob_verdicts) > 0
-    if f["rob_tested"]:
-        rv = rob_verdicts
-        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].value_counts().items()),
-                 rob_n=str(len(rv)), rob_up=str(int((rv["attention up"] == rv["parameterizations"]).sum())),
-                 rob_dloss=_fmt(float(rv["max |Δ test loss|"].max())), rob_stuck=str(int(rv["stuck or diverged"].sum())),
-                 rob_hi_runs=str(int(rv["runs at highest ratio"].sum())),
-                 rob_same_rank=str(int((rv["ranking at equal rates"] == " > ".join(order_at(summary, eq))).sum())),
-                 rob_top2=", ".join(f"{k}: {n}" for k, n in rv["top two match"].value_counts().items()))
+    mby = matched.set_index(["parameterization", "ratio"])
+    spread = {p: float(reached[reached.parameterization == p].groupby("ratio")["attn_relevant"].mean().pipe(
+        lambda x: x.max() - x.min() if len(x) else float("nan"))) for p in params}
+    mlo, mhi = (mratios[0], mratios[-1]) if mratios else (ratios[0], ratios[-1])
+    f.update(r3_spread=", ".join(f"{p} {_fmt(v)}" for p, v in spread.items()), r3_lo=f"{mlo:g}", r3_hi=f"{mhi:g}",
+             r3_moves=", ".join(f"{p} {_fmt(_val(mby, p, mlo, 'attn_relevant'))} -> "
+                                f"{_fmt(_val(mby, p, mhi, 'attn_relevant'))}" for p in params))
     return f
 
 
