@@ -39,7 +39,7 @@ import numpy as np
 import pandas as pd
 import torch
 from scipy.integrate import solve_ivp
-from scipy.special import expi, expit, lambertw
+from scipy.special import expi, expit
 
 from qkov_lib.models import PARAMETERIZATIONS, parse_parameterization
 
@@ -311,16 +311,6 @@ def asymptotic_law(parameterization: str, sizes: Sizes, eta_ov: float = 1.0, rat
             "qk_coordinate": "Ei(q)" if p.qk_factorized else "exp(q)"}
 
 
-def asymptotic_w(parameterization: str, t: ArrayLike, eta_ov: float = 1.0) -> np.ndarray:
-    """Leading-order ``w(t)``: ``log(eta t)`` (collapsed OV) or the large root of
-    ``e^w / w = 2 eta t`` (factorized OV, via the Lambert W function)."""
-    p = parse_parameterization(parameterization)
-    t = np.asarray(t, dtype=float)
-    if p.ov_factorized:
-        return -np.real(lambertw(-1.0 / (2 * eta_ov * t), k=-1))
-    return np.log(eta_ov * t)
-
-
 def fit_power(t: np.ndarray, value: np.ndarray, t_min: float, t_max: float) -> tuple[float, float]:
     """Least-squares ``log value = log A + beta log log t`` over ``t_min <= t <= t_max``;
     returns ``(beta, A)`` (a power law in ``s = log t``)."""
@@ -454,7 +444,7 @@ def full_model_velocity(task, w: float, q: float, parameterization: str, eta_ov:
 __all__ = [
     "PARAMETERIZATIONS", "Sizes", "attention_distinct", "common_mass", "distinct_mass", "reduced_loss",
     "reduced_grad", "confidence", "singular_values", "rate_factors", "velocity", "integrate", "flow_field",
-    "line_coordinates", "line_slope", "sharpness_coordinate", "tilted_count", "asymptotic_law", "asymptotic_w", "fit_power",
+    "line_coordinates", "line_slope", "sharpness_coordinate", "tilted_count", "asymptotic_law", "fit_power",
     "fit_constant", "fit_linear_in_log", "symmetric_effective", "predicted_gradients", "full_model_gradients", "scalars_of",
     "full_model_velocity",
 ]

@@ -100,16 +100,6 @@ def test_anchor_gap_and_no_trained_run():
     assert "did not train): no base rate trained at ratio 1. Reproduced in" in M.claims_rows(dead, "squad")[0]["ours"]
 
 
-def test_role_sentence_reads_the_direction():
-    f = pd.DataFrame({"answer": [0.10, 0.30], "uniform": [0.05, 0.05]}, index=pd.Index([1.0, 100.0], name="ratio"))
-    assert "rises, from 0.100 at ratio 1 to 0.300 at ratio 100" in M.role_sentence(f, "answer", "the answer", "uniform")
-    assert "falls" in M.role_sentence(f.iloc[::-1].set_axis([1.0, 100.0]), "answer", "the answer")
-    flat = f.assign(answer=[0.2, 0.2 + claims.SHARPER / 2])
-    assert "stays about level" in M.role_sentence(flat, "answer", "the answer")
-    assert M.role_sentence(pd.DataFrame(), "answer", "the answer").startswith("No trained model")
-    assert M.role_sentence(None, "answer", "the answer").startswith("No trained model")
-
-
 def test_bad_settings_fail_clearly():
     with pytest.raises(ValueError, match="unknown dataset 'imdb'"):
         M.chapter_map("imdb", "test")

@@ -665,21 +665,6 @@ def plot_roles(result: MapResult, frames: Mapping[str, pd.DataFrame], roles: Seq
     return role_bars({f"{o} (eta_ov {result.selected[o]:g})": f for o, f in frames.items()}, roles)
 
 
-def role_sentence(frame: pd.DataFrame | None, role: str, label: str, uniform: str | None = None) -> str:
-    """One sentence on how the mean mass on ``role`` (a column of :func:`roles_by_ratio`) moves
-    from the lowest to the highest ratio: it rises or falls when the change is at least
-    :data:`qkov_lib.claims.SHARPER`, else it stays; ``uniform`` names a reference column."""
-    if frame is None or frame.empty or role not in frame:
-        return f"No trained model was left to measure the attention on {label}."
-    lo, hi = frame.index.min(), frame.index.max()
-    a, b = float(frame.loc[lo, role]), float(frame.loc[hi, role])
-    move = "rises" if b - a >= claims.SHARPER else "falls" if a - b >= claims.SHARPER else "stays about level"
-    out = f"The mean attention mass on {label} {move}, from {a:.3f} at ratio {lo:g} to {b:.3f} at ratio {hi:g}"
-    if uniform and uniform in frame:
-        out += f" (uniform attention would put {float(frame.loc[lo, uniform]):.3f} there)"
-    return out + "."
-
-
 def top_words(result: MapResult, optimizer: str, data: Batch, vocab: Sequence[str], k: int = 10) -> pd.DataFrame:
     """The ``k`` most-attended words (summed attention mass on the test split) of the first seed's
     tuned ``optimizer`` model at each ratio, with the fraction of their occurrences inside a
@@ -728,7 +713,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(verdict_frame(result).to_string())
 
 
-__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "role_sentence", "top_words", "MAPS", "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
+__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "top_words", "MAPS", "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
            "chance", "analyse", "run_map", "chapter_map", "map_config", "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
            "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
 
