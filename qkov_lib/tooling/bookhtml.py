@@ -114,7 +114,8 @@ def drop_hidden_outputs(nb: Any) -> int:
     Returns the number of outputs dropped."""
     dropped = 0
     for cell in nb.cells:
-        if cell.get("cell_type") != "code" or not set(cell.get("metadata", {}).get("tags", [])) & set(HIDDEN_OUTPUT_TAGS):
+        if cell.get("cell_type") != "code" or not (set(cell.get("metadata", {}).get("tags", []))
+                                                    & set(HIDDEN_OUTPUT_TAGS)):
             continue
         keep = [o for o in cell.get("outputs", []) if "scrapbook" in o.get("metadata", {})]
         dropped += len(cell.get("outputs", [])) - len(keep)
@@ -123,12 +124,6 @@ def drop_hidden_outputs(nb: Any) -> int:
 
 
 # ----------------------------------------------------------------------------- Sphinx handlers
-
-
-def _page_widget_models(env, docname: str) -> dict[str, dict[str, Any]]:
-    js = getattr(env, "nb_metadata", {}).get(docname, {}).get("js_files", {})
-    entry = js.get("ipywidgets_state")
-    return widget_models(entry[1].get("body")) if entry else {}
 
 
 def _static_widgets(app, doctree, docname: str) -> None:
@@ -141,10 +136,11 @@ def _static_widgets(app, doctree, docname: str) -> None:
         mid = widget_view_id(node.astext())
         if mid is None:
             continue
-        if models is None:
-            models = _page_widget_models(app.env, docname)
-        text = render_widget(mid, models)
-        node.replace_self(nodes.raw("", text, format="html"))
+        if models is None:  # the page's saved widget state, read at its first widget
+            js = getattr(app.env, "nb_metadata", {}).get(docname, {}).get("js_files", {})
+            entry = js.get("ipywidgets_state")
+            models = widget_models(entry[1].get("body")) if entry else {}
+        node.replace_self(nodes.raw("", render_widget(mid, models), format="html"))
 
 
 def is_notebook_page(app, pagename: str) -> bool:
@@ -159,12 +155,10 @@ def source_downloads(app, pagename: str) -> dict[str, Path]:
     md = Path(app.config.qkov_source_dir or app.srcdir) / f"{pagename}.md"
     if md.is_file():
         out[".md"] = md
-    ipynb = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
-    src = Path(app.srcdir) / f"{pagename}.ipynb"
-    for p in (ipynb, src):
-        if p.is_file():
-            out[".ipynb"] = p
-            break
+    executed = Path(app.outdir).parent / "jupyter_execute" / f"{pagename}.ipynb"
+    ipynb = next((p for p in (executed, Path(app.srcdir) / f"{pagename}.ipynb") if p.is_file()), None)
+    if ipynb is not None:
+        out[".ipynb"] = ipynb
     return out
 
 

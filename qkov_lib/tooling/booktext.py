@@ -47,7 +47,7 @@ import ast
 import json
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
@@ -142,8 +142,7 @@ class Block:
 
     @property
     def plain(self) -> str:
-        """``text`` outside links and code spans (a link shown as one :data:`LINK_MARK`, code as a
-        space)."""
+        """``text`` outside links and code spans (a link as one :data:`LINK_MARK`, code as spaces)."""
         out, prev = [], ""
         for ch, m in zip(self.text, self.mask):
             if m == "l":
@@ -200,8 +199,7 @@ class _TreeBuilder(HTMLParser):
         if tag not in VOID:
             self.cur = node
 
-    def handle_startendtag(self, tag, attrs):
-        self.cur.children.append(_Node(tag, {k: v or "" for k, v in attrs}, self.cur))
+    # <x/>: HTMLParser's handle_startendtag calls handle_starttag, then handle_endtag
 
     def handle_endtag(self, tag):
         node = self.cur
@@ -236,7 +234,7 @@ def _text(node: _Node | str, math: bool = False) -> str:
     if _skipped(node):
         return ""
     math = math or "math" in node.classes()
-    return ("" if node.tag not in ("br",) else " ").join(_text(c, math) for c in node.children)
+    return (" " if node.tag == "br" else "").join(_text(c, math) for c in node.children)
 
 
 def _squash(s: str) -> str:
@@ -396,11 +394,9 @@ class _Walker:
 
 def _ancestor(node: _Node, tags: set[str]) -> bool:
     p = node.parent
-    while p is not None:
-        if p.tag in tags:
-            return True
+    while p is not None and p.tag not in tags:
         p = p.parent
-    return False
+    return p is not None
 
 
 def parse_page(html_text: str, name: str = "") -> Page:
@@ -473,52 +469,46 @@ def _header_key(h: str) -> str:
     return h.strip().lower().split(" ")[-1] if h.strip() else ""
 
 
+def _setting_cells(t: Block, key: re.Pattern) -> Iterator[tuple[str, bool]]:
+    """``(cell, in_column)`` of every cell of a row named ``key`` (its first cell, the settings
+    table) and of a column whose header's last word is ``key``, row by row."""
+    keys = [_header_key(h) for h in t.header]
+    for row in t.rows:
+        if row and key.match(row[0].strip().lower()):
+            yield from ((c, False) for c in row[1:])
+        yield from ((c, True) for j, c in enumerate(row) if j < len(keys) and key.match(keys[j]))
+
+
 def table_ratio_sets(page: Page) -> list[frozenset[float]]:
     """The ratio lists a page's tables show: the value of every ``ratios``/``*_ratios`` row (the
     settings table) or column, the values of a ``ratio`` column and the ``N`` of ``ratio N`` headers."""
     out = []
     for t in (b for b in page.blocks if b.kind == "table"):
-        keys = [_header_key(h) for h in t.header]
-        for row in t.rows:
-            if row and _SETTING_KEY.match(row[0].strip().lower()):
-                out += [number_list(c) for c in row[1:] if _NUM_LIST.match(c.strip())]
-            out += [number_list(c) for j, c in enumerate(row)
-                    if j < len(keys) and _SETTING_KEY.match(keys[j]) and _NUM_LIST.match(c.strip())]
-        for j, k in enumerate(keys):
-            if k == "ratio":
-                vals = {float(r[j]) for r in t.rows if j < len(r) and re.fullmatch(NUM, r[j].strip())}
-                if vals:
-                    out.append(frozenset(vals))
-        headed = {float(m.group(1)) for h in t.header for m in [_RATIO_HEADER.match(h.strip().lower())] if m}
-        if headed:
-            out.append(frozenset(headed))
+        out += [number_list(c) for c, _ in _setting_cells(t, _SETTING_KEY) if _NUM_LIST.match(c.strip())]
+        out += [frozenset(float(r[j]) for r in t.rows if j < len(r) and re.fullmatch(NUM, r[j].strip()))
+                for j, h in enumerate(t.header) if _header_key(h) == "ratio"]
+        out.append(frozenset(float(m.group(1)) for h in t.header
+                             for m in [_RATIO_HEADER.match(h.strip().lower())] if m))
     return [s for s in out if s]
 
 
 def results_ratio_sets(doc: Mapping | None) -> list[frozenset[float]]:
     """The ``ratios``/``*_ratios`` lists of a results file's ``params``."""
-    params = (doc or {}).get("params") or {}
-    return [frozenset(float(v) for v in val) for key, val in params.items()
+    return [frozenset(float(v) for v in val) for key, val in ((doc or {}).get("params") or {}).items()
             if _SETTING_KEY.match(str(key)) and isinstance(val, (list, tuple)) and val
             and all(isinstance(v, (int, float)) for v in val)]
 
 
 def seed_counts(page: Page, doc: Mapping | None = None) -> set[int]:
-    """How many seeds the page ran, as its tables and results file say: the length of every
-    ``seeds``/``*_seeds`` list (settings rows, columns, ``params``) and the integers of a ``seeds``
-    column."""
+    """How many seeds the page ran: the length of every ``seeds``/``*_seeds`` list (settings rows,
+    columns, the results file's ``params``) and the integers of a ``seeds`` column."""
     out: set[int] = set()
     for t in (b for b in page.blocks if b.kind == "table"):
-        keys = [_header_key(h) for h in t.header]
-        for row in t.rows:
-            if row and _SEEDS_KEY.match(row[0].strip().lower()):
-                out |= {len(number_list(c)) for c in row[1:] if _NUM_LIST.match(c.strip())}
-            for j, c in enumerate(row):
-                if j < len(keys) and _SEEDS_KEY.match(keys[j]):
-                    if _NUM_LIST.match(c.strip()):
-                        out.add(len(number_list(c)))
-                    elif re.fullmatch(r"\d+(?:\.0)?", c.strip()):
-                        out.add(int(float(c)))
+        for c, in_column in _setting_cells(t, _SEEDS_KEY):
+            if _NUM_LIST.match(c.strip()):
+                out.add(len(number_list(c)))
+            elif in_column and re.fullmatch(r"\d+(?:\.0)?", c.strip()):
+                out.add(int(float(c)))
     for key, val in ((doc or {}).get("params") or {}).items():
         if _SEEDS_KEY.match(str(key)) and isinstance(val, (list, tuple)):
             out.add(len(val))
@@ -691,11 +681,13 @@ def _words(s: str) -> set[str]:
 
 def reference_findings(page: Page, page_file: Path, html_root: Path, repo: Path,
                        page_names: Mapping[str, str]) -> list[Finding]:
-    """References to files and pages that do not exist: broken relative links, missing repository
-    paths and ``qkov_lib`` names in code spans, a README named in prose outside a link, and "the
-    <name> page/chapter" or "chapter N" that names no page of the book, in a sentence with no link.
-    ``page_names``: every page of the book, its name (``book/05_squad``) -> its title."""
-    out = []
+    """The module's ``references`` rule over one page: links, code spans and prose naming files or
+    pages that do not exist. ``page_names``: every page of the book, name (``book/05_squad``) -> title."""
+    out: list[Finding] = []
+
+    def bad(text: str) -> None:
+        out.append(Finding(page.name, "references", text))
+
     known = [_words(title) | _words(name.rsplit("/", 1)[-1]) for name, title in page_names.items()]
     numbers = {int(m.group(1)) for name in page_names for m in [re.match(r"(\d+)_", name.rsplit("/", 1)[-1])] if m}
     for b in page.blocks:
@@ -704,7 +696,7 @@ def reference_findings(page: Page, page_file: Path, html_root: Path, repo: Path,
         for href, text in b.links:
             why = link_problem(href, page_file, html_root)
             if why:
-                out.append(Finding(page.name, "references", f"link {text!r}: {why}"))
+                bad(f"link {text!r}: {why}")
         for span in b.code:
             for token in span.split():
                 token = token.strip("'\",;()`")
@@ -717,30 +709,26 @@ def reference_findings(page: Page, page_file: Path, html_root: Path, repo: Path,
                 else:
                     continue
                 if why:
-                    out.append(Finding(page.name, "references", f"`{span}`: {why}"))
+                    bad(f"`{span}`: {why}")
         for token in b.plain.split():
             token = token.strip("'\",;:()`.").rstrip(".")
-            if "/" in token and PATH_TOKEN.match(token):
-                why = path_problem(token, repo)
-                if why:
-                    out.append(Finding(page.name, "references", f"{token}: {why}"))
+            why = path_problem(token, repo) if "/" in token and PATH_TOKEN.match(token) else None
+            if why:
+                bad(f"{token}: {why}")
         for s in sentences(b.plain):
             shown = _squash(s.replace(LINK_MARK, "[link]"))
             if _README.search(s):
-                out.append(Finding(page.name, "references", f"{shown!r}: names a README, which the book does not "
-                                                            f"contain (link a page of the book, or name the "
-                                                            f"repository file as a path in a code span)"))
+                bad(f"{shown!r}: names a README, which the book does not contain (link a page of the book, or "
+                    f"name the repository file as a path in a code span)")
             if LINK_MARK in s:
                 continue
             for m in _PAGE_REF.finditer(s):
                 words = _words(m.group(1)) - GENERIC
                 if words and not any(words <= k for k in known):
-                    out.append(Finding(page.name, "references", f"{shown!r}: '{_squash(m.group(0))}' names no page "
-                                                                f"of the book and links none"))
+                    bad(f"{shown!r}: '{_squash(m.group(0))}' names no page of the book and links none")
             for m in _NUMBERED_REF.finditer(s):
                 if int(m.group(1)) not in numbers:
-                    out.append(Finding(page.name, "references", f"{shown!r}: no page of the book is numbered "
-                                                                f"{m.group(1)}"))
+                    bad(f"{shown!r}: no page of the book is numbered {m.group(1)}")
     return out
 
 

@@ -218,9 +218,9 @@ def toc_files(root: str | os.PathLike = REPO_ROOT) -> list[str]:
 
     def walk(node: Any) -> None:
         if isinstance(node, Mapping):
-            for k in ("root", "file"):
-                if isinstance(node.get(k), str):
-                    out.append(str(Path(node[k]).with_suffix("")) if Path(node[k]).suffix in (".md", ".ipynb") else node[k])
+            for doc in (node.get(k) for k in ("root", "file")):
+                if isinstance(doc, str):
+                    out.append(str(Path(doc).with_suffix("")) if Path(doc).suffix in (".md", ".ipynb") else doc)
             for k in ("parts", "chapters", "sections", "entries"):
                 for child in node.get(k) or []:
                     walk(child)
@@ -267,11 +267,14 @@ def _executed_for(src: Path, executed: Path) -> Path | None:
     return None
 
 
-def _load_config(root: Path) -> dict[str, Any]:
+def _load_config(root: Path, mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``<root>/_config.yml`` set to ``execute_notebooks: <mode>``, and its ``sphinx`` section."""
     import yaml
 
     path = root / "_config.yml"
-    return yaml.safe_load(path.read_text()) if path.exists() else {}
+    cfg = yaml.safe_load(path.read_text()) if path.exists() else {}
+    cfg.setdefault("execute", {})["execute_notebooks"] = mode
+    return cfg, cfg.setdefault("sphinx", {})
 
 
 def _write_config(cfg: Mapping[str, Any], path: Path) -> Path:
@@ -372,9 +375,7 @@ def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: 
         rel = src.relative_to(root)
         (stage / rel).unlink(missing_ok=True)
         nbformat.write(nb, stage / rel.with_suffix(".ipynb"))
-    cfg = _load_config(root)
-    cfg.setdefault("execute", {})["execute_notebooks"] = "off"
-    sph = cfg.setdefault("sphinx", {})
+    cfg, sph = _load_config(root, "off")
     sph["config"] = {**(sph.get("config") or {}), "qkov_source_dir": str(root)}
     _write_config(cfg, stage / "_config.yml")
     return stage
@@ -382,9 +383,7 @@ def stage_executed(root: str | os.PathLike, executed: str | os.PathLike, stage: 
 
 def overlay_config(root: str | os.PathLike, mode: str, out: str | os.PathLike) -> Path:
     """``_config.yml`` with ``execute_notebooks: <mode>`` and this extension added, written to ``out``."""
-    cfg = _load_config(Path(root))
-    cfg.setdefault("execute", {})["execute_notebooks"] = mode
-    sph = cfg.setdefault("sphinx", {})
+    cfg, sph = _load_config(Path(root), mode)
     ext = list(sph.get("extra_extensions") or [])
     if __name__ not in ext:
         ext.append(__name__)
@@ -393,10 +392,8 @@ def overlay_config(root: str | os.PathLike, mode: str, out: str | os.PathLike) -
 
 
 def _jupyter_book() -> list[str]:
-    exe = Path(sys.executable).parent / "jupyter-book"
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("jupyter-book")
+    exe = Path(sys.executable).parent / "jupyter-book"  # the venv's, also when it is not on PATH
+    found = str(exe) if exe.exists() else shutil.which("jupyter-book")
     if not found:
         raise FileNotFoundError("jupyter-book is not installed (pip install 'jupyter-book<2')")
     return [found]

@@ -106,8 +106,9 @@ def settings_call(path: str | os.PathLike) -> tuple[Mapping[str, Mapping[str, An
     for cell in jupytext.read(Path(path)).cells:
         if cell.cell_type != "code":
             continue
+        code = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
         try:  # IPython magics and shell lines are not Python
-            tree = ast.parse("\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!"))))
+            tree = ast.parse(code)
         except SyntaxError:
             continue
         _qkov_names(tree, names)
@@ -174,9 +175,9 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths.
 
     Parameter names are checked first (:func:`check_parameters`; values are checked by the
-    chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). An earlier ``<name>.json`` is removed before the run; when the run fails, a results file it
-    wrote becomes ``<name>.failed.json`` (:func:`qkov_lib.tooling.results.mark_failed`) and the error
-    is raised."""
+    chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). An earlier
+    ``<name>.json`` is removed before the run; when the run fails, a results file it wrote becomes
+    ``<name>.failed.json`` (:func:`qkov_lib.tooling.results.mark_failed`) and the error is raised."""
     import jupytext
     import papermill as pm
 

@@ -21,8 +21,7 @@ FAILED_SUFFIX = ".failed.json"  # <name>.failed.json: the results file of a run 
 
 def default_results_path(chapter: str) -> Path:
     """``$QKOV_RESULTS_DIR/<chapter>.json``, else ``<repo>/_build/results/<chapter>.json``."""
-    root = Path(os.environ.get(RESULTS_ENV, REPO_ROOT / "_build" / "results"))
-    return root / f"{chapter}.json"
+    return Path(os.environ.get(RESULTS_ENV, REPO_ROOT / "_build" / "results")) / f"{chapter}.json"
 
 
 def jsonable(x: Any) -> Any:
@@ -71,17 +70,10 @@ def save_results(chapter: str, params: Mapping[str, Any], metrics: Any, path: st
     sha256 of every data file read in this process (:func:`qkov_lib.data.sources.used_files`).
     The file is strict JSON (NaN/inf as ``null``, see :func:`write_json`), written atomically."""
     out = Path(path) if path else default_results_path(chapter)
-    doc = {
-        "chapter": chapter,
-        "params": dict(params),
-        "metrics": metrics,
-        "versions": versions(),
-        "git_commit": git_commit(),
-        "device": device or str(pick_device()),
-        "wall_time_s": wall_time_s,
-        "data_files": used_files(),  # sha256 of every data file the run read
-    }
-    return write_json(out, doc)  # strict JSON, atomic
+    doc = {"chapter": chapter, "params": dict(params), "metrics": metrics, "versions": versions(),
+           "git_commit": git_commit(), "device": device or str(pick_device()), "wall_time_s": wall_time_s,
+           "data_files": used_files()}
+    return write_json(out, doc)
 
 
 def failed_path(path: str | os.PathLike) -> Path:

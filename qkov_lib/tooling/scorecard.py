@@ -18,7 +18,6 @@ from typing import Any
 import pandas as pd
 
 from qkov_lib import claims
-
 from qkov_lib.tooling import results
 from qkov_lib.studies.attention_analysis import CHAPTERS
 
@@ -60,16 +59,11 @@ def find_doc(chapter: str, book_dir: str | os.PathLike, pages: Iterable[str] | N
         return None
     stem = Path(chapter).stem
     allowed = None if pages is None else {Path(p).name for p in pages}
-    pages = sorted(p for s in ("*.md", "*.ipynb") for p in Path(book_dir).glob(s)
-                   if allowed is None or p.stem in allowed)
-    for p in pages:
-        if p.stem == stem:
-            return p.stem
-    for p in pages:
-        head, _, tail = p.stem.partition("_")
-        if head.isdigit() and tail == stem:
-            return p.stem
-    return None
+    stems = [p.stem for p in sorted(p for s in ("*.md", "*.ipynb") for p in Path(book_dir).glob(s))
+             if allowed is None or p.stem in allowed]
+    if stem in stems:
+        return stem
+    return next((s for s in stems if s.partition("_")[0].isdigit() and s.partition("_")[2] == stem), None)
 
 
 def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str | os.PathLike | None = None,
@@ -163,12 +157,11 @@ def _where(m: Mapping[str, Any], link: bool) -> str:
 
 
 def to_matrix(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
-    """The scorecard at a glance, as a MyST table with one row per claim: claim ID | verdict |
-    measured | chapter. ``verdict`` is the combined badge, followed by each measurement's own
-    small badge (named by dataset) when several chapters report the claim; ``measured`` is each
-    measurement's reason (the rule's one-line summary of the numbers it decided on), named by
-    dataset when there are several. Statements, full measurements and rules are in
-    :func:`to_details`."""
+    """The scorecard at a glance, as a MyST table, one row per claim: claim ID | verdict | measured |
+    chapter. ``verdict``: the combined badge, then each measurement's small badge (named by dataset)
+    when several chapters report the claim; ``measured``: each measurement's reason (the rule's
+    one-line summary of the numbers it decided on), named by dataset when there are several.
+    Statements, full measurements and rules: :func:`to_details`."""
     lines = ["| claim | verdict | measured | chapter |", "|---|---|---|---|"]
     rows = card if kind is None else card[card["kind"] == kind]
     for _, r in rows.iterrows():
@@ -178,8 +171,8 @@ def to_matrix(card: pd.DataFrame, link: bool = True, kind: str | None = None) ->
             continue
         named = len(ms) > 1
         verdict = _badge(r["verdict"], link) + ("" if not named else " " + " ".join(
-            f"{myst_cell(dataset_name(m.get('chapter', '')))} {_badge(str(m.get('verdict', 'not tested')), link, small=True)}"
-            for m in ms))
+            f"{myst_cell(dataset_name(m.get('chapter', '')))} "
+            f"{_badge(str(m.get('verdict', 'not tested')), link, small=True)}" for m in ms))
         measured = "; ".join((f"{myst_cell(dataset_name(m.get('chapter', '')))}: " if named else "")
                              + myst_cell(m.get("reason", "") or m.get("ours", "")) for m in ms)
         where = ", ".join(dict.fromkeys(_where(m, link) for m in ms))
@@ -245,7 +238,8 @@ def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, 
         raise ValueError(f"results file {path} is not valid JSON ({err}); rerun its chapter") from err
 
 
-def r_table(results_dir: str | Path | None = None, datasets: Sequence[str] = ("squad", "hatexplain", "sva")) -> pd.DataFrame:
+def r_table(results_dir: str | Path | None = None,
+            datasets: Sequence[str] = ("squad", "hatexplain", "sva")) -> pd.DataFrame:
     """The R1-R3 table: one row per claim row a dataset chapter reported (a chapter may report
     several rows on one claim, e.g. SVA's second R1 row for its natural-prefix models), with the
     paper's statement, our measurement (with the profile and the seeds per cell of the chapter's

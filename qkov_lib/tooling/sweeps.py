@@ -76,7 +76,8 @@ def expand_grid(grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Sequen
     elif isinstance(grid, Sequence) and not isinstance(grid, (str, bytes)):
         grids = list(grid)
     else:
-        raise TypeError(f"a grid is a mapping name -> list of values (or a list of such mappings), got {type(grid).__name__}")
+        raise TypeError("a grid is a mapping name -> list of values (or a list of such mappings), "
+                        f"got {type(grid).__name__}")
     points: list[dict[str, Any]] = []
     seen: set[str] = set()
     for g in grids:
@@ -135,8 +136,6 @@ def _record_path(out_dir: str | Path, rid: str) -> Path:
     return Path(out_dir) / "records" / f"{rid}.json"
 
 
-
-
 @contextlib.contextmanager
 def _thread_env(threads: int | None) -> Iterator[None]:
     """Set the BLAS/OpenMP thread counts that a kernel started inside inherits."""
@@ -184,10 +183,8 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
         with _thread_env(spec.threads):
             chapters.run_chapter(spec.chapter, out / "runs", spec.params, name=spec.run_id, progress=False)
         doc = json.loads((out / record["results_file"]).read_text())
-        record.update(status="ok", error=None, traceback=None)
-        record["resolved_params"] = doc.get("params", {})
-        for key in ("metrics", "versions", "git_commit", "device", "wall_time_s"):
-            record[key] = doc.get(key)
+        record.update(status="ok", error=None, traceback=None, resolved_params=doc.get("params", {}))
+        record.update({k: doc.get(k) for k in ("metrics", "versions", "git_commit", "device", "wall_time_s")})
     except Exception as exc:  # noqa: BLE001 -- any failure of a run is data, not a crash
         err, tb = _error_text(exc)
         record.update(status="failed", error=err, traceback=tb, resolved_params=None, metrics=None,
@@ -210,13 +207,10 @@ def _failed_record(spec: RunSpec, exc: BaseException) -> dict[str, Any]:
 
 
 def load_record(out_dir: str | Path, rid: str) -> dict[str, Any] | None:
-    """The record of run ``rid`` in a sweep folder, or None."""
-    path = _record_path(out_dir, rid)
-    if not path.exists():
-        return None
+    """The record of run ``rid`` in a sweep folder, or None (none written, or unreadable JSON)."""
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        return json.loads(_record_path(out_dir, rid).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
@@ -446,7 +440,8 @@ def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequenc
             p["profile"] = profiles.profile_name(profile)
         defaults = table.get(profiles.profile_name(p.get(prof) if prof else None), {})
         for axis, value in point.items():
-            if isinstance(defaults.get(param_kw.get(axis)), (list, tuple)) and not isinstance(value, (list, tuple, type(None))):
+            if isinstance(defaults.get(param_kw.get(axis)), (list, tuple)) \
+                    and not isinstance(value, (list, tuple, type(None))):
                 values = [q[axis] for q in points if axis in q]
                 raise ValueError(f"grid axis {axis!r}: each grid value is one run's {axis!r}, which is a list; "
                                  f"give a list of lists, e.g. -g {axis} '{json.dumps([[v] for v in values])}'")
@@ -529,10 +524,8 @@ def sweep(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequen
                     poll = poll_s or 0.2
                 else:
                     ex = _submitit_executor(executor, out, name, workers, executor_params or {})
-                    jobs = []
                     with ex.batch():
-                        for s in pending:
-                            jobs.append(ex.submit(execute_run, s))
+                        jobs = [ex.submit(execute_run, s) for s in pending]
                     handles = list(zip(pending, jobs))
                     poll = poll_s or (1.0 if executor == "submitit-local" else 15.0)
                 while handles:
@@ -558,7 +551,8 @@ def sweep(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequen
                     pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
 
-        records = [load_record(out, s.run_id) or _failed_record(s, RuntimeError("no record was written")) for s in specs]
+        records = [load_record(out, s.run_id) or _failed_record(s, RuntimeError("no record was written"))
+                   for s in specs]
         paths = write_table(records, out)
         table = results_table(records)
         failed = int((table["status"] != "ok").sum()) if len(table) else 0
@@ -648,16 +642,12 @@ def _from_args(args) -> int:
     chapter = args.chapter or cfg.get("chapter")
     if not chapter:
         raise SweepError("give a chapter (positional or `chapter:` in --config)")
-    grid = dict(cfg.get("grid") or {})
-    for k, v in args.grid:
-        grid[k] = _parse(v)
-    params = dict(cfg.get("params") or {})
-    params.update({k: _parse(v) for k, v in args.param})
+    grid = dict(cfg.get("grid") or {}, **{k: _parse(v) for k, v in args.grid})
+    params = dict(cfg.get("params") or {}, **{k: _parse(v) for k, v in args.param})
     executor = args.executor or cfg.get("executor", "local")
-    ex_params = dict(cfg.get("executor_params") or {})
-    ex_params.update({k: v for k, v in {"timeout_min": args.timeout_min, "slurm_partition": args.partition,
-                                         "gpus_per_node": args.gpus_per_node, "cpus_per_task": args.cpus_per_task,
-                                         "mem_gb": args.mem_gb}.items() if v is not None})
+    options = {"timeout_min": args.timeout_min, "slurm_partition": args.partition, "gpus_per_node": args.gpus_per_node,
+               "cpus_per_task": args.cpus_per_task, "mem_gb": args.mem_gb}
+    ex_params = dict(cfg.get("executor_params") or {}, **{k: v for k, v in options.items() if v is not None})
     src = Path(str(chapter))
     out = args.out or cfg.get("out") or f"runs/sweep-{chapter_name(src) if src.suffix else src.name}"
     res = sweep(chapter, grid, out, params=params, profile=args.profile or cfg.get("profile"), executor=executor,
