@@ -1,12 +1,9 @@
 """What every converter of an official release shares: converters are pure functions of bytes.
 
-Each converter takes ``{download id: bytes as served}`` and returns ``{path in the data folder:
-uncompressed content}``; :mod:`qkov_lib.data.fetch` checks the content against the manifest
-and writes it. The converters live with their datasets (``hatexplain.convert``,
-``sva.convert_linzen2016``, ``sva.convert_marvin_linzen2018``) and are listed in
-:data:`qkov_lib.data.registry.CONVERTERS`; this module holds the helpers they share: picking an
-input by name, the JSON-lines layout of the Hugging Face export, reading a tar archive in
-memory and an unpickler that runs no code.
+A converter takes ``{download id: bytes as served}`` and returns ``{path in the data folder: uncompressed
+content}``, which :mod:`qkov_lib.data.fetch` checks against the manifest and writes. The converters
+live with their datasets and are listed in :data:`qkov_lib.data.registry.CONVERTERS`; this module
+holds the helpers they share.
 """
 
 from __future__ import annotations
@@ -29,14 +26,14 @@ def by_name(inputs: Mapping[str, bytes], name: str) -> bytes:
 
 
 def hf_jsonl(rows: list[dict[str, Any]]) -> bytes:
-    """JSON lines as the ``datasets``/pandas JSON export writes them: compact, non-ASCII as
-    ``\\uXXXX`` and ``/`` as ``\\/`` (so the converted splits equal the curated copies byte for byte)."""
+    """JSON lines as the ``datasets``/pandas export writes them: compact, non-ASCII as ``\\uXXXX``, ``/`` as
+    ``\\/`` (so the converted splits equal the curated copies byte for byte)."""
     return "".join(json.dumps(r, separators=(",", ":")).replace("/", "\\/") + "\n" for r in rows).encode("ascii")
 
 
 def tar_members(data: bytes, names: list[str]) -> dict[str, bytes]:
-    """The files ``names`` (matched by base name; macOS ``._*`` stubs ignored) of a tar archive,
-    read in memory. KeyError naming the missing ones."""
+    """The files ``names`` (by base name; macOS ``._*`` stubs ignored) of a tar archive, read in memory;
+    KeyError naming the missing ones."""
     out = {}
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
         for m in tar.getmembers():
@@ -50,8 +47,7 @@ def tar_members(data: bytes, names: list[str]) -> dict[str, bytes]:
 
 
 class NoGlobalsUnpickler(pickle.Unpickler):
-    """An unpickler that refuses every global, so a pickle can build only plain containers and
-    strings and can run no code."""
+    """An unpickler refusing every global: a pickle can build only plain containers and strings, run no code."""
 
     def find_class(self, module: str, name: str):  # noqa: D401 - pickle's hook
         raise pickle.UnpicklingError(f"refused to load the global {module}.{name}: the template pickles "

@@ -2,23 +2,14 @@
 and the data command line (:func:`main`: :mod:`qkov_lib.data.sources`'s check, verify and list,
 plus ``fetch`` and ``check --fetch``).
 
-Each download named in the manifest goes to ``<final>.part`` in its destination folder, with a
-progress bar (tqdm.auto). A broken connection is retried with exponential backoff and resumed
-with an HTTP ``Range`` request (a server that ignores the range sends the whole file again, and
-the part file is restarted). Only when the complete part file has the manifest's sha256 is it
-moved (renamed, or gzipped to a temporary file and renamed) to its final path; a mismatch deletes
-the part file and raises :class:`~qkov_lib.data.sources.ChecksumError` before anything exists at
-the final path. The loaders never read ``*.part`` files, so an interrupted download is never data.
-
-A download without a published checksum (Linzen's ``rnn_agr_simple.tar.gz``) stays a part file
-until the files converted from it match their manifest checksums; only then is it kept. Files
-the converters build (:data:`qkov_lib.data.registry.CONVERTERS`) are checked the same way before they are
-written: against the manifest's content sha256, or, where none is published (the HateXplain
-train split, built from a checksummed download), against the expected number of lines, with a
-warning that prints the file's sha256. Such a file gets a provenance record beside it
-(``<file>.provenance.json``: its sha256 and the sha256 of each download it was built from,
-:func:`~qkov_lib.data.sources.provenance_record`), which is what lets
-:func:`~qkov_lib.data.sources.verify_file` accept it later.
+A download collects in ``<final>.part`` (retried and resumed, :func:`download`) and is moved to its
+final path only with the manifest's sha256; the loaders never read ``*.part`` files, so an interrupted
+download is never data. A download without a published checksum (Linzen's ``rnn_agr_simple.tar.gz``)
+is kept only once the files converted from it match their manifest checksums. Converted files
+(:data:`qkov_lib.data.registry.CONVERTERS`) are checked before they are written (:func:`check_output`);
+one without a published checksum (the HateXplain train split, built from a checksummed download) gets
+a provenance record ``<file>.provenance.json`` (:func:`~qkov_lib.data.sources.provenance_record`),
+which lets :func:`~qkov_lib.data.sources.verify_file` accept it later.
 """
 
 from __future__ import annotations
@@ -59,15 +50,14 @@ class _Retry(Exception):
 
 # --- one download -----------------------------------------------------------------------------
 def part_path(final: Path) -> Path:
-    """Where the bytes of a download collect until they are verified: ``<final>.part``."""
+    """Where a download collects until it is verified: ``<final>.part``."""
     return final.with_name(final.name + ".part")
 
 
 def _get(url: str, part: Path, timeout: float, progress: bool, desc: str) -> bool:
-    """One HTTP GET of ``url`` into ``part``, resuming from its current size with a Range
-    request. Returns whether the file was resumed (its start came from an earlier attempt).
-    Raises :class:`_Retry` on transient failures, :class:`OfflineError` when the host does not
-    resolve and :class:`DownloadError` on a permanent HTTP error."""
+    """One HTTP GET of ``url`` into ``part``, resuming from its size with a Range request; returns
+    whether it resumed. Raises :class:`_Retry` on transient failures, :class:`OfflineError` when the
+    host does not resolve and :class:`DownloadError` on a permanent HTTP error."""
     from tqdm.auto import tqdm
 
     have = part.stat().st_size if part.exists() else 0
@@ -119,16 +109,16 @@ def _get(url: str, part: Path, timeout: float, progress: bool, desc: str) -> boo
 
 def download(url: str, part: Path, sha256: str | None, retries: int = 4, backoff: float = 2.0,
              timeout: float = 60.0, progress: bool = True, desc: str | None = None) -> Path:
-    """Download ``url`` into the part file ``part`` (resuming what is there) and check its
-    sha256. Transient failures are retried ``retries`` times, waiting ``backoff * 2**k`` s; the
-    part file is kept so the next call resumes it. A complete file with the wrong sha256 is
-    deleted; if it had been resumed it is downloaded once more from the start, otherwise
-    :class:`ChecksumError` is raised. ``sha256=None`` skips the check (the caller must verify)."""
+    """Download ``url`` into the part file ``part`` (resuming what is there; progress bar ``desc``) and
+    check its sha256. Transient failures are retried ``retries`` times, waiting ``backoff * 2**k`` s, and
+    the part file is kept for the next call to resume. A complete file with the wrong sha256 is deleted,
+    and downloaded once more from the start if it had been resumed, else :class:`ChecksumError`.
+    ``sha256=None`` skips the check (the caller must verify)."""
     part.parent.mkdir(parents=True, exist_ok=True)
-    failures, restarted = 0, False
+    failures, restarted, name = 0, False, part.name[:-len(".part")]
     while True:
         try:
-            resumed = _get(url, part, timeout, progress, desc or part.name[:-len(".part")])
+            resumed = _get(url, part, timeout, progress, desc or name)
         except _Retry as err:
             failures += 1
             if failures > retries:
@@ -149,21 +139,16 @@ def download(url: str, part: Path, sha256: str | None, retries: int = 4, backoff
                   file=sys.stderr)
             continue
         raise ChecksumError(f"download of {url} has sha256 {got}, expected {sha256} (manifest); it was deleted "
-                            f"and nothing was written at {part.name[:-len('.part')]}")
+                            f"and nothing was written at {name}")
 
 
 def sha256_bytes_of(path: Path) -> str:
     """Hex sha256 of a file's bytes (uncached: part files change)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sources._sha256_uncached(path)
 
 
 def write_atomic(final: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file beside ``final`` and rename it into place, so
-    ``final`` is either absent or complete."""
+    """Write ``data`` to a temporary file beside ``final`` and rename it, so ``final`` is absent or complete."""
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.", suffix=".tmp")
     try:
@@ -176,14 +161,13 @@ def write_atomic(final: Path, data: bytes) -> None:
 
 
 def stored_bytes(content: bytes, rel: str) -> bytes:
-    """The bytes stored for ``content`` at ``rel``: gzip (level 9, no time stamp, so the same
-    content always gives the same file) for ``*.gz``, else the content itself."""
+    """The bytes stored for ``content`` at ``rel``: for ``*.gz`` gzip (level 9, no time stamp, so the same
+    content always gives the same file), else the content itself."""
     return gzip.compress(content, compresslevel=9, mtime=0) if rel.endswith(".gz") else content
 
 
 def place(part: Path, final: Path, store: str) -> None:
-    """Move a verified part file to ``final``: renamed (``store="copy"``) or gzipped into place
-    (``store="gzip"``)."""
+    """Move a verified part file to ``final``: renamed (``store="copy"``) or gzipped (``store="gzip"``)."""
     if store == "copy":
         os.replace(part, final)
     elif store == "gzip":
@@ -195,9 +179,8 @@ def place(part: Path, final: Path, store: str) -> None:
 
 # --- building the folder ----------------------------------------------------------------------
 def check_output(rel: str, content: bytes, entry: Mapping[str, Any]) -> str:
-    """Check converted ``content`` for the manifest file ``rel`` before it is written: its
-    sha256 against ``content_sha256``, else its line count against ``lines``. Returns how it
-    was checked; raises :class:`ChecksumError` on a mismatch."""
+    """Check converted ``content`` for manifest file ``rel`` before it is written: its sha256 against
+    ``content_sha256``, else its line count against ``lines``. Returns how; ChecksumError on a mismatch."""
     want = entry.get("content_sha256")
     if want:
         got = hashlib.sha256(content).hexdigest()
@@ -214,9 +197,9 @@ def check_output(rel: str, content: bytes, entry: Mapping[str, Any]) -> str:
 
 
 def select(only: Iterable[str] | None) -> list[str]:
-    """The manifest files to build: those named in ``only`` (paths or dataset names), else the
-    buildable member of every group of alternatives the chapters need, and the buildable
-    optional files. Raises ValueError for an unknown name or a file that cannot be built."""
+    """The manifest files to build: those named in ``only`` (paths or dataset names), else the buildable
+    member of every needed group of alternatives and the buildable optional files. ValueError for an
+    unknown name or a file that cannot be built."""
     files = sources.manifest()
     if only:
         picked = []
@@ -237,13 +220,11 @@ def select(only: Iterable[str] | None) -> list[str]:
 def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, overwrite: bool = False,
           progress: bool = True, retries: int = 4, backoff: float = 2.0, timeout: float = 60.0,
           allow_unverified: bool = False) -> dict[str, str]:
-    """Download the official releases and build the files of :func:`select` in ``dest`` (None:
-    the data folder, :func:`qkov_lib.data.sources.data_dir_location`).
-
-    Returns ``{path: status}`` for every file built, kept or downloaded. Raises
-    :class:`ChecksumError` (nothing written at the final path), :class:`OfflineError` or
-    :class:`DownloadError`. A download without a published checksum is accepted only when a file
-    converted from it matches a published checksum (or with ``allow_unverified``)."""
+    """Download the official releases and build the files of :func:`select` in ``dest`` (None: the
+    data folder, :func:`qkov_lib.data.sources.data_dir_location`). Returns ``{path: status}`` of every
+    file built, kept or downloaded. Raises :class:`ChecksumError` (nothing written at the final path),
+    :class:`OfflineError` or :class:`DownloadError`. A download without a published checksum is kept
+    only when a file converted from it matches a published checksum (or with ``allow_unverified``)."""
     from qkov_lib.data.registry import CONVERTERS
 
     dest = sources.data_dir_location(dest)[0] if dest is None else Path(dest)
@@ -280,7 +261,8 @@ def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, ove
         if "download" in b and dls[b["download"]]["path"] == rel:
             status[rel] = f"downloaded ({_verified(sources.verify_file(dest / rel, rel))})"
     for name in dict.fromkeys(files[r]["build"]["convert"] for r in todo if "convert" in files[r]["build"]):
-        inputs = {did: _raw(did, have, pending) for did in _inputs(name)}
+        ids = [d for e in files.values() if (e.get("build") or {}).get("convert") == name for d in e["build"]["inputs"]]
+        inputs = {did: _raw(did, have, pending) for did in dict.fromkeys(ids)}  # the downloads the converter reads
         unverified_inputs = [did for did in inputs if did in pending]
         try:
             built = CONVERTERS[name](inputs)
@@ -289,16 +271,14 @@ def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, ove
                 if rel not in files:
                     raise ValueError(f"converter {name!r} built {rel}, which is not in the manifest")
                 checks[rel] = check_output(rel, content, files[rel])
+            verified = any(c == "content sha256 verified" for c in checks.values())
+            if unverified_inputs and not verified and not allow_unverified:
+                raise ChecksumError(f"{', '.join(unverified_inputs)} has no published checksum and no file built "
+                                    "from it has one either; refused (pass allow_unverified=True to accept it)")
         except Exception:
             for did in unverified_inputs:  # a complete download that gives wrong files is not kept
                 pending.pop(did).unlink()
             raise
-        verified = any(c == "content sha256 verified" for c in checks.values())
-        if unverified_inputs and not verified and not allow_unverified:
-            for did in unverified_inputs:
-                pending.pop(did).unlink()
-            raise ChecksumError(f"{', '.join(unverified_inputs)} has no published checksum and no file built from it "
-                                "has one either; refused (pass allow_unverified=True to accept it)")
         for rel, content in built.items():
             if rel in todo or overwrite or not (dest / rel).is_file():
                 stored = stored_bytes(content, rel)
@@ -316,20 +296,12 @@ def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, ove
 
 
 def _verified(how: str) -> str:
-    """Status words for a result of :func:`sources.verify_file`."""
+    """Status words for a :func:`sources.verify_file` result."""
     return how if how == sources.UNVERIFIED_ALLOWED else f"{how} verified"
 
 
-def _inputs(name: str) -> list[str]:
-    """The download ids a converter reads, from the manifest's build entries."""
-    ids = [d for e in sources.manifest().values() if (e.get("build") or {}).get("convert") == name
-           for d in e["build"]["inputs"]]
-    return list(dict.fromkeys(ids))
-
-
 def _raw(did: str, have: Mapping[str, Path], pending: Mapping[str, Path]) -> bytes:
-    """The bytes of download ``did`` as served: its part file, or its stored copy (gunzipped
-    if it was stored with gzip)."""
+    """The bytes of download ``did`` as served: its part file, or its stored copy (gunzipped if stored so)."""
     if did in pending:
         return pending[did].read_bytes()
     data = have[did].read_bytes()
@@ -337,9 +309,8 @@ def _raw(did: str, have: Mapping[str, Path], pending: Mapping[str, Path]) -> byt
 
 
 def ensure(data_dir: str | os.PathLike | None = None, timeout: float = 5.0, **fetch_kw: Any) -> dict[str, str]:
-    """:func:`qkov_lib.data.sources.preflight` (stops on a bad file, or on a missing one that
-    cannot be fetched), then download and build what is missing (:func:`fetch` with
-    ``fetch_kw``). Returns ``{path: status}`` of what was fetched; empty when nothing was missing."""
+    """:func:`qkov_lib.data.sources.preflight` (stops on a bad file, or a missing one that cannot be
+    fetched), then :func:`fetch` (with ``fetch_kw``) what is missing: ``{path: status}``, empty if nothing."""
     missing = sources.preflight(data_dir, probe_network=True, timeout=timeout)
     if not missing:
         return {}
@@ -347,10 +318,10 @@ def ensure(data_dir: str | os.PathLike | None = None, timeout: float = 5.0, **fe
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``qkov data`` / ``python -m qkov_lib.data.fetch``: ``fetch [--dest DIR] [--only ...]
-    [--overwrite] [--no-progress]`` and ``check --fetch [--data-dir DIR]`` here; ``check
-    [--probe]``, ``verify`` and ``list`` are :func:`qkov_lib.data.sources.main`. Exit status 1,
-    with one message on stderr, when data cannot be fetched or fails its check."""
+    """``qkov data`` / ``python -m qkov_lib.data.fetch``: ``fetch [--dest DIR] [--only ...] [--overwrite]
+    [--no-progress]`` and ``check --fetch [--data-dir DIR]`` here; ``check [--probe]``, ``verify`` and
+    ``list`` are :func:`qkov_lib.data.sources.main`. Exit status 1, one message on stderr, when data
+    cannot be fetched or fails its check."""
     import argparse
 
     argv = sys.argv[1:] if argv is None else list(argv)

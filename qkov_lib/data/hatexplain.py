@@ -1,26 +1,21 @@
 """HateXplain (Mathew et al. 2021): three-class post classification with human rationales.
 
-* Classes (Hugging Face ints): 0 hatespeech, 1 normal, 2 offensive. The label of a post is the
-  majority of its three annotators; posts without a majority are dropped and counted.
-* Train: the official train split -- ``hatexplain_train.jsonl.gz`` (converted by ``qkov data
-  fetch`` from the authors' ``dataset.json``; it has rationales, which training does not use)
-  when present, else the curated ``hatexplain_train_no_rationales.csv.gz`` (texts and annotator
-  labels). Both give the same posts and labels. The manifest has no checksum for the converted
-  file, so it is read only with the provenance record ``fetch`` writes beside it (or with
-  ``QKOV_ALLOW_UNVERIFIED=1``); any other copy is refused with an error naming it, never
-  silently preferred to the checksummed CSV (:func:`qkov_lib.data.sources.verify_file`).
-* Counts: the number of posts read from each file is checked against the manifest
-  (:func:`qkov_lib.data.sources.check_records`). ``train_split="val"`` trains on the official
-  validation split instead.
-* Test: the official test split (``hatexplain_test.jsonl.gz``). Relevant tokens are the union
-  of the annotators' token rationales, on posts whose majority label is not normal. A
-  non-normal post without any rationale token is kept for classification and counted as
-  ``test_empty_rationale``; it has no relevant tokens, so the attention metrics skip it.
-* Validation: :func:`load_with_val` also returns the official validation split (with
-  rationales), encoded with the training vocabulary, for choosing settings and early stopping.
-* Words: the given post tokens (already word-tokenised in the source), as they are.
-  Posts longer than the cap keep their first ``max_len - 1`` words; truncations and cut
-  rationale tokens are counted. The query token ``<query>`` follows the post.
+* Classes (Hugging Face ints): 0 hatespeech, 1 normal, 2 offensive; a post's label is the majority
+  of its three annotators (posts without one are dropped and counted).
+* Train: the official train split -- ``hatexplain_train.jsonl.gz`` (built by ``qkov data fetch`` from
+  the authors' ``dataset.json``; its rationales are not used) when present, else the curated
+  ``hatexplain_train_no_rationales.csv.gz`` (texts and annotator labels): the same posts and labels.
+  The converted file has no manifest checksum, so it is read only with the provenance record
+  ``fetch`` writes beside it (or ``QKOV_ALLOW_UNVERIFIED=1``), never silently preferred to the
+  checksummed CSV (:func:`qkov_lib.data.sources.verify_file`). ``train_split="val"`` trains on the
+  official validation split instead. Each file's post count is checked against the manifest.
+* Test: the official test split. Relevant tokens: the union of the annotators' token rationales, on
+  posts whose majority label is not normal; a non-normal post without any is kept for
+  classification and counted as ``test_empty_rationale`` (the attention metrics skip it).
+* Validation: :func:`load_with_val` also returns the official validation split (with rationales).
+* Words: the given post tokens (already word-tokenised), as they are; posts longer than the cap keep
+  their first ``max_len - 1`` words (truncations and cut rationale tokens counted). The query token
+  ``<query>`` follows the post.
 """
 
 from __future__ import annotations
@@ -37,8 +32,8 @@ import torch
 from qkov_lib.data import sources
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.convert import by_name, hf_jsonl
-from qkov_lib.data.text import (PAD_ID, Example, TextDataset, Vocabulary, capped_words, count, encode, finish, subsample,
-                   truncate)
+from qkov_lib.data.text import (PAD_ID, Example, TextDataset, Vocabulary, capped_words, count, encode, finish,
+                                subsample, truncate)
 
 CLASS_NAMES = ["hatespeech", "normal", "offensive"]
 NORMAL = 1
@@ -59,10 +54,9 @@ def majority(labels: Iterable[int]) -> int | None:
 
 def post_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[str, int], split: str,
                   with_rationales: bool = True) -> list[Example]:
-    """Examples from posts in the Hugging Face layout (``id``, ``annotators.label``,
-    ``rationales``, ``post_tokens``). Counts under ``<split>_...``: read, no majority, empty
-    post, rationale length mismatch, empty rationale (non-normal post), truncated posts and
-    cut rationale tokens."""
+    """Examples from posts in the Hugging Face layout (``id``, ``annotators.label``, ``rationales``,
+    ``post_tokens``). Counts under ``<split>_...``: read, no majority, empty post, rationale length
+    mismatch, empty rationale (non-normal post), truncated posts and cut rationale tokens."""
     out = []
     for r in rows:
         count(report, f"{split}_read")
@@ -94,9 +88,8 @@ def post_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[
 
 
 def csv_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[str, int], split: str = "train") -> list[Example]:
-    """Examples from the label-only train CSV (``text``, ``majority_label``, ``labels`` as
-    "a, b, c"); the majority is recomputed from ``labels`` and disagreements with
-    ``majority_label`` are counted (the recomputed one is used)."""
+    """Examples from the label-only train CSV (``text``, ``majority_label``, ``labels`` as "a, b, c"):
+    the majority is recomputed from ``labels`` and used; disagreements with ``majority_label`` are counted."""
     out = []
     for r in rows:
         count(report, f"{split}_read")
@@ -121,8 +114,7 @@ def csv_examples(rows: Iterable[Mapping[str, Any]], max_len: int, report: dict[s
 def load(data_dir: str | os.PathLike | None = None, max_len: int = 96, min_freq: int = 2,
          n_train: int | None = None, n_test: int | None = None, seed: int = 0, train_split: str = "train",
          verify: bool = True, query_is_key: bool = False, source: str | None = None, **kw: Any) -> TextDataset:
-    """HateXplain as a :class:`TextDataset` (see the module docstring); ``source="hub"`` reads
-    the public Hugging Face copy instead of the local files (needs internet)."""
+    """HateXplain as a :class:`TextDataset` (see the module docstring); ``source="hub"``: the Hugging Face copy."""
     if kw:
         raise TypeError(f"unexpected keyword arguments {sorted(kw)}")
     if train_split not in ("train", "val"):
@@ -141,18 +133,16 @@ def _train_test_examples(data_dir, max_len: int, train_split: str, verify: bool,
     """Train examples (labels only) and test examples (with rationales) of :func:`load`."""
     if sources.use_hub(source):
         hub = sources.load_hub("hatexplain")
-        train_ex = post_examples(hub["train" if train_split == "train" else "validation"].to_list(), max_len, report, "train", False)
+        train_ex = post_examples(hub["train" if train_split == "train" else "validation"].to_list(), max_len, report,
+                                 "train", False)
         return train_ex, post_examples(hub["test"].to_list(), max_len, report, "test")
     test_ex = post_examples(_jsonl(SPLIT_FILES["test"], data_dir, verify), max_len, report, "test")
-    if train_split == "val":
-        train_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, report, "train", False)
-    elif sources.first_present((TRAIN_JSONL, TRAIN_CSV), data_dir) == TRAIN_JSONL:
-        train_ex = post_examples(_jsonl(TRAIN_JSONL, data_dir, verify), max_len, report, "train", False)
-    else:
-        rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
-        sources.check_records(TRAIN_CSV, {"posts": len(rows)}, verify)
-        train_ex = csv_examples(rows, max_len, report)
-    return train_ex, test_ex
+    rel = SPLIT_FILES["val"] if train_split == "val" else sources.first_present((TRAIN_JSONL, TRAIN_CSV), data_dir)
+    if rel in (SPLIT_FILES["val"], TRAIN_JSONL):
+        return post_examples(_jsonl(rel, data_dir, verify), max_len, report, "train", False), test_ex
+    rows = sources.load_rows("csv", sources.data_file(TRAIN_CSV, data_dir, verify), keep_default_na=False)
+    sources.check_records(TRAIN_CSV, {"posts": len(rows)}, verify)
+    return csv_examples(rows, max_len, report), test_ex
 
 
 def pad_to(batch: Batch, length: int) -> Batch:
@@ -171,12 +161,11 @@ def pad_to(batch: Batch, length: int) -> Batch:
 def load_with_val(data_dir: str | os.PathLike | None = None, max_len: int = 96, min_freq: int = 2,
                   n_train: int | None = None, n_test: int | None = None, n_val: int | None = None, seed: int = 0,
                   verify: bool = True, query_is_key: bool = False) -> tuple[TextDataset, Batch]:
-    """HateXplain with its official validation split: ``(dataset, val)``. The dataset is
-    :func:`load` (train on the official train split, test on the test split); ``val`` is the
-    official validation split encoded with the training vocabulary, with rationales as
-    ``relevant`` (union of annotators, non-normal posts), at the same padded length as train
-    and test (all three are left-padded to the longest). Validation counts go to the report
-    under ``val_*``; ``n_val`` subsamples it with ``seed + 2``."""
+    """HateXplain with its official validation split: ``(dataset, val)``. The dataset is :func:`load`
+    (train on the official train split, test on the test split); ``val`` is the validation split
+    encoded with the training vocabulary, rationales (union of annotators, non-normal posts) as
+    ``relevant``, all three left-padded to the longest. Validation counts go to the report under
+    ``val_*``; ``n_val`` subsamples it with ``seed + 2``."""
     ds = load(data_dir, max_len, min_freq, n_train, n_test, seed, "train", verify, query_is_key)
     val_ex = post_examples(_jsonl(SPLIT_FILES["val"], data_dir, verify), max_len, ds.report, "val")
     val_ex = subsample(val_ex, n_val, seed + 2)
@@ -189,16 +178,14 @@ def load_with_val(data_dir: str | os.PathLike | None = None, max_len: int = 96, 
 
 
 def _jsonl(rel: str, data_dir, verify: bool) -> list[dict[str, Any]]:
-    """The posts of the JSON-lines split file ``rel``, their number checked against the
-    manifest when ``verify`` (:func:`sources.check_records`)."""
+    """The posts of the JSON-lines split file ``rel``, counted by :func:`sources.check_records`."""
     rows = sources.load_rows("json", sources.data_file(rel, data_dir, verify))
     sources.check_records(rel, {"posts": len(rows)}, verify)
     return rows
 
 
 def official_split_sizes(data_dir: str | os.PathLike | None = None, verify: bool = True) -> dict[str, int]:
-    """Number of post ids per split in the official ``post_id_divisions.json`` (checked against
-    the manifest's counts when ``verify``)."""
+    """Number of post ids per split in the official ``post_id_divisions.json`` (counted against the manifest)."""
     doc = json.loads(sources.data_file(DIVISIONS, data_dir, verify).read_text())
     sizes = {k: len(v) for k, v in doc.items()}
     sources.check_records(DIVISIONS, sizes, verify)
@@ -210,8 +197,7 @@ CONVERTED = {"train": TRAIN_JSONL, "val": SPLIT_FILES["val"], "test": SPLIT_FILE
 
 
 def hatexplain_row(post_id: str, post: Mapping[str, Any]) -> dict[str, Any]:
-    """One post of ``dataset.json`` in the Hugging Face layout; ValueError naming the post for
-    an unknown label."""
+    """One post of ``dataset.json`` in the Hugging Face layout; ValueError naming the post for an unknown label."""
     ann = post["annotators"]
     try:
         labels = [CLASS_NAMES.index(a["label"]) for a in ann]
@@ -224,11 +210,10 @@ def hatexplain_row(post_id: str, post: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def convert(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
-    """The converter of the release: ``dataset.json`` + ``post_id_divisions.json`` of the
-    authors' repository -> one JSON-lines file per official split in the Hugging Face layout
-    (labels as ints 0 hatespeech, 1 normal, 2 offensive; ``annotators`` as lists), posts in the
-    order of the split file; the train split keeps its rationales. ValueError if a post id of
-    the split file is not in the dataset."""
+    """The converter of the release: the authors' ``dataset.json`` + ``post_id_divisions.json`` -> one
+    JSON-lines file per official split in the Hugging Face layout (labels as ints 0 hatespeech, 1 normal,
+    2 offensive; ``annotators`` as lists; the train split keeps its rationales), posts in split-file
+    order. ValueError if a post id of the split file is not in the dataset."""
     posts = json.loads(by_name(inputs, "dataset.json"))
     divisions = json.loads(by_name(inputs, PurePosixPath(DIVISIONS).name))
     out = {}

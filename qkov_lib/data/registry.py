@@ -1,7 +1,6 @@
-"""The datasets of the book by name: each one's loader and default padded length, and the
-converter of each official release (:mod:`qkov_lib.data.fetch` builds the data folder with them).
-Each dataset module holds its loader and its converter; this module only lists them, so the
-dataset modules never import each other."""
+"""The datasets of the book by name (loader, default padded length) and the converters of the official
+releases (:mod:`qkov_lib.data.fetch` builds the data folder with them). The dataset modules hold both;
+this one only lists them, so the dataset modules never import each other."""
 
 from __future__ import annotations
 
@@ -15,10 +14,8 @@ from qkov_lib.data.text import TextDataset
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """A dataset of the book: ``load`` takes the keyword arguments of :func:`load_text_dataset`
-    (``data_dir``, ``max_len``, ``min_freq``, ``n_train``, ``n_test``, ``seed`` and its own) and
-    returns a :class:`~qkov_lib.data.text.TextDataset`; ``max_len`` is its default padded length
-    (words + query)."""
+    """A dataset of the book: ``load`` takes the keywords of :func:`load_text_dataset` (and its own) and
+    returns a :class:`~qkov_lib.data.text.TextDataset`; ``max_len``: default padded length (words + query)."""
 
     name: str
     load: Callable[..., TextDataset]
@@ -30,8 +27,8 @@ REGISTRY: dict[str, DatasetSpec] = {}
 
 
 def add(table: dict, spec: Any, kind: type) -> Any:
-    """Put ``spec`` (an instance of ``kind`` with a ``name``) into ``table`` under its name,
-    replacing one of the same name; returns it. The one registering step of every spec registry."""
+    """Put ``spec`` (a ``kind`` with a ``name``) into ``table`` under its name, replacing one of the same
+    name; returns it. The one registering step of every spec registry."""
     if not isinstance(spec, kind):
         raise TypeError(f"register takes a {kind.__name__}, got {type(spec).__name__}")
     table[spec.name] = spec
@@ -56,14 +53,11 @@ CONVERTERS: dict[str, Callable[[Mapping[str, bytes]], dict[str, bytes]]] = {
 def load_text_dataset(name: str, data_dir=None, max_len: int | None = None, min_freq: int = 2,
                       n_train: int | None = None, n_test: int | None = None, seed: int = 0,
                       **kw: Any) -> TextDataset:
-    """Load dataset ``name`` of :data:`REGISTRY` ("squad", "hatexplain", "sva" = Marvin & Linzen
-    with the exact subject index, "sva_linzen" = Linzen's numpred.val train pool with the
-    attractor test sets, or one registered later)
-    from the data directory (``data_dir`` or ``$QKOV_DATA_DIR``).
-
-    ``max_len`` caps the padded length including the query (default: the dataset's
-    :attr:`DatasetSpec.max_len`); ``n_train``/``n_test`` subsample with ``seed`` (None: all);
-    further keywords go to the dataset's loader (see its module)."""
+    """Load dataset ``name`` of :data:`REGISTRY` ("squad", "hatexplain", "sva" = Marvin & Linzen with the
+    exact subject index, "sva_linzen" = Linzen's numpred.val train pool with the attractor test sets, or
+    one registered later) from ``data_dir`` or ``$QKOV_DATA_DIR``. ``max_len`` caps the padded length
+    including the query (default: :attr:`DatasetSpec.max_len`); ``n_train``/``n_test`` subsample with
+    ``seed`` (None: all); further keywords go to the dataset's loader (see its module)."""
     if name not in REGISTRY:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(REGISTRY)}")
     max_len = REGISTRY[name].max_len if max_len is None else max_len

@@ -1,42 +1,24 @@
 """Where the real-data files come from: the data folder, the manifest, checksums, the preflight.
 
-* **Data folder.** :func:`resolve_data_dir` takes a ``data_dir`` argument, else the
-  environment variable ``QKOV_DATA_DIR``, else ``<repo>/../shared/data`` beside the checkout.
-  A relative path is tried against the working directory first, then against the repository
-  root (chapters run from ``book/``).
-* **Manifest.** ``manifest.json`` next to this file (or the file named by
-  ``QKOV_DATA_MANIFEST``, e.g. a mirror) lists the official ``downloads`` (address, sha256 of the
-  bytes as served, where that checksum comes from) and the ``files`` the loaders read (sha256 of
-  the stored file and of its gunzipped content, and how :mod:`qkov_lib.data.fetch` builds it
-  from the downloads).
-* **Checksums.** :func:`verify_file` accepts a file whose sha256 or gunzipped content matches
-  the manifest; anything else raises :class:`ChecksumError`. A file the manifest has no checksum
-  for (the HateXplain train split converted by ``qkov data fetch``) is accepted only with its
-  **provenance record** ``<file>.provenance.json``, written by :mod:`qkov_lib.data.fetch` beside
-  the file it builds: the built file's sha256 and the sha256 of each official download it was
-  built from, which must be the manifest's published ones. Any other such file raises
-  :class:`UnverifiedError` and is never read -- not even when a checksummed alternative of its
-  group is there -- unless ``QKOV_ALLOW_UNVERIFIED=1`` is set: then it is used, and
-  :func:`used_files` (the ``data_files`` of every results file) says so next to its sha256.
-  sha256 results are cached per (path, size, mtime) within one process only.
-* **Record counts.** The loaders count the records they parse (posts, questions, prefixes,
-  pairs) and :func:`check_records` compares them with the manifest's ``records``; a different
-  count raises :class:`RecordCountError` naming the file, the expected and the found count.
-* **Preflight.** :func:`preflight` checks the sha256 of the file the loaders read of every group
-  the chapters need (:func:`check_needed`) and lists the missing ones that could be fetched
-  (:func:`qkov_lib.data.fetch.ensure` then fetches them), or stops with one message naming
-  every bad or missing file and the ways out.
-  ``make book`` runs it before anything else; it needs only the standard library, so it also
-  runs as ``python3 qkov_lib/data/sources.py check --probe`` before the virtual environment
-  exists. ``verify`` checks every file of the folder and exits with status 1 when a needed
-  file is missing or any file fails, after listing all of them.
-* **Reading.** :func:`load_files` reads local files through the ``datasets`` library with a
-  cache outside the repository (``QKOV_CACHE_DIR``, else ``~/.cache/qkov/datasets``); it works
-  with ``HF_DATASETS_OFFLINE=1``. A corrupt JSON line becomes a ValueError naming file and line.
+* **Data folder**: :func:`resolve_data_dir` (``data_dir``, else ``$QKOV_DATA_DIR``, else
+  ``<repo>/../shared/data``).
+* **Manifest**: ``manifest.json`` beside this file (or ``$QKOV_DATA_MANIFEST``, e.g. a mirror) lists
+  the official ``downloads`` (address, sha256 of the bytes as served, where that checksum comes
+  from) and the ``files`` the loaders read (sha256 of the stored file and of its gunzipped content,
+  and how :mod:`qkov_lib.data.fetch` builds it).
+* **Checksums**: :func:`verify_file`. A file the manifest has no checksum for (the HateXplain train
+  split built by ``qkov data fetch``) is read only with the provenance record ``fetch`` writes
+  beside it -- never otherwise, not even when a checksummed alternative of its group is there --
+  unless ``QKOV_ALLOW_UNVERIFIED=1``; :func:`used_files` (the ``data_files`` of every results file)
+  then marks it. Record counts: :func:`check_records`.
+* **Preflight**: :func:`preflight`, run by ``make book`` before anything else; it needs only the
+  standard library, so it also runs as ``python3 qkov_lib/data/sources.py check --probe`` before the
+  virtual environment exists.
+* **Reading**: :func:`load_files` (the ``datasets`` library with a cache outside the repository;
+  works with ``HF_DATASETS_OFFLINE=1``).
 
-Command line: ``python -m qkov_lib.data.sources {check [--probe] | verify | list}``; the full one,
-with fetching, is ``qkov data ...`` (:func:`qkov_lib.data.fetch.main`). Exit status 1 with the
-message on stderr when something is missing, fails its check or cannot be fetched.
+Command line: ``python -m qkov_lib.data.sources {check [--probe] | verify | list}`` (:func:`main`);
+with fetching, ``qkov data ...`` (:func:`qkov_lib.data.fetch.main`).
 """
 
 from __future__ import annotations
@@ -75,8 +57,7 @@ HUB_NAMES = {"squad": "rajpurkar/squad", "hatexplain": "Hate-speech-CNERG/hatexp
 
 
 class ChecksumError(ValueError):
-    """A data file's or a download's sha256 does not match the manifest. ``reason`` is what is
-    wrong; the message adds ``fix`` (what to do) when given."""
+    """A data file's or download's sha256 does not match the manifest: ``reason``, plus ``fix`` in the message."""
 
     def __init__(self, reason: str, fix: str = ""):
         super().__init__(f"{reason}; {fix}" if fix else reason)
@@ -84,8 +65,7 @@ class ChecksumError(ValueError):
 
 
 class UnverifiedError(ChecksumError):
-    """A data file the manifest has no checksum for, without a valid provenance record from
-    ``qkov data fetch``; used only with ``QKOV_ALLOW_UNVERIFIED=1``."""
+    """A file without a manifest checksum or valid provenance record; used only with ``QKOV_ALLOW_UNVERIFIED=1``."""
 
 
 class RecordCountError(ValueError):
@@ -93,8 +73,7 @@ class RecordCountError(ValueError):
 
 
 class DataUnavailable(RuntimeError):
-    """Data files the chapters need are missing and cannot be fetched here, or are there but
-    fail their check; the message says which and what to do."""
+    """Needed data files are missing and cannot be fetched, or fail their check; the message says what to do."""
 
 
 # --- manifest ---------------------------------------------------------------------------------
@@ -126,9 +105,9 @@ def downloads() -> dict[str, dict[str, Any]]:
 
 # --- the data folder --------------------------------------------------------------------------
 def data_dir_location(data_dir: str | os.PathLike | None = None) -> tuple[Path, str]:
-    """(path, where it came from) of the data folder, whether or not it exists yet: ``data_dir``,
-    else ``$QKOV_DATA_DIR``, else ``<repo>/../shared/data``. A relative path is taken against
-    the working directory, or against the repository root if only that one exists."""
+    """(path, where it came from) of the data folder, existing or not: ``data_dir``, else ``$QKOV_DATA_DIR``,
+    else ``<repo>/../shared/data``. A relative path is taken against the working directory, or the
+    repository root if only that exists (chapters run from ``book/``)."""
     if data_dir is not None:
         given, origin = str(data_dir), "the data_dir argument"
     elif os.environ.get(DATA_ENV):
@@ -145,8 +124,7 @@ def data_dir_location(data_dir: str | os.PathLike | None = None) -> tuple[Path, 
 
 
 def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data folder (see :func:`data_dir_location`). Raises FileNotFoundError naming
-    ``QKOV_DATA_DIR`` and the fetch command if it does not exist."""
+    """The data folder (:func:`data_dir_location`); FileNotFoundError naming ``QKOV_DATA_DIR`` and a fix if missing."""
     path, origin = data_dir_location(data_dir)
     if path.is_dir():
         return path
@@ -157,8 +135,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
 
 
 def find_data_dir() -> tuple[Path | None, str]:
-    """The data folder the library would use and a sentence saying where it came from, or
-    (None, why not) -- for tests that need the real files and say why they skip."""
+    """(data folder, where it came from) or (None, why not) -- for tests that need the real files."""
     path, origin = data_dir_location()
     if path.is_dir():
         return path, f"real data in {path} (from {origin})"
@@ -171,24 +148,26 @@ _SHA: dict[tuple[str, int, int, bool], str] = {}
 
 
 def sha256_file(path: str | os.PathLike, gunzip: bool = False) -> str:
-    """Hex sha256 of a file's bytes, or of its gunzipped bytes with ``gunzip=True``; cached per
-    (path, size, mtime) since the loaders ask for the same file more than once."""
+    """Hex sha256 of a file's bytes (gunzipped with ``gunzip=True``), cached per (path, size, mtime) within
+    the process: the loaders ask for the same file more than once."""
     st = os.stat(path)
     key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, gunzip)
     if key not in _SHA:
-        h = hashlib.sha256()
-        opener = gzip.open if gunzip else open
-        with opener(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        _SHA[key] = h.hexdigest()
+        _SHA[key] = _sha256_uncached(path, gunzip)
     return _SHA[key]
 
 
+def _sha256_uncached(path: str | os.PathLike, gunzip: bool = False) -> str:
+    h = hashlib.sha256()
+    with (gzip.open if gunzip else open)(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def check_sha256(path: str | os.PathLike, what: str, sha256: str | None, content_sha256: str | None) -> str:
-    """Check ``path`` against a file checksum ``sha256`` or a gunzipped-content checksum
-    ``content_sha256``. Returns ``"sha256"``, ``"content_sha256"`` or ``"no checksum"`` (both
-    None); raises :class:`ChecksumError` naming ``what`` on a mismatch."""
+    """Check ``path`` against a file checksum ``sha256`` or a gunzipped-content checksum ``content_sha256``:
+    ``"sha256"``, ``"content_sha256"`` or ``"no checksum"`` (both None); ChecksumError naming ``what``."""
     if sha256 is None and content_sha256 is None:
         return "no checksum"
     got = sha256_file(path)
@@ -209,8 +188,7 @@ def check_sha256(path: str | os.PathLike, what: str, sha256: str | None, content
 
 
 def allow_unverified() -> bool:
-    """Whether ``$QKOV_ALLOW_UNVERIFIED`` is ``1`` (unset, empty or ``0``: no); ValueError for
-    any other value."""
+    """Whether ``$QKOV_ALLOW_UNVERIFIED`` is ``1`` (unset, empty or ``0``: no); ValueError otherwise."""
     v = os.environ.get(ALLOW_ENV, "").strip()
     if v not in ("", "0", "1"):
         raise ValueError(f"${ALLOW_ENV} must be 1 (use data files without a checksum) or 0/unset, got {v!r}")
@@ -227,9 +205,8 @@ def provenance_path(path: str | os.PathLike) -> Path:
 
 def provenance_record(rel: str, stored: bytes, content: bytes, converter: str,
                       inputs: Mapping[str, bytes]) -> dict[str, Any]:
-    """The provenance record of a file that ``qkov data fetch`` built: the manifest path, the
-    sha256 of the stored bytes and of the content, its line count, the converter and the sha256
-    of each download (``{download id: bytes as served}``) it was built from."""
+    """Record of a file ``qkov data fetch`` built: manifest path, sha256 of stored bytes and content, line
+    count, converter and the sha256 of each download (``{id: bytes as served}``) it was built from."""
     return {"file": rel, "sha256": hashlib.sha256(stored).hexdigest(),
             "content_sha256": hashlib.sha256(content).hexdigest(), "lines": content.count(b"\n"),
             "built_by": f"qkov data fetch ({converter} converter)",
@@ -237,10 +214,8 @@ def provenance_record(rel: str, stored: bytes, content: bytes, converter: str,
 
 
 def provenance_problem(path: str | os.PathLike, rel: str) -> str | None:
-    """None if ``path`` (manifest file ``rel``) has a provenance record that vouches for it:
-    the record names ``rel``, gives the file's sha256 and the manifest's published sha256 for
-    every download of ``rel``'s build (and the manifest's line count, if it has one); else
-    what is wrong, as a phrase."""
+    """None if the provenance record of ``path`` vouches for it (names ``rel``, the file's sha256, the
+    published sha256 of every input of ``rel``'s build, the manifest's line count); else why not."""
     rec_path = provenance_path(path)
     if not rec_path.is_file():
         return f"has no provenance record {rec_path.name} from `{FETCH_HINT}`"
@@ -271,12 +246,10 @@ def provenance_problem(path: str | os.PathLike, rel: str) -> str | None:
 
 
 def verify_file(path: str | os.PathLike, rel: str) -> str:
-    """Check ``path`` against the manifest file entry ``rel``: ``"sha256"`` or
-    ``"content_sha256"`` (see :func:`check_sha256`); for an entry without checksums
-    ``"provenance"`` (a valid :func:`provenance_problem` record) or, with
-    ``QKOV_ALLOW_UNVERIFIED=1``, :data:`UNVERIFIED_ALLOWED`. Raises :class:`ChecksumError` on a
-    mismatch, :class:`UnverifiedError` for an unvouched file, KeyError if ``rel`` is not in the
-    manifest."""
+    """Check ``path`` against manifest entry ``rel``: ``"sha256"`` or ``"content_sha256"``
+    (:func:`check_sha256`); without checksums ``"provenance"`` (a valid :func:`provenance_problem`
+    record) or, with ``QKOV_ALLOW_UNVERIFIED=1``, :data:`UNVERIFIED_ALLOWED`. Raises ChecksumError on
+    a mismatch, UnverifiedError for an unvouched file, KeyError if ``rel`` is not in the manifest."""
     e = manifest()[rel]
     if e.get("sha256") or e.get("content_sha256"):
         return check_sha256(path, f"the manifest entry {rel!r}", e.get("sha256"), e.get("content_sha256"))
@@ -303,10 +276,9 @@ def file_status(path: str | os.PathLike, rel: str) -> str:
 
 
 def check_records(rel: str, found: Mapping[str, int], verify: bool = True) -> None:
-    """Compare the record counts a loader parsed from data file ``rel`` (``{kind: count}``,
-    e.g. ``{"posts": 15383}``) with the manifest's ``records`` of ``rel``; kinds the manifest
-    does not list are not checked, nor is anything with ``verify=False``. Raises
-    :class:`RecordCountError` naming the file, the expected and the found counts."""
+    """Compare the record counts a loader parsed from ``rel`` (``{kind: count}``, e.g. ``{"posts": 15383}``)
+    with the manifest's ``records`` (only the kinds it lists; nothing with ``verify=False``).
+    Raises :class:`RecordCountError` naming the file, the expected and the found counts."""
     if not verify or rel not in manifest():
         return
     want = manifest()[rel].get("records") or {}
@@ -320,23 +292,19 @@ _USED: dict[str, str] = {}
 
 
 def used_files() -> dict[str, str]:
-    """``{path relative to the data folder: sha256 of the file}`` of every data file opened
-    through :func:`data_file` (and ``hub:NAME`` fingerprints) in this process, for the results
-    files. A file used without a checksum (``QKOV_ALLOW_UNVERIFIED=1``) has
-    ``"<sha256> (<UNVERIFIED_ALLOWED>)"``."""
+    """``{path in the data folder: sha256}`` of every file :func:`data_file` opened in this process (and
+    ``hub:NAME`` fingerprints); an unverified one has ``"<sha256> (<UNVERIFIED_ALLOWED>)"``."""
     return dict(sorted(_USED.items()))
 
 
 def clear_used() -> None:
-    """Forget the files recorded for :func:`used_files` (e.g. between two runs in one process)."""
+    """Forget the files recorded for :func:`used_files` (e.g. between two runs)."""
     _USED.clear()
 
 
 def data_file(rel: str, data_dir: str | os.PathLike | None = None, verify: bool = True) -> Path:
-    """The path of data file ``rel`` (e.g. ``"sva/linzen2016_numpred.val.tsv.gz"``) in the data
-    folder, checked against the manifest when ``verify`` (:func:`verify_file`: ChecksumError,
-    UnverifiedError), and recorded for :func:`used_files`. Raises FileNotFoundError naming the
-    file and ``QKOV_DATA_DIR`` if it is missing."""
+    """The path of data file ``rel`` (e.g. ``"sva/linzen2016_numpred.val.tsv.gz"``), checked with
+    :func:`verify_file` when ``verify`` and recorded for :func:`used_files`; FileNotFoundError if missing."""
     root = resolve_data_dir(data_dir)
     path = root / rel
     if not path.is_file():
@@ -356,11 +324,10 @@ def first_present(rels: Iterable[str], data_dir: str | os.PathLike | None = None
 
 
 def verify_all(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
-    """Verify every manifest file and every kept download present in the data folder, all of
-    them whatever fails: ``{path: status}``, a status of :func:`file_status` (``"sha256"``,
-    ``"content_sha256"``, ``"provenance"``, ``"FAILED: <reason>"``, ...), ``"no checksum"``
-    (a kept download without a published one), ``"missing"``, ``"missing (optional)"`` or
-    ``"missing (alternative present)"``. :func:`problems` picks out what is wrong."""
+    """Verify every manifest file and kept download in the data folder, whatever fails: ``{path:
+    status}``, a :func:`file_status` (``"sha256"``, ``"provenance"``, ``"FAILED: <reason>"``, ...),
+    ``"no checksum"`` (a kept download without a published one), ``"missing"``, ``"missing
+    (optional)"`` or ``"missing (alternative present)"``. :func:`problems` picks out what is wrong."""
     root = resolve_data_dir(data_dir)
     present = {rel for rel in manifest() if (root / rel).is_file()}
     out = {}
@@ -384,9 +351,7 @@ def verify_all(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 def problems(status: Mapping[str, str]) -> list[str]:
-    """What makes ``verify`` fail in a :func:`verify_all` result, one line each: every
-    ``FAILED`` check (its reason, which names the file) and every needed group of
-    alternatives with no member there."""
+    """What fails ``verify`` in a :func:`verify_all` result: each ``FAILED`` reason and each needed group absent."""
     out = []
     for rel, s in status.items():
         if s.startswith("FAILED"):
@@ -399,29 +364,20 @@ def problems(status: Mapping[str, str]) -> list[str]:
 
 # --- what the chapters need -------------------------------------------------------------------
 def group_members(rel: str) -> list[str]:
-    """The files that can stand in for ``rel`` (same ``group`` in the manifest), ``rel`` included,
-    in manifest order (the official, fetchable one first)."""
+    """The files of ``rel``'s manifest ``group`` (``rel`` included), in manifest order: the fetchable one first."""
     g = manifest()[rel].get("group")
     return [r for r, e in manifest().items() if g and e.get("group") == g] or [rel]
 
 
 def required_files() -> list[list[str]]:
-    """The files the chapters need, as groups of alternatives (any one member will do)."""
-    seen, out = set(), []
-    for rel, e in manifest().items():
-        if e.get("optional") or rel in seen:
-            continue
-        members = group_members(rel)
-        seen.update(members)
-        out.append(members)
-    return out
+    """The files the chapters need, as groups of alternatives (any one member will do), in manifest order."""
+    groups = (group_members(rel) for rel, e in manifest().items() if not e.get("optional"))
+    return list({tuple(g): g for g in groups}.values())  # each group once, where it first occurs
 
 
 def check_needed(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
-    """``{path: status of file_status}`` of the file the loaders read of each group of
-    :func:`required_files` (its first member present; the loaders pick it the same way),
-    groups with no member present left out. Only sha256 checks (cached per file): about 0.03 s
-    for the 16 MB of the real folder."""
+    """``{path: file_status}`` of the file the loaders read (the first present) of each group of
+    :func:`required_files` that has one. Cached sha256 checks only: about 0.03 s for the real folder's 16 MB."""
     root, _ = data_dir_location(data_dir)
     out = {}
     for g in required_files():
@@ -432,8 +388,7 @@ def check_needed(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
 
 
 def missing_files(data_dir: str | os.PathLike | None = None) -> list[list[str]]:
-    """The groups of :func:`required_files` with no member in the data folder (all of them if
-    the folder does not exist)."""
+    """The groups of :func:`required_files` with no member in the data folder (all, if it does not exist)."""
     root, _ = data_dir_location(data_dir)
     return [g for g in required_files() if not any((root / r).is_file() for r in g)]
 
@@ -453,8 +408,7 @@ def downloads_for(rels: Iterable[str]) -> list[str]:
 
 
 def probe(urls: Iterable[str], timeout: float = 5.0) -> dict[str, str]:
-    """``{host: why}`` for each host of ``urls`` that cannot be reached (a HEAD request through
-    the system's proxy settings, ``timeout`` seconds). Any HTTP answer counts as reachable."""
+    """``{host: why}`` of the hosts of ``urls`` a HEAD request (``timeout`` s) cannot reach; any HTTP answer will do."""
     by_host: dict[str, str] = {}
     for url in urls:
         by_host.setdefault(urllib.parse.urlsplit(url).netloc, url)
@@ -471,12 +425,10 @@ def probe(urls: Iterable[str], timeout: float = 5.0) -> dict[str, str]:
 
 
 def unavailable_message(missing: list[list[str]], root: Path, origin: str, down: Mapping[str, str] | None) -> str:
-    """The one message of a stopped preflight: the missing files, why they cannot be fetched
-    here, and the two ways out."""
+    """The message of a stopped preflight: the missing files, why they cannot be fetched, the ways out."""
     lines = [f"qkov: {len(missing)} data file(s) needed by the real-data chapters are missing from {root} "
              f"(data folder from {origin}):"]
-    for g in missing:
-        lines.append("  - " + g[0] + (f"  (or {', '.join(g[1:])})" if len(g) > 1 else ""))
+    lines += ["  - " + g[0] + (f"  (or {', '.join(g[1:])})" if len(g) > 1 else "") for g in missing]
     if down:
         by_why: dict[str, list[str]] = {}
         for host, why in down.items():
@@ -493,8 +445,7 @@ def unavailable_message(missing: list[list[str]], root: Path, origin: str, down:
 
 
 def invalid_message(bad: Mapping[str, str], missing: list[list[str]], root: Path, origin: str) -> str:
-    """The one message of a preflight stopped by files that fail their check (``{path:
-    FAILED status}``), with the missing ones, and what to do."""
+    """The message of a preflight stopped by ``{path: FAILED status}``, with the missing files and what to do."""
     lines = [f"qkov: {len(bad)} data file(s) the chapters read in {root} (data folder from {origin}) fail their check:"]
     lines += [f"  - {s.removeprefix('FAILED: ')}" for s in bad.values()]  # each reason names its file
     if missing:
@@ -511,16 +462,12 @@ def invalid_message(bad: Mapping[str, str], missing: list[list[str]], root: Path
 
 def preflight(data_dir: str | os.PathLike | None = None, probe_network: bool = True,
               timeout: float = 5.0) -> dict[str, str]:
-    """Make sure the files the chapters need are in the data folder, and sound, before any chapter runs.
+    """Make sure the files the chapters need are there, and sound, before any chapter runs.
 
-    First the sha256 of every needed file that is there (:func:`check_needed`): if any fails,
-    raises :class:`DataUnavailable` with one message naming each bad file (and the missing
-    ones) and what to do; nothing is deleted or fetched. Returns ``{path: status}`` of the
-    files that are missing and could be fetched (empty when nothing is missing): with files
-    missing and ``probe_network``, it checks that every host needed answers :func:`probe`;
-    without it, or when a host is unreachable, raises :class:`DataUnavailable` with one message
-    listing the missing files and the two ways out (``QKOV_DATA_DIR``, ``qkov data fetch``).
-    Downloading them is :func:`qkov_lib.data.fetch.ensure`, which starts with this check."""
+    :class:`DataUnavailable` if a needed file fails its sha256 (:func:`check_needed`; nothing is
+    deleted or fetched), or if missing files cannot be fetched (no build, no ``probe_network``, or a
+    host fails :func:`probe`); the message names the files and the ways out. Else ``{path: status}``
+    of the missing files, which :func:`qkov_lib.data.fetch.ensure` then fetches (empty if none)."""
     root, origin = data_dir_location(data_dir)
     missing = missing_files(root)
     bad = {rel: s for rel, s in check_needed(root).items() if s.startswith("FAILED")}
@@ -540,20 +487,17 @@ def preflight(data_dir: str | os.PathLike | None = None, probe_network: bool = T
 
 # --- reading through the datasets library --------------------------------------------------
 def cache_dir() -> Path:
-    """Cache folder of the ``datasets`` library for our files: ``$QKOV_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/qkov/datasets``, else ``~/.cache/qkov/datasets`` (never the repository)."""
+    """Cache folder of ``datasets`` for our files: ``$QKOV_CACHE_DIR``, else ``$XDG_CACHE_HOME/qkov/datasets``,
+    else ``~/.cache/qkov/datasets`` (never the repository)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "qkov" / "datasets"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qkov" / "datasets"
 
 
 def check_json_file(path: str | os.PathLike) -> str:
-    """Parse ``path`` (optionally gzipped) as one JSON document or as JSON lines. Returns
-    ``"json"`` or ``"jsonl"``; raises ValueError naming the file and the first corrupt line."""
+    """``"json"`` or ``"jsonl"``: how (gzipped) ``path`` parses; ValueError naming the file and first corrupt line."""
     path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
+    with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
         text = f.read()
     try:
         json.loads(text)
@@ -575,8 +519,8 @@ def check_json_file(path: str | os.PathLike) -> str:
 
 
 def load_files(builder: str, data_files: Mapping[str, str | os.PathLike], **kwargs: Any):
-    """``datasets.load_dataset(builder, data_files=...)`` on local files with our cache folder,
-    no progress bars, offline-safe. JSON problems become a ValueError naming the file and line."""
+    """``datasets.load_dataset(builder, data_files=...)`` on local files with :func:`cache_dir`, no progress
+    bars, offline-safe; JSON problems become a ValueError naming the file and line."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -597,9 +541,8 @@ def load_rows(builder: str, path: str | os.PathLike, **kwargs: Any) -> list[dict
 
 
 def load_hub(name: str, **kwargs: Any):
-    """The public Hugging Face copy of dataset ``name`` (``QKOV_DATA_SOURCE=hub``; needs
-    internet, not used by CI). Records ``hub:<hub name>`` with the splits' fingerprints for
-    :func:`used_files`."""
+    """The public Hugging Face copy of dataset ``name`` (``QKOV_DATA_SOURCE=hub``; needs internet, not
+    used by CI), recorded for :func:`used_files` as ``hub:<hub name>`` with the splits' fingerprints."""
     import datasets
 
     if name not in HUB_NAMES:
@@ -615,8 +558,7 @@ def load_hub(name: str, **kwargs: Any):
 
 
 def use_hub(source: str | None) -> bool:
-    """Whether a loader should read the hub copy: ``source`` ("local" | "hub"), else
-    ``$QKOV_DATA_SOURCE``, else local."""
+    """Whether a loader reads the hub copy: ``source`` ("local" | "hub"), else ``$QKOV_DATA_SOURCE``, else local."""
     s = source or os.environ.get(SOURCE_ENV) or "local"
     if s not in ("local", "hub"):
         raise ValueError(f"source must be 'local' or 'hub', got {s!r}")
@@ -625,11 +567,9 @@ def use_hub(source: str | None) -> bool:
 
 # --- command line ---------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qkov_lib.data.sources``: check, verify, list (standard library only, so it
-    also runs as a plain script before set-up); ``qkov data`` adds fetching
-    (:func:`qkov_lib.data.fetch.main`). Returns the exit status: 1, with one message on stderr,
-    when data is missing and cannot be fetched, or fails its check (``check``: the files the
-    chapters read; ``verify``: every file)."""
+    """``python -m qkov_lib.data.sources``: check, verify, list (standard library only). Exit status 1,
+    one message on stderr, when data is missing and cannot be fetched or fails its check (``check``: the
+    files the chapters read; ``verify``: every file, all listed)."""
     ap = argparse.ArgumentParser(prog="qkov data", description="The real-data files: check, verify, list "
                                                                "(qkov data: also fetch).")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -684,6 +624,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Also run as a plain script (`make data-check`, before .venv exists): then only the standard
-    # library is imported here, and sys.path[0] is this folder, none of whose modules shadows one.
+    # Also a plain script (`make data-check`, before .venv exists): only the standard library is imported
+    # here, and none of this folder's modules (sys.path[0]) shadows one.
     sys.exit(main())

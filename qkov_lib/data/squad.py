@@ -1,41 +1,31 @@
 """SQuAD v1.1 cast as a copy task for a one-layer attention model (our reconstruction).
 
-**Input.** ``question words, <sep>, context words, q`` -- lower-cased word tokens; the query
-token ``q`` at the prediction position is ``<q:TYPE>``, the question's wh-type (what, which,
-who, whom, whose, when, where, why, how, how_many, how_much, other: the first wh-word of the
-question). With ``query="plain"`` it is ``<query>`` for every question.
-
-**Target.** The position of the answer's first token, as its distance back from the query
-(class ``d`` = ``d`` positions before the prediction position; ``n_classes = max_len``). This is
-a copy task over positions: the model's position embeddings are indexed by the same distance,
-so the OV circuit reads the attended token's position embedding and maps it to the class of
-that position (a pointer). Candidates are all positions within the length cap; the model has
-to learn that only context positions hold answers.
-
-**Relevant tokens.** The positions of the answer span in the context.
-
-**Keys.** ``keys="all"`` (default): every word is a key (question, ``<sep>`` and context);
-``keys="context"``: only the context words, the candidates of the answer.
-
-**Rare words.** With ``oov_buckets=n > 0`` a word seen fewer than ``min_freq`` times in the
-training split (or not at all) becomes ``<oov:k>``, ``k`` = CRC-32 of the word mod ``n``, instead of
-``<unk>``: the same rare word gets the same id in the question and in the context, so an
-exact-match test on ids (:func:`question_match`) still finds it (two different rare words share
-an id with probability about ``1/n``).
-
-**Splits.** Train: the official train file (``qkov data fetch``) when present, else the curated
-copy rebuilt from the SQuAD explorer pages; either way restricted to the exact-span subset: the
-questions whose answer text occurs exactly once in the context, counted from the context by
-:func:`answer_occurrences` (never read from a field of the file; the rest is counted as
-``train_skipped_ambiguous_span``). The same filter on the same questions gives the same training
-set from both files. Test: the official dev file, first answer of each question.
-
-**Bad input.** An ``answer_start`` that does not point at the answer text is corrected by
-string search when the text occurs in the context (counted), otherwise the question is skipped
-(``*_skipped_answer_not_found``). Questions are cut to ``max_question`` words (counted).
-Contexts longer than the remaining cap lose their end: a question whose answer starts beyond
-the cap is skipped (``*_skipped_answer_beyond_cap``), one whose span is only partly cut is kept
-and counted.
+* **Input.** ``question words, <sep>, context words, q`` -- lower-cased word tokens; the query token
+  ``q`` at the prediction position is ``<q:TYPE>``, the question's wh-type (what, which, who, whom,
+  whose, when, where, why, how, how_many, how_much, other: its first wh-word); with
+  ``query="plain"`` it is ``<query>`` for every question.
+* **Target.** The distance of the answer's first token back from the query (class ``d`` = ``d``
+  positions before the prediction position; ``n_classes = max_len``). A copy task over positions:
+  the position embeddings are indexed by the same distance, so the OV circuit maps the attended
+  token's position embedding to the class of that position (a pointer). Every position within the
+  length cap is a candidate; the model has to learn that only context positions hold answers.
+* **Relevant tokens.** The positions of the answer span in the context.
+* **Keys.** ``keys="all"`` (default): every word (question, ``<sep>`` and context);
+  ``keys="context"``: only the context words, the candidates of the answer.
+* **Rare words.** With ``oov_buckets=n > 0`` a word seen fewer than ``min_freq`` times in the
+  training split (or not at all) becomes ``<oov:k>``, ``k`` = CRC-32 of the word mod ``n``, instead
+  of ``<unk>``: a rare word gets the same id in question and context, so an exact-match test on ids
+  (:func:`question_match`) still finds it (two rare words share an id with probability ~``1/n``).
+* **Splits.** Train: the official train file (``qkov data fetch``) when present, else the curated
+  copy rebuilt from the SQuAD explorer pages; either way only the questions whose answer text
+  occurs exactly once in the context, counted from the context by :func:`answer_occurrences` (never
+  read from a field of the file; the rest counted as ``train_skipped_ambiguous_span``), so both
+  files give the same training set. Test: the official dev file, first answer of each question.
+* **Bad input.** An ``answer_start`` that does not point at the answer text is corrected by string
+  search when the text occurs in the context (counted), else the question is skipped
+  (``*_skipped_answer_not_found``). Questions are cut to ``max_question`` words (counted). Contexts
+  longer than the remaining cap lose their end: a question whose answer starts beyond the cap is
+  skipped (``*_skipped_answer_beyond_cap``), one whose span is only partly cut is kept and counted.
 """
 
 from __future__ import annotations
@@ -81,8 +71,8 @@ def question_type(words: list[str]) -> str:
 
 
 def answer_occurrences(context: str, text: str) -> int:
-    """How many positions of ``context`` the answer ``text`` starts at (overlaps counted); an
-    answer that occurs once has an unambiguous span. 0 for an empty ``text``."""
+    """How many positions of ``context`` the answer ``text`` starts at (overlaps counted; 0 for an empty
+    ``text``); an answer that occurs once has an unambiguous span."""
     n, i = 0, context.find(text) if text else -1
     while i >= 0:
         n += 1
@@ -212,8 +202,8 @@ def oov_token(word: str, n_buckets: int) -> str:
 
 
 def bucket_rare_words(train: list[Example], test: list[Example], min_freq: int, n_buckets: int) -> tuple[str, ...]:
-    """Replace, in place, every word of ``train`` and ``test`` seen fewer than ``min_freq`` times
-    in ``train`` by its :func:`oov_token`; returns all bucket tokens (vocabulary specials)."""
+    """Replace, in place, every word of ``train`` and ``test`` seen fewer than ``min_freq`` times in
+    ``train`` by its :func:`oov_token`; returns all bucket tokens (vocabulary specials)."""
     freq: dict[str, int] = {}
     for ex in train:
         for w in ex.tokens:
@@ -225,10 +215,9 @@ def bucket_rare_words(train: list[Example], test: list[Example], min_freq: int, 
 
 
 def context_mask(tokens: Tensor, sep_id: int) -> Tensor:
-    """(N, T) bool: the context words of left-padded ``question <sep> context q`` rows -- after
-    the first ``<sep>``, not the ``<sep>`` itself and not the last (query) column."""
-    after = (tokens == sep_id).cumsum(1) > 0
-    out = after & (tokens != sep_id)
+    """(N, T) bool: the context words of left-padded ``question <sep> context q`` rows -- after the
+    first ``<sep>``, not the ``<sep>`` itself and not the last (query) column."""
+    out = ((tokens == sep_id).cumsum(1) > 0) & (tokens != sep_id)
     out[..., -1] = False
     return out
 
@@ -239,10 +228,10 @@ def question_mask(tokens: Tensor, sep_id: int) -> Tensor:
 
 
 def question_match(tokens: Tensor, sep_id: int, ignore: Tensor | None = None) -> Tensor:
-    """(N, T) bool: context words (:func:`context_mask`) whose id equals the id of a word of the
-    same row's question (:func:`question_mask`). Ids with ``ignore[id]`` True (a (V,) bool
-    table: ``<unk>``, stopwords, punctuation) never match. Ids are lower-cased words, so the match
-    of a word and of its lower-case form are the same test. Works on (..., N, T) under vmap."""
+    """(N, T) bool: context words (:func:`context_mask`) whose id is that of a word of the same row's
+    question (:func:`question_mask`); ids with ``ignore[id]`` True (a (V,) bool table: ``<unk>``,
+    stopwords, punctuation) never match. Ids are lower-cased words, so matching a word or its
+    lower-case form is the same test. Works on (..., N, T) under vmap."""
     q = question_mask(tokens, sep_id)
     if ignore is not None:
         q = q & ~ignore[tokens]
@@ -267,9 +256,7 @@ def squad_roles(data: TextDataset | Batch, sep_id: int | None = None, ignore: Te
     * ``in_question`` -- other context words that occur in the question (:func:`question_match`
       with ``ignore``; default for a dataset: :func:`ignore_table` of its vocabulary);
     * ``question`` -- the question's own words and ``<sep>`` when they are keys (``keys="all"``);
-    * ``rest`` -- the other keys.
-
-    For :func:`qkov_lib.metrics.mass_by_role`. ``sep_id`` is needed with a :class:`Batch`."""
+    * ``rest`` -- the other keys (for :func:`qkov_lib.metrics.mass_by_role`; a :class:`Batch` needs ``sep_id``)."""
     if isinstance(data, TextDataset):
         if split not in ("train", "test"):
             raise ValueError(f"split must be 'train' or 'test', got {split!r}")
@@ -293,10 +280,9 @@ def squad_roles(data: TextDataset | Batch, sep_id: int | None = None, ignore: Te
 
 def _examples(questions: list[dict[str, Any]], n: int | None, seed: int, kw: dict[str, Any],
               report: dict[str, int]) -> list[Example]:
-    """Examples of ``questions``. With ``n`` set, the questions are visited in a random order
-    (``seed``) until ``n`` examples are kept -- a uniform sample of the valid questions that
-    does not process the rest; the report's ``*_read`` then counts the questions visited and
-    ``*_in_file`` all of them."""
+    """Examples of ``questions``. With ``n`` set, the questions are visited in a random order (``seed``)
+    until ``n`` examples are kept -- a uniform sample of the valid questions without processing the
+    rest; the report's ``*_read`` then counts the questions visited, ``*_in_file`` all of them."""
     report[f"{kw['split']}_in_file"] = len(questions)
     if n is None:
         return [e for q in questions if (e := question_example(q, **kw))]
@@ -313,15 +299,14 @@ def _examples(questions: list[dict[str, Any]], n: int | None, seed: int, kw: dic
 
 
 def _questions(rel: str, data_dir, verify: bool) -> list[dict[str, Any]]:
-    """The flattened questions of the SQuAD file ``rel``, their number checked against the
-    manifest when ``verify`` (:func:`sources.check_records`)."""
+    """The flattened questions of SQuAD file ``rel``, counted by :func:`sources.check_records`."""
     questions = list(flatten(sources.load_rows("json", sources.data_file(rel, data_dir, verify), field="data")))
     sources.check_records(rel, {"questions": len(questions)}, verify)
     return questions
 
 
 def _train_file(data_dir) -> str:
-    """The SQuAD train file the loader reads: the first of :data:`TRAIN_FILES` present."""
+    """The first of :data:`TRAIN_FILES` present: the SQuAD train file the loader reads."""
     rel = sources.first_present(TRAIN_FILES, data_dir)
     if rel is not None:
         return rel

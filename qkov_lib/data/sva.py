@@ -3,21 +3,20 @@
 Two sources (see the data README):
 
 * ``"sva"`` -- Marvin & Linzen (2018) template sentences, ``sva/marvin_linzen2018_agreement.jsonl.gz``.
-  Input: the words of ``sentence_good`` before ``verb_index``; label: ``target_number``
-  (singular / plural); relevant token: the subject noun at ``subject_index`` (exact, from the
-  templates). Minimal pairs that share a prefix are the same input, so the items are the
-  *distinct prefixes*; they are split at random (``test_frac``, ``seed``) so that no test
-  prefix occurs in training. ``test_info["roles"]`` gives every word's token role
-  (:func:`prefix_roles`: subject, other nouns, verbs that carry a number, last word, rest).
-* ``"sva_linzen"`` -- Linzen et al. (2016) natural Wikipedia prefixes. Train pool:
-  ``numpred.val`` (15,772 prefixes); test: the attractor sets ``numpred.test.{1..5}``
-  (64,750 prefixes, ``n_attractors`` in ``test_info``). Labels VBZ -> singular, VBP -> plural.
-  There is **no subject index** in this release; we do not derive one, so ``relevant`` is empty
-  and only accuracy (by number of attractors) is meaningful.
+  Input: the words of ``sentence_good`` before ``verb_index``; label: ``target_number`` (singular /
+  plural); relevant token: the subject noun at ``subject_index`` (exact, from the templates).
+  Minimal pairs sharing a prefix are the same input, so the items are the *distinct prefixes*,
+  split at random (``test_frac``, ``seed``) so that no test prefix occurs in training.
+  ``test_info["roles"]`` gives every word's token role (:func:`prefix_roles`).
+* ``"sva_linzen"`` -- Linzen et al. (2016) natural Wikipedia prefixes. Train pool: ``numpred.val``
+  (15,772 prefixes); test: the attractor sets ``numpred.test.{1..5}`` (64,750 prefixes,
+  ``n_attractors`` in ``test_info``). Labels VBZ -> singular, VBP -> plural. This release has **no
+  subject index** and we derive none, so ``relevant`` is empty and only accuracy (by number of
+  attractors) is meaningful.
 
-Prefixes longer than the cap (``max_len - 1`` words) lose their first words (the words next to
-the verb stay). If that would cut the subject (``"sva"``) the prefix is skipped and counted;
-otherwise the truncation is counted. The query token ``<query>`` stands at the verb's position.
+Prefixes longer than the cap (``max_len - 1`` words) lose their first words (the words next to the
+verb stay); one whose subject would be cut (``"sva"``) is skipped, and both are counted. The query
+token ``<query>`` stands at the verb's position.
 """
 
 from __future__ import annotations
@@ -42,59 +41,47 @@ LINZEN_LABEL = {"VBZ": 0, "VBP": 1}
 
 # Token roles of a Marvin & Linzen prefix, one letter per word (see :func:`prefix_roles`).
 ROLE_CODES = {"S": "subject", "A": "attractor", "V": "verb", "L": "last", "-": "rest"}
-# Nouns of the fixed verb phrases of ``long_vp_coord`` ("enjoys playing tennis with colleagues", "is twenty
-# three years old", "knows many different foreign languages", "likes to watch television shows",
-# "writes in a journal every day"); they are not template noun slots, so no subject lists them.
+# Nouns of the fixed verb phrases of ``long_vp_coord`` ("enjoys playing tennis with colleagues", "is twenty three
+# years old", "knows many different foreign languages", "likes to watch television shows", "writes in a journal
+# every day"); they are not template noun slots, so no subject lists them.
 LONG_VP_NOUNS = ("tennis", "colleagues", "years", "languages", "shows", "journal", "day")
 
 
 def prefix_roles(words: list[str], subject_index: int, nouns: set[str] | frozenset[str],
                  verb_forms: set[str] | frozenset[str]) -> str:
-    """The role of every word of a Marvin & Linzen prefix (the words before the target verb),
-    one letter per word, by the first rule that applies:
+    """The role of every word of a Marvin & Linzen prefix (the words before the target verb), one letter
+    per word, by the first rule that applies:
 
     * ``S`` subject -- the word at ``subject_index`` (the noun the target verb agrees with);
-    * ``A`` attractor (another noun) -- a word in ``nouns``: the template nouns (every word that
-      is the subject of some row or heads a sentence's first noun phrase, both numbers, e.g.
-      ``chef``/``chefs``, ``driver``, ``mechanic``) plus :data:`LONG_VP_NOUNS`. Fixed words of the prepositions ("to the *side* of", "in *front* of")
-      and compound modifiers ("*taxi* driver", "*television* shows") are not counted;
-    * ``V`` verb that already carries a number -- a word in ``verb_forms``: the present-tense
-      forms the templates inflect for number (every ``verb_good``/``verb_bad`` of the file, e.g.
-      ``is``/``are``, ``likes``/``like``). In the prefixes these are the relative-clause verbs
-      (``subj_rel``: agrees with the subject; ``obj_rel_across*``: agrees with the embedded noun,
-      i.e. the attractor) and the first verb of a coordination (``vp_coord``, ``long_vp_coord``:
-      agrees with the subject). Past tense (``knew``, ``said``, ``thought`` in ``sent_comp``),
-      gerunds and infinitives carry no number and stay ``rest``;
-    * ``L`` last word -- the word right before the target verb, if no rule above applies
-      (mostly ``and`` in the coordinations);
+    * ``A`` attractor (another noun) -- a word in ``nouns``: the template nouns (every word that is the
+      subject of some row or heads a sentence's first noun phrase, both numbers, e.g. ``chef``/``chefs``,
+      ``driver``, ``mechanic``) plus :data:`LONG_VP_NOUNS`. Fixed words of the prepositions ("to the
+      *side* of", "in *front* of") and compound modifiers ("*taxi* driver", "*television* shows") are not;
+    * ``V`` verb that already carries a number -- a word in ``verb_forms``: the present-tense forms the
+      templates inflect for number (every ``verb_good``/``verb_bad`` of the file, e.g. ``is``/``are``,
+      ``likes``/``like``). In the prefixes these are the relative-clause verbs (``subj_rel``: agrees
+      with the subject; ``obj_rel_across*``: with the embedded noun, i.e. the attractor) and the first
+      verb of a coordination (``vp_coord``, ``long_vp_coord``: with the subject). Past tense (``knew``,
+      ``said``, ``thought`` in ``sent_comp``), gerunds and infinitives carry no number and stay ``rest``;
+    * ``L`` last word -- the word right before the target verb, if no rule above applies (mostly
+      ``and`` in the coordinations);
     * ``-`` rest -- everything else (``the``, ``that``, prepositions, adjectives, ...).
 
-    The roles therefore do not overlap; the last word can also be the subject (``simple_agrmt``,
-    ``*_within_*``, ``sent_comp``), an attractor (``prep_*``, ``subj_rel``) or a verb
-    (``obj_rel_across*``), and then carries that role."""
+    So the roles do not overlap; the last word can also be the subject (``simple_agrmt``, ``*_within_*``,
+    ``sent_comp``), an attractor (``prep_*``, ``subj_rel``) or a verb (``obj_rel_across*``), and then
+    carries that role."""
     if not words:
         raise ValueError("prefix_roles needs a non-empty prefix")
     if not 0 <= subject_index < len(words):
         raise ValueError(f"subject_index {subject_index} is outside the prefix of {len(words)} words")
-    out = []
-    for i, w in enumerate(words):
-        if i == subject_index:
-            out.append("S")
-        elif w in nouns:
-            out.append("A")
-        elif w in verb_forms:
-            out.append("V")
-        elif i == len(words) - 1:
-            out.append("L")
-        else:
-            out.append("-")
-    return "".join(out)
+    return "".join("S" if i == subject_index else "A" if w in nouns else "V" if w in verb_forms
+                   else "L" if i == len(words) - 1 else "-" for i, w in enumerate(words))
 
 
 def template_lexicon(rows: list[dict]) -> tuple[frozenset[str], frozenset[str]]:
-    """``(nouns, verb_forms)`` of :func:`prefix_roles` from all Marvin & Linzen rows: the
-    subjects, the head noun of every sentence's first noun phrase (e.g. ``mechanic`` in
-    ``sent_comp``, never a subject) and :data:`LONG_VP_NOUNS`; and every target verb form."""
+    """``(nouns, verb_forms)`` of :func:`prefix_roles` from all Marvin & Linzen rows: the subjects, the
+    head noun of every sentence's first noun phrase (e.g. ``mechanic`` in ``sent_comp``, never a
+    subject) and :data:`LONG_VP_NOUNS`; and every target verb form."""
     def first_noun(words: list[str]) -> str:  # "the N ..." or "the taxi N ..."
         return words[2] if words[1] in COMPOUND_MODIFIERS and len(words) > 2 else words[1]
 
@@ -108,10 +95,10 @@ def template_lexicon(rows: list[dict]) -> tuple[frozenset[str], frozenset[str]]:
 
 
 def marvin_linzen_examples(rows, max_len: int, report: dict[str, int]) -> list[Example]:
-    """Distinct-prefix examples from Marvin & Linzen rows (dicts with ``sentence_good``,
-    ``verb_index``, ``subject_index``, ``subject``, ``target_number``, ``condition``).
-    Counts in ``report`` (prefix ``all_``): read, duplicate prefixes, conflicting labels,
-    bad subject index, bad label, truncated and skipped-because-the-subject-was-cut prefixes."""
+    """Distinct-prefix examples from Marvin & Linzen rows (``sentence_good``, ``verb_index``,
+    ``subject_index``, ``subject``, ``target_number``, ``condition``). Counts under ``all_``: read,
+    duplicate prefixes, conflicting labels, bad subject index or label, truncated prefixes and
+    prefixes skipped because the subject was cut."""
     rows = list(rows)
     nouns, verb_forms = template_lexicon(rows)
     by_prefix: dict[tuple[str, ...], Example] = {}
@@ -152,8 +139,7 @@ def marvin_linzen_examples(rows, max_len: int, report: dict[str, int]) -> list[E
 
 
 def split_examples(examples: list[Example], test_frac: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Random split of distinct examples into (train, test) with ``round(test_frac * N)`` test
-    items, reproducible with ``seed``; both keep the input order."""
+    """Random (train, test) split with ``round(test_frac * N)`` test items (``seed``), both in input order."""
     import numpy as np
 
     if not 0.0 < test_frac < 1.0:
@@ -183,8 +169,8 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 16, min_freq:
 
 
 def linzen_examples(rows, max_len: int, report: dict[str, int], split: str) -> list[Example]:
-    """Examples from Linzen rows (``label``, ``prefix``, optional ``n_attractors``); counts
-    read, bad label, empty prefix and truncated prefixes under ``<split>_...``."""
+    """Examples from Linzen rows (``label``, ``prefix``, optional ``n_attractors``); counts read, bad
+    label, empty and truncated prefixes under ``<split>_...``."""
     out = []
     for r in rows:
         count(report, f"{split}_read")
@@ -203,8 +189,7 @@ def linzen_examples(rows, max_len: int, report: dict[str, int], split: str) -> l
 def load_linzen(data_dir: str | os.PathLike | None = None, max_len: int = 48, min_freq: int = 2,
                 n_train: int | None = None, n_test: int | None = None, seed: int = 0,
                 verify: bool = True, query_is_key: bool = False, **kw: Any) -> TextDataset:
-    """Linzen et al. (2016): train on ``numpred.val``, test on the attractor sets (see the
-    module docstring). ``relevant`` is all False: this release has no subject index."""
+    """Linzen et al. (2016), see the module docstring; ``relevant`` is all False (the release has no subject index)."""
     _no_extra(kw)
     tsv = dict(delimiter="\t", quoting=3, keep_default_na=False)
     train_rows = sources.load_rows("csv", sources.data_file(LINZEN_TRAIN_FILE, data_dir, verify),
@@ -236,8 +221,7 @@ COMPOUND_MODIFIERS = ("taxi",)  # "taxi driver(s)": the head noun is the next wo
 
 
 def linzen_lines(data: bytes) -> list[bytes]:
-    """The lines of a ``numpred.*`` file (``label\\tprefix``), without line ends; ValueError for
-    a line without exactly one tab."""
+    """The lines of a ``numpred.*`` file (``label\\tprefix``), no line ends; ValueError unless each has one tab."""
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
@@ -248,9 +232,8 @@ def linzen_lines(data: bytes) -> list[bytes]:
 
 
 def convert_linzen2016(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
-    """The converter of Linzen et al. (2016): ``rnn_agr_simple.tar.gz`` -> ``numpred.val`` as
-    it is, and ``numpred.test.{1..5}`` joined under a header with the file number as
-    ``n_attractors``. The archive is read in memory; nothing is extracted to disk."""
+    """The converter of Linzen et al. (2016): ``rnn_agr_simple.tar.gz`` (read in memory) -> ``numpred.val``
+    as it is, and ``numpred.test.{1..5}`` joined under a header with the file number as ``n_attractors``."""
     names = ["numpred.val"] + [f"numpred.test.{k}" for k in LINZEN_ATTRACTORS]
     files = tar_members(by_name(inputs, "rnn_agr_simple.tar.gz"), names)
     linzen_lines(files["numpred.val"])  # format check only: the file is kept byte for byte
@@ -261,8 +244,7 @@ def convert_linzen2016(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
 
 
 def load_templates(data: bytes, condition: str) -> dict[str, list[tuple[str, str]]]:
-    """``{key: [(good sentence, bad sentence), ...]}`` of one template pickle; ValueError if it
-    holds anything else."""
+    """``{key: [(good sentence, bad sentence), ...]}`` of one template pickle; ValueError for anything else."""
     obj = NoGlobalsUnpickler(io.BytesIO(data)).load()
     ok = isinstance(obj, dict) and all(
         isinstance(k, str) and isinstance(v, list)
@@ -274,9 +256,9 @@ def load_templates(data: bytes, condition: str) -> dict[str, list[tuple[str, str
 
 
 def subject_index(words: list[str], condition: str) -> int:
-    """The token index of the subject the target verb agrees with: the noun after the first
-    ``the`` (main-clause conditions) or after the second ``the`` (:data:`EMBEDDED_TARGET`: the
-    target is the embedded verb); for a compound such as ``taxi driver`` the head, one further."""
+    """The index of the subject the target verb agrees with: the noun after the first ``the``
+    (main-clause conditions) or the second (:data:`EMBEDDED_TARGET`: the target is the embedded
+    verb); for a compound such as ``taxi driver`` the head, one further."""
     thes = [i for i, w in enumerate(words) if w == "the"]
     k = 1 if condition in EMBEDDED_TARGET else 0
     if len(thes) <= k:
@@ -286,8 +268,8 @@ def subject_index(words: list[str], condition: str) -> int:
 
 
 def minimal_pair_row(condition: str, key: str, i: int, good: str, bad: str) -> dict[str, Any]:
-    """One row of the agreement file: the pair, its target number (from the key), the verb (the
-    only differing token) and the subject (:func:`subject_index`)."""
+    """One row of the agreement file: the pair, its target number (from the key), the verb (the only
+    differing token) and the subject (:func:`subject_index`)."""
     g, b = good.split(), bad.split()
     diff = [j for j, (x, y) in enumerate(zip(g, b)) if x != y]
     if len(g) != len(b) or len(diff) != 1:
@@ -302,9 +284,8 @@ def minimal_pair_row(condition: str, key: str, i: int, good: str, bad: str) -> d
 
 
 def marvin_linzen_rows(templates: Mapping[str, Mapping[str, list[tuple[str, str]]]]) -> list[dict[str, Any]]:
-    """All rows, conditions in alphabetical order, keys and pairs in file order. ValueError if
-    a noun is used as both a singular and a plural subject within a condition (the check that
-    the subject rule picked the agreeing noun)."""
+    """All rows, conditions in alphabetical order, keys and pairs in file order. ValueError if a noun is
+    both a singular and a plural subject within a condition (so the subject rule picked the wrong noun)."""
     rows = []
     for cond in sorted(templates):
         part = [minimal_pair_row(cond, key, i, g, b) for key, pairs in templates[cond].items()
@@ -318,10 +299,9 @@ def marvin_linzen_rows(templates: Mapping[str, Mapping[str, list[tuple[str, str]
 
 
 def convert_marvin_linzen2018(inputs: Mapping[str, bytes]) -> dict[str, bytes]:
-    """The converter of Marvin & Linzen (2018): the 15 agreement template pickles (download ids
-    ``.../<condition>.pickle``) -> one row per minimal pair, read with
-    :class:`~qkov_lib.data.convert.NoGlobalsUnpickler`. ``verb_index`` is the one token where the
-    good and bad sentence differ; ``subject_index`` follows from the template (:func:`subject_index`)."""
+    """The converter of Marvin & Linzen (2018): the 15 template pickles (download ids ``.../<condition>.pickle``,
+    read with :class:`~qkov_lib.data.convert.NoGlobalsUnpickler`) -> one row per minimal pair. ``verb_index``
+    is the one token where good and bad differ; ``subject_index`` is :func:`subject_index`."""
     templates = {PurePosixPath(k).name.removesuffix(".pickle"): load_templates(v, k) for k, v in inputs.items()}
     rows = marvin_linzen_rows(templates)
     return {ML_FILE: "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8")}

@@ -1,19 +1,18 @@
 """Word-level text datasets for the real-data chapters (SQuAD, HateXplain, SVA).
 
-Every dataset becomes a :class:`TextDataset`: a train and a test :class:`Batch` of LEFT-padded
-token ids whose last column is the query (the prediction position), a vocabulary built on the
-training examples only (``min_freq``, ``<unk>`` for the rest), class names and a ``report`` of
-counts -- items read, skipped (and why), truncated, and truncations that cut a relevant token.
-Nothing is dropped silently.
+Every dataset becomes a :class:`TextDataset`: a train and a test :class:`Batch` of LEFT-padded token
+ids whose last column is the query (the prediction position), a vocabulary built on the training
+examples only (``min_freq``, ``<unk>`` for the rest), class names and a ``report`` of counts -- items
+read, skipped (and why), truncated, and truncations that cut a relevant token. Nothing is dropped
+silently.
 
-Layout of one sequence (length ``T``): ``<pad> ... <pad> w_1 ... w_n q`` where ``q`` is the
-query token (``<query>``, or a dataset-specific query token). ``key_mask`` is True on the words
-and False on padding and, by default, on the query position: the keys are the input words, as in
-the synthetic chapter (``query_is_key=True`` lets the prediction position attend to itself too).
-``relevant`` marks the annotated words (never the query).
+One sequence (length ``T``): ``<pad> ... <pad> w_1 ... w_n q``, ``q`` the query token (``<query>``
+or a dataset-specific one). ``key_mask`` is True on the words, False on padding and, by default, on
+the query: the keys are the input words, as in the synthetic chapter (``query_is_key=True`` lets
+the prediction position attend to itself too). ``relevant`` marks the annotated words (never the query).
 
-Ids: 0 ``<pad>``, 1 ``<unk>``, 2 ``<query>``, then dataset specials, then words by decreasing
-training frequency (ties alphabetical), so the vocabulary is deterministic.
+Ids: 0 ``<pad>``, 1 ``<unk>``, 2 ``<query>``, then dataset specials, then words by decreasing training
+frequency (ties alphabetical), so the vocabulary is deterministic.
 """
 
 from __future__ import annotations
@@ -51,7 +50,7 @@ def tokenize_spans(text: str, lower: bool = True) -> list[tuple[str, int, int]]:
 
 @dataclass
 class Vocabulary:
-    """Token strings by id (``itos``) and the inverse map; unknown words encode to ``<unk>``."""
+    """Token strings by id (``itos``) and the inverse map (``stoi``); unknown words encode to ``<unk>``."""
 
     itos: list[str]
     stoi: dict[str, int] = field(init=False, repr=False)
@@ -66,8 +65,8 @@ class Vocabulary:
     @classmethod
     def build(cls, token_lists: Iterable[Sequence[str]], min_freq: int = 2,
               specials: Sequence[str] = ()) -> "Vocabulary":
-        """Vocabulary of the words occurring at least ``min_freq`` times in ``token_lists``
-        (the training split), after ``<pad>``, ``<unk>``, ``<query>`` and ``specials``."""
+        """The words occurring at least ``min_freq`` times in ``token_lists`` (the training split), after
+        ``<pad>``, ``<unk>``, ``<query>`` and ``specials``."""
         if not isinstance(min_freq, int) or min_freq < 1:
             raise ValueError(f"min_freq must be an integer >= 1, got {min_freq!r}")
         counts = Counter(t for toks in token_lists for t in toks)
@@ -88,8 +87,8 @@ class Vocabulary:
 
 @dataclass
 class Example:
-    """One item before encoding: words (without the query), relevant word positions, the
-    class id, the query token and free-form info (kept per split in ``TextDataset.*_info``)."""
+    """One item before encoding: words (without the query), relevant word positions, the class id, the
+    query token and free-form info (kept per split in ``TextDataset.*_info``)."""
 
     tokens: list[str]
     relevant: list[int]
@@ -100,8 +99,7 @@ class Example:
 
 @dataclass(frozen=True)
 class Truncation:
-    """Result of :func:`truncate`: kept words, relevant positions re-indexed into them, how many
-    words were cut and how many of the cut ones were relevant."""
+    """Result of :func:`truncate`: kept words, relevant positions re-indexed into them, words cut, relevant ones cut."""
 
     tokens: list[str]
     relevant: list[int]
@@ -110,8 +108,8 @@ class Truncation:
 
 
 def truncate(tokens: Sequence[str], relevant: Sequence[int], limit: int, side: str = "right") -> Truncation:
-    """Keep at most ``limit`` words: the first ones (``side="right"`` cuts the end) or the last
-    ones (``side="left"`` cuts the start, keeping the words next to the prediction position)."""
+    """Keep at most ``limit`` words: the first (``side="right"`` cuts the end) or the last (``side="left"``
+    cuts the start, keeping the words next to the prediction position)."""
     if limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     if side not in ("left", "right"):
@@ -128,8 +126,8 @@ def truncate(tokens: Sequence[str], relevant: Sequence[int], limit: int, side: s
 
 
 def subsample(items: Sequence[Any], n: int | None, seed: int) -> list[Any]:
-    """``n`` items drawn without replacement with ``numpy.random.default_rng(seed)``, in their
-    original order (all of them when ``n`` is None or at least ``len(items)``)."""
+    """``n`` items drawn without replacement with ``numpy.random.default_rng(seed)``, in their original
+    order (all of them when ``n`` is None or at least ``len(items)``)."""
     if n is None or n >= len(items):
         return list(items)
     if n < 1:
@@ -142,33 +140,31 @@ def encode(examples: Sequence[Example], vocab: Vocabulary, length: int, query_is
     """Left-padded :class:`Batch` (N, ``length``): words then the query id in the last column."""
     if not examples:
         raise ValueError("no examples to encode")
-    seqs, rels = [], []
+    seqs = []
     for ex in examples:
         if ex.query not in vocab.stoi:
             raise ValueError(f"query token {ex.query!r} is not in the vocabulary")
         if len(ex.tokens) + 1 > length:
             raise ValueError(f"an example has {len(ex.tokens)} words; more than the length {length} minus the query")
         seqs.append(vocab.encode(ex.tokens) + [vocab.stoi[ex.query]])
-        rels.append(ex.relevant)
     tokens, real = left_pad(seqs, PAD_ID, length)
     key_mask = real.clone()
     if not query_is_key:
         key_mask[:, -1] = False
     relevant = torch.zeros_like(real)
-    for i, (s, r) in enumerate(zip(seqs, rels)):
-        off = length - len(s)
-        for p in r:
-            relevant[i, off + p] = True
+    for i, (s, ex) in enumerate(zip(seqs, examples)):
+        for p in ex.relevant:
+            relevant[i, length - len(s) + p] = True  # shifted by the left padding
     y = torch.tensor([ex.y for ex in examples], dtype=torch.long)
     return Batch(tokens, key_mask, relevant, y)
 
 
 @dataclass
 class TextDataset:
-    """An encoded dataset. ``train``/``test``: :class:`Batch` (left-padded, query last);
-    ``vocab``: id -> token; ``class_names``: class id -> name; ``report``: counts of read, kept,
-    skipped (by reason), truncated items; ``train_info``/``test_info``: per-example columns
-    (e.g. ``condition``, ``n_attractors``, ``id``); ``notes``: how the data was cast."""
+    """An encoded dataset. ``train``/``test``: :class:`Batch` (left-padded, query last); ``vocab``: id ->
+    token; ``class_names``: class id -> name; ``report``: counts of read, kept, skipped (by reason),
+    truncated items; ``train_info``/``test_info``: per-example columns (e.g. ``condition``,
+    ``n_attractors``, ``id``); ``notes``: how the data was cast."""
 
     name: str
     train: Batch
@@ -210,9 +206,9 @@ class TextDataset:
 def finish(name: str, train: Sequence[Example], test: Sequence[Example], class_names: Sequence[str],
            report: dict[str, int], min_freq: int, specials: Sequence[str] = (), query_is_key: bool = False,
            notes: Sequence[str] = ()) -> TextDataset:
-    """Build the vocabulary on ``train``, pad both splits to the longest example (+ query) and
-    return the :class:`TextDataset`; adds ``train_used``/``test_used`` and ``vocab_size`` to the
-    report plus ``*_unk_tokens`` (words mapped to ``<unk>``)."""
+    """Build the vocabulary on ``train``, pad both splits to the longest example (+ query) and return the
+    :class:`TextDataset`; adds ``*_used``, ``*_unk_tokens`` (words mapped to ``<unk>``) and
+    ``all_vocab_size`` to the report."""
     if not train or not test:
         raise ValueError(f"{name}: a split is empty after filtering (train {len(train)}, test {len(test)}); "
                          f"see the report {report}")
@@ -229,7 +225,8 @@ def finish(name: str, train: Sequence[Example], test: Sequence[Example], class_n
         keys = list(dict.fromkeys(k for ex in exs for k in ex.info))
         return {k: [ex.info.get(k) for ex in exs] for k in keys}
 
-    return TextDataset(name, batches["train"], batches["test"], vocab.itos, list(class_names), rep, info(train), info(test), list(notes), query_is_key)
+    return TextDataset(name, batches["train"], batches["test"], vocab.itos, list(class_names), rep, info(train),
+                       info(test), list(notes), query_is_key)
 
 
 def count(report: dict[str, int], key: str, n: int = 1) -> None:
@@ -238,9 +235,9 @@ def count(report: dict[str, int], key: str, n: int = 1) -> None:
 
 
 def capped_words(text: Any, max_len: int, side: str, report: dict[str, int], split: str, what: str) -> list[str] | None:
-    """The whitespace tokens of ``text`` cut to ``max_len - 1`` (room for the query) from ``side``;
-    counts ``<split>_skipped_empty_<what>`` (and returns None) for an empty text and
-    ``<split>_truncated_<what>_over_cap`` for a cut one, so nothing is dropped silently."""
+    """The whitespace tokens of ``text`` cut to ``max_len - 1`` (room for the query) from ``side``; counts
+    ``<split>_skipped_empty_<what>`` (and returns None) for an empty text, ``<split>_truncated_<what>_over_cap``
+    for a cut one."""
     words = str(text).split()
     if not words:
         count(report, f"{split}_skipped_empty_{what}")
