@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not tested")
 PARAMETERIZATIONS = ("FAFO", "CAFO", "FACO", "CACO")
@@ -188,7 +188,7 @@ T1_RULE = (f"reproduced: reduced loss and gradients equal autograd within {_t('T
 
 def t1_reduction(loss_err: float, grad_err: float, overlay_err: float) -> Verdict:
     """T1 from the largest reduced-vs-autograd gaps (loss, gradient) and the largest ODE-vs-GD gap."""
-    if not _finite([loss_err, grad_err, overlay_err]) or len(_finite([loss_err, grad_err, overlay_err])) < 3:
+    if len(_finite([loss_err, grad_err, overlay_err])) < 3:
         return Verdict("not tested", T1_RULE, "a gap is missing or not finite")
     exact = max(loss_err, grad_err) <= TOL_GRAD
     tracks = overlay_err <= TOL_OVERLAY
@@ -282,6 +282,8 @@ def t6_factorized_qk(margins: Sequence[float]) -> Verdict:
 # --- synthetic experiments -------------------------------------------------------------------
 S2_PAIRS = {"A": frozenset({"CACO", "FACO"}), "B": frozenset({"CAFO", "CACO"})}
 S2_PARTNER = {"A": "FACO", "B": "CACO"}  # where each summary says a faster QK moves FAFO
+
+
 def s2_summary(attention: Mapping[str, float]) -> str:
     """Which summary (``A`` = (CACO, FACO), ``B`` = (CAFO, CACO), or ``neither``) the two
     parameterizations with the most attention on the distinct token match."""
@@ -316,11 +318,11 @@ def is_tie(difference: float, gap: Change | None = None) -> bool:
     return not (gap.bounded and abs(gap.mean) > gap.half_width)
 
 
-S1_RULE = (f"at each training-loss level of the matched-loss ladder, a pair of parameterizations differs when "
-                  f"the 95 % seed interval of its per-seed DTAP total-variation distance lies at or above "
-                  f"{_t('DTAP_TV')}, and is the same when it lies below; reproduced: every pair differs at every level; "
-                  "partly: some pair differs at some level; not reproduced: every pair is the same at every level; "
-                  "not tested: no pair decided either way, or no level reached by two parameterizations")
+S1_RULE = ("at each training-loss level of the matched-loss ladder, a pair of parameterizations differs when the 95 % "
+           f"seed interval of its per-seed DTAP total-variation distance lies at or above {_t('DTAP_TV')}, and is the "
+           "same when it lies below; reproduced: every pair differs at every level; partly: some pair differs at some "
+           "level; not reproduced: every pair is the same at every level; not tested: no pair decided either way, or "
+           "no level reached by two parameterizations")
 
 
 def s1_pair(tv: Change) -> str:
@@ -415,12 +417,8 @@ def s3_robustness(per_variant: Mapping[str, Verdict]) -> Verdict:
         return Verdict("not tested", S3_ROBUST_RULE, "no variant with two ratios")
     n = {x: sum(v == x for v in tested.values()) for x in VERDICTS}
     untested = len(per_variant) - len(tested)
-    if n["reproduced"] == len(tested) and not untested:
-        v = "reproduced"
-    elif n["not reproduced"] == len(tested):
-        v = "not reproduced"
-    else:
-        v = "partly"
+    v = ("reproduced" if n["reproduced"] == len(tested) and not untested else
+         "not reproduced" if n["not reproduced"] == len(tested) else "partly")
     reason = ", ".join(f"{x} {n[x]}" for x in VERDICTS[:3] if n[x]) + (f", not tested {untested}" if untested else "")
     return Verdict(v, S3_ROBUST_RULE, f"of {len(per_variant)} variants: {reason}")
 
@@ -511,8 +509,7 @@ def head_necessary(model: float, uniform: float, chance: float) -> bool | None:
     accuracy (``chance``), all fractions. True when uniform attention loses at least
     :data:`NECESSITY_SHARE` of the above-chance accuracy; None when an input is not finite or the
     model is not above chance."""
-    xs = [model, uniform, chance]
-    if any(x is None or not math.isfinite(float(x)) for x in xs) or float(model) <= float(chance):
+    if any(x is None or not math.isfinite(float(x)) for x in (model, uniform, chance)) or float(model) <= float(chance):
         return None
     return (float(model) - float(uniform)) >= NECESSITY_SHARE * (float(model) - float(chance))
 
@@ -581,11 +578,9 @@ def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficienc
         return Verdict("not tested", R2_RULE, "nothing measured at a higher ratio")
     up = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean - c.half_width >= gain]
     n_min = min(c.n for _, c, _, _ in measured)
-    if len(up) == 3 and n_min >= MIN_SEEDS:
-        v = "reproduced"
-    else:
-        v = "partly" if up else "not reproduced"
+    v = "reproduced" if len(up) == 3 and n_min >= MIN_SEEDS else "partly" if up else "not reproduced"
     each = ", ".join(f"{name} {c.text(percent=False)}" for name, c, _, _ in measured)
+
     tail = f"; too few seeds ({n_min} < {_t('MIN_SEEDS')})" if len(up) == 3 and v == "partly" else ""
     return Verdict(v, R2_RULE, f"{len(up)}/{len(measured)} improved beyond their margin ({each}){tail}")
 

@@ -23,12 +23,9 @@ from qkov_lib.data.hatexplain import NORMAL as HATEXPLAIN_NORMAL
 from qkov_lib.data.text import PAD_ID
 from qkov_lib.faithfulness import _check_masks, _iou, _probs, _runs, _check_threshold
 
-# =============================================================================================
-# HateXplain's protocol (Mathew et al. 2021, AAAI; scored there with the ERASER code of
-# DeYoung et al. 2020). Posts are plain lists: ``sequences[i]`` the token ids of post i (words
-# only, no padding, no query), ``scores[i]`` one importance score per token, ``rationales[i]``
-# one 0/1 per token. Positions are indices into the post.
-# =============================================================================================
+# Posts are plain lists: ``sequences[i]`` the token ids of post i (words only, no padding, no
+# query), ``scores[i]`` one importance score per token, ``rationales[i]`` one 0/1 per token.
+# Positions are indices into the post.
 HATEXPLAIN_TOP_K = 5
 EMPTY_RATIONALE_POLICIES: tuple[str, ...] = ("skip", "eraser")
 EMPTY_INPUT_POLICIES: tuple[str, ...] = ("nan", "predict")
@@ -36,69 +33,64 @@ EMPTY_INPUT_POLICIES: tuple[str, ...] = ("nan", "predict")
 #: ``predict_fn(list_of_token_id_lists) -> probs`` of shape (n, C), rows summing to 1.
 PredictFn = Callable[[list[list[int]]], "np.ndarray | Tensor"]
 
-#: Every definitional difference between our AOPC/plausibility metrics (the first half of this
-#: module) and HateXplain's / ERASER's, as ``(topic, ours, theirs)``. Sources for "theirs": the
+#: Every definitional difference between our AOPC/plausibility metrics (:mod:`qkov_lib.faithfulness`)
+#: and HateXplain's / ERASER's, as ``(topic, ours, theirs)``. Sources for "theirs": the
 #: HateXplain repository (hate-alert/HateXplain: testing_with_rational.py, Preprocess/dataCollect.py
 #: ``convert_data``, Explainability_Calculation_NB.ipynb) and its copy of ERASER's scorer
 #: (eraserbenchmark/rationale_benchmark/metrics.py).
 DEFINITIONAL_DIFFERENCES: tuple[tuple[str, str, str], ...] = (
     ("Tokens in r (how many)",
-     "AOPC: the top ceil(frac * n) keys for each frac in {1, 5, 10, 20, 50} %; the score is averaged over "
-     "the five fracs",
-     "HateXplain: a fixed k = 5 tokens (the whole post when it has at most 5 tokens); one score, no "
-     "averaging over bins"),
+     "AOPC: the top ceil(frac * n) keys for each frac in {1, 5, 10, 20, 50} %; the score is averaged over the five "
+     "fracs",
+     "HateXplain: a fixed k = 5 tokens (the whole post when it has at most 5 tokens); one score, no averaging over "
+     "bins"),
     ("Rounding of k",
      "k = ceil(frac * n), rounded up and clipped to [1, n]",
-     "HateXplain: nothing to round (k = 5 tokens). ERASER's scorer only receives the perturbed "
-     "probabilities; how k% is turned into a token count is left to whoever produces them"),
+     "HateXplain: nothing to round (k = 5 tokens). ERASER's scorer only receives the perturbed probabilities; how "
+     "k% is turned into a token count is left to whoever produces them"),
     ("Ties in the importance score",
-     "the earlier position wins (stable sort by descending score): uniform attention selects the first "
-     "k keys",
-     "the later position wins (stable ascending sort, the last k kept): uniform attention selects the last "
-     "k tokens"),
+     "the earlier position wins (stable sort by descending score): uniform attention selects the first k keys",
+     "the later position wins (stable ascending sort, the last k kept): uniform attention selects the last k tokens"),
     ("How r is removed",
-     "masking keys: every token keeps its position and only what can be attended changes; the query "
-     "token still forms the query",
-     "deleting tokens: 'x without r' is the post with r cut out, so later tokens move forward; 'r only' is "
-     "the k tokens alone in their original order (re-wrapped in [CLS] ... [SEP] for BERT)"),
+     "masking keys: every token keeps its position and only what can be attended changes; the query token still "
+     "forms the query",
+     "deleting tokens: 'x without r' is the post with r cut out, so later tokens move forward; 'r only' is the k "
+     "tokens alone in their original order (re-wrapped in [CLS] ... [SEP] for BERT)"),
     ("Empty input after removal",
-     "'x without r' with no key left is not run: that comprehensiveness is undefined, left out of the "
-     "mean and counted",
+     "'x without r' with no key left is not run: that comprehensiveness is undefined, left out of the mean and "
+     "counted",
      "a post of at most 5 tokens becomes empty and the model is run on the empty post"),
     ("Posts scored",
      "AOPC faithfulness on every test post; plausibility on the posts with a non-empty rationale",
-     "only posts whose majority label is hate speech or offensive, for faithfulness and plausibility "
-     "alike"),
+     "only posts whose majority label is hate speech or offensive, for faithfulness and plausibility alike"),
     ("Token-F1",
-     "the top-k keys with k = the size of the post's rationale by default (so precision = recall = F1); "
-     "mean over posts with a non-empty rationale",
-     "the top-5 tokens; per-post F1 averaged over all scored posts (ERASER 'instance_macro'); a post "
-     "without rationale tokens scores 0"),
-    ("IOU-F1 spans and averaging",
-     "predicted spans are maximal runs of adjacent top-k keys; macro precision and recall are both means "
-     "over the posts with a non-empty rationale",
-     "each top-5 token is its own single-token span, so at IOU >= 0.5 it matches only a rationale span of "
-     "1 or 2 tokens that contains it; macro precision is averaged over posts with predictions, recall "
-     "over posts with rationale spans, and recall (matched predicted spans / rationale spans) can "
-     "exceed 1"),
-    ("AUPRC",
-     "average precision (scikit-learn's average_precision_score, a step sum over thresholds); mean over "
+     "the top-k keys with k = the size of the post's rationale by default (so precision = recall = F1); mean over "
      "posts with a non-empty rationale",
-     "the trapezoid under scikit-learn's precision_recall_curve (sklearn.metrics.auc), which joins the "
-     "points linearly and ends at (recall 0, precision 1); a post without rationale is kept and gives 0.5 "
-     "with the scikit-learn pinned here (it sets recall to 1 when there is no positive; older versions "
-     "divided by zero)"),
+     "the top-5 tokens; per-post F1 averaged over all scored posts (ERASER 'instance_macro'); a post without "
+     "rationale tokens scores 0"),
+    ("IOU-F1 spans and averaging",
+     "predicted spans are maximal runs of adjacent top-k keys; macro precision and recall are both means over the "
+     "posts with a non-empty rationale",
+     "each top-5 token is its own single-token span, so at IOU >= 0.5 it matches only a rationale span of 1 or 2 "
+     "tokens that contains it; macro precision is averaged over posts with predictions, recall over posts with "
+     "rationale spans, and recall (matched predicted spans / rationale spans) can exceed 1"),
+    ("AUPRC",
+     "average precision (scikit-learn's average_precision_score, a step sum over thresholds); mean over posts with "
+     "a non-empty rationale",
+     "the trapezoid under scikit-learn's precision_recall_curve (sklearn.metrics.auc), which joins the points "
+     "linearly and ends at (recall 0, precision 1); a post without rationale is kept and gives 0.5 with the "
+     "scikit-learn pinned here (it sets recall to 1 when there is no positive; older versions divided by zero)"),
     ("Gold rationale across annotators",
      "the union of the annotators' rationales, on posts whose majority label is not normal",
-     "the same union (HateXplain's evaluation uses 'the union of explanations'); its training target, "
-     "not used for evaluation, is a softmax of the annotators' mean mask"),
+     "the same union (HateXplain's evaluation uses 'the union of explanations'); its training target, not used for "
+     "evaluation, is a softmax of the annotators' mean mask"),
     ("Token units",
      "the post's words (HateXplain's post_tokens) as keys; the query position is not a token",
      "words for BiRNN, BiRNN-Attn and CNN-GRU; WordPiece sub-tokens including [CLS] and [SEP] for BERT"),
     ("Importance score",
      "the analysed head's attention row at the query position",
-     "the model's attention ([Attn] rows: BiRNN-Attn's attention layer; BERT's last-layer [CLS] row "
-     "averaged over heads) or LIME weights ([LIME] rows)"),
+     "the model's attention ([Attn] rows: BiRNN-Attn's attention layer; BERT's last-layer [CLS] row averaged over "
+     "heads) or LIME weights ([LIME] rows)"),
 )
 
 
@@ -204,18 +196,16 @@ def _predict(predict_fn: PredictFn, seqs: list[list[int]], n_classes: int | None
     return p
 
 
-def hatexplain_faithfulness_scores(predict_fn: PredictFn, sequences: Sequence[Sequence[int]],
-                                   scores: Sequence, k: int = HATEXPLAIN_TOP_K,
-                                   on_empty: str = "nan") -> dict[str, np.ndarray | int]:
-    """Per-post HateXplain comprehensiveness and sufficiency of the top-``k`` tokens ``r`` by score.
-
+def hatexplain_faithfulness_scores(predict_fn: PredictFn, sequences: Sequence[Sequence[int]], scores: Sequence,
+                                   k: int = HATEXPLAIN_TOP_K, on_empty: str = "nan") -> dict[str, np.ndarray | int]:
+    """Per-post HateXplain comprehensiveness and sufficiency of the top-``k`` tokens ``r`` by score:
     ``yhat`` (N,) int, the class predicted on the full post; ``p_full`` (N,) ``p(yhat|x)``;
     ``comprehensiveness`` (N,) ``p(yhat|x) - p(yhat|x with r deleted)``; ``sufficiency`` (N,)
     ``p(yhat|x) - p(yhat|r alone)``; ``k`` (N,) int, tokens in ``r``; ``n_empty_without``, the posts
     with ``len <= k`` whose ``x without r`` is empty. ``on_empty="nan"`` leaves their
     comprehensiveness undefined (NaN); ``"predict"`` calls ``predict_fn`` on the empty list, as the
-    HateXplain code runs its model on the empty post. ``predict_fn`` is called three times.
-    """
+    HateXplain code runs its model on the empty post. ``predict_fn`` is called at most three times."""
+
     k = _check_top_k(k)
     _check_policy(on_empty, EMPTY_INPUT_POLICIES, "on_empty")
     sequences, scores = _check_list(sequences, "sequences"), _check_list(scores, "scores")
@@ -278,7 +268,7 @@ def hatexplain_token_f1_per_post(scores: Sequence, rationales: Sequence, k: int 
 
 
 def _mean_with_policy(x: np.ndarray, empty_value: float, empty_rationale: str) -> float:
-    _check_policy(empty_rationale, EMPTY_RATIONALE_POLICIES, "empty_rationale")
+    """Mean of per-post ``x`` (NaN: no rationale) by ``empty_rationale`` (checked by the callers)."""
     ok = ~np.isnan(x)
     if not ok.any():
         raise ValueError("no post has a non-empty rationale")
@@ -296,7 +286,6 @@ def hatexplain_token_f1(scores: Sequence, rationales: Sequence, k: int = HATEXPL
 def hatexplain_iou_counts(scores: Sequence, rationales: Sequence, k: int = HATEXPLAIN_TOP_K,
                           threshold: float = 0.5) -> np.ndarray:
     """(N, 3) int per post: ``[matched predicted spans, predicted spans, rationale spans]``.
-
     Each of the top-``k`` tokens is its own single-token span; the rationale spans are the maximal
     runs of rationale tokens. A predicted span matches when its best IOU with a rationale span is
     ``>= threshold``: a token inside a rationale span of length ``L`` has IOU ``1/L``."""
@@ -352,20 +341,16 @@ def auprc_trapezoid(scores: Sequence[float] | np.ndarray | Tensor, rationale: Se
     return float(np.sum(np.diff(rec) * (prec[1:] + prec[:-1]) / 2))
 
 
-# ERASER's code keeps a post without rationale; the scikit-learn pinned here then sets its recall to
-# 1 at every threshold (with a warning) and precision is 0, so the trapezoid from (0, 1) to (1, 0)
-# gives 0.5 (tests/test_faithfulness.py checks this against scikit-learn).
-_ERASER_EMPTY_AUPRC = 0.5
-
-
 def hatexplain_auprc(scores: Sequence, rationales: Sequence, empty_rationale: str = "skip") -> float:
     """Mean over posts of :func:`auprc_trapezoid` (ERASER's ``token_soft_metrics.auprc``, which
     HateXplain reports). ``"skip"`` leaves out posts without rationale; ``"eraser"`` counts them as
-    0.5, what ERASER's code gives with the scikit-learn pinned here (older versions divided by zero)."""
+    0.5, what ERASER's code gives with the scikit-learn pinned here: recall 1 at every threshold and
+    precision 0, a trapezoid from (0, 1) to (1, 0) (tests/test_faithfulness.py checks this; older
+    versions divided by zero)."""
     _check_policy(empty_rationale, EMPTY_RATIONALE_POLICIES, "empty_rationale")
     sc, rat = _scored_posts(scores, rationales)
-    per = np.array([auprc_trapezoid(s, r) for s, r in zip(sc, rat)])
-    return _mean_with_policy(per, _ERASER_EMPTY_AUPRC, empty_rationale)
+    return _mean_with_policy(np.array([auprc_trapezoid(s, r) for s, r in zip(sc, rat)]), 0.5, empty_rationale)
+
 
 
 # --- the protocol on our Batch format ---------------------------------------------------------
@@ -459,11 +444,11 @@ def hatexplain_protocol(model: nn.Module, batch: Batch, attn: Tensor, k: int = H
                         normal_class: int = HATEXPLAIN_NORMAL, threshold: float = 0.5,
                         empty_rationale: str = "skip", on_empty: str = "nan",
                         chunk_size: int = 512) -> dict[str, float | int]:
-    """HateXplain's explainability columns for ``model`` on ``batch`` with importance ``attn``
-    (N, T): comprehensiveness and sufficiency (top-``k`` deleted / kept), token-F1, IOU-F1 and
-    AUPRC, all on the posts whose label is not ``normal_class`` (hate speech and offensive).
-    Also ``n_evaluated``, ``n_normal_excluded``, ``n_empty_rationale`` (posts without rationale;
-    see ``empty_rationale``) and ``n_comprehensiveness_undefined`` (see ``on_empty``)."""
+    """HateXplain's explainability columns for ``model`` on ``batch`` with importance ``attn`` (N, T):
+    comprehensiveness and sufficiency (top-``k`` deleted / kept), token-F1, IOU-F1 and AUPRC, all on the
+    posts whose label is not ``normal_class`` (hate speech and offensive). Also ``n_evaluated``,
+    ``n_normal_excluded``, ``n_empty_rationale`` (see ``empty_rationale``) and ``n_comprehensiveness_undefined``."""
+
     if not isinstance(batch, Batch):
         raise TypeError(f"batch must be a qkov_lib.data.batch.Batch, got {type(batch).__name__}")
     if not isinstance(attn, Tensor) or attn.shape != batch.key_mask.shape:
@@ -475,15 +460,11 @@ def hatexplain_protocol(model: nn.Module, batch: Batch, attn: Tensor, k: int = H
     posts = batch_posts(batch.index(keep), attn.to(batch.key_mask.device)[keep])
     predict = model_predict_fn(model, posts.query_token, posts.length, posts.query_is_key, chunk_size)
     faith = hatexplain_faithfulness(predict, posts.sequences, posts.scores, k, on_empty)
-    return {
-        "comprehensiveness": faith["comprehensiveness"],
-        "sufficiency": faith["sufficiency"],
-        "token_f1": hatexplain_token_f1(posts.scores, posts.rationales, k, empty_rationale),
-        "iou_f1": hatexplain_iou_f1(posts.scores, posts.rationales, k, threshold, empty_rationale),
-        "auprc": hatexplain_auprc(posts.scores, posts.rationales, empty_rationale),
-        "k": k,
-        "n_evaluated": len(posts.sequences),
-        "n_normal_excluded": len(batch) - len(posts.sequences),
-        "n_empty_rationale": sum(1 for r in posts.rationales if not r.any()),
-        "n_comprehensiveness_undefined": faith["n_comprehensiveness_undefined"],
-    }
+    return {"comprehensiveness": faith["comprehensiveness"], "sufficiency": faith["sufficiency"],
+            "token_f1": hatexplain_token_f1(posts.scores, posts.rationales, k, empty_rationale),
+            "iou_f1": hatexplain_iou_f1(posts.scores, posts.rationales, k, threshold, empty_rationale),
+            "auprc": hatexplain_auprc(posts.scores, posts.rationales, empty_rationale), "k": k,
+            "n_evaluated": len(posts.sequences), "n_normal_excluded": len(batch) - len(posts.sequences),
+            "n_empty_rationale": sum(1 for r in posts.rationales if not r.any()),
+            "n_comprehensiveness_undefined": faith["n_comprehensiveness_undefined"]}
+

@@ -1,13 +1,10 @@
-"""Evaluation, tables and figures of the real-data chapters ("SQuAD", "HateXplain", "SVA") and
-the real-data summary (claims R1-R3).
+"""Evaluation, tables and figures of the real-data chapters ("SQuAD", "HateXplain", "SVA").
 
-The chapters train the protocol map of :mod:`.realmap`; every trained model it keeps is
-evaluated here (:func:`evaluate_run`) on the test split, and every attention metric is also
-computed for two baseline attention rows on the same model and instances: uniform attention over
-the keys and random (flat-Dirichlet) attention.
-
-Metrics of one run (``"attention"`` = model | uniform | random; accuracy and macro-F1 belong to
-the model and repeat on the baseline rows):
+Every model the protocol map of :mod:`.realmap` keeps is evaluated on the test split
+(:func:`evaluate_run`), and every attention metric is also computed for two baseline attention
+rows on the same model and instances: uniform attention over the keys and random
+(flat-Dirichlet) attention. Metrics of one run (``"attention"`` = model | uniform | random;
+accuracy and macro-F1 belong to the model and repeat on the baseline rows):
 
 * ``accuracy``, ``macro_f1``, ``loss`` -- all test instances.
 * ``attn_relevant``, ``AC@tau``, ``ACMC@tau`` (tau sweep), ``FTPT/FFPT/FTPF/FFPF`` and the DTAP
@@ -16,9 +13,6 @@ the model and repeat on the baseline rows):
   on ``n_eraser`` evenly spaced test instances; sufficiency is better when *lower*.
 * ``token_f1``, ``iou_f1``, ``auprc`` -- plausibility against the relevant tokens (HateXplain:
   human rationales), on instances with a non-empty rationale.
-
-The summary chapter reads the R1-R3 rows the dataset chapters wrote into their results files
-(:func:`r_table`, :func:`r_verdicts`, :func:`provenance_frame`).
 """
 
 from __future__ import annotations
@@ -86,9 +80,8 @@ def attention_metrics(model: torch.nn.Module, test: Batch, attn: torch.Tensor, p
 @dataclass
 class RealRun:
     """One trained model: settings, training history (None when not kept), one metrics row per
-    attention kind, the DTAP histogram (model attention) and per test instance whether the
-    prediction is right (``correct``) and the attention mass on its relevant tokens (``mass``,
-    NaN without any)."""
+    attention kind, the DTAP histogram (model attention) and per test instance whether the prediction
+    is right (``correct``) and the attention mass on its relevant tokens (``mass``, NaN without any)."""
 
     ratio: float
     seed: int
@@ -209,9 +202,8 @@ def pm(value: float, ci: float, pct: bool = True, digits: int = 1) -> str:
     """``mean ± half-width`` (percent by default); no interval when it is NaN (one seed)."""
     if value is None or math.isnan(value):
         return "n/a"
-    s = 100.0 if pct else 1.0
-    unit = "%" if pct else ""
-    return f"{value * s:.{digits}f}{unit}" + ("" if math.isnan(ci) else f" ± {ci * s:.{digits}f}{unit if pct else ''}")
+    s, unit = (100.0, "%") if pct else (1.0, "")
+    return f"{value * s:.{digits}f}{unit}" + ("" if math.isnan(ci) else f" ± {ci * s:.{digits}f}{unit}")
 
 
 # --- chapter tables and figures ------------------------------------------------------------
@@ -234,8 +226,9 @@ def model_table(summary: pd.DataFrame, metrics: Sequence[str] | None = None) -> 
 def baseline_table(summary: pd.DataFrame) -> pd.DataFrame:
     """Every attention metric for model, uniform and random attention at every ratio."""
     metrics = [m for m in attention_columns() if m in summary and summary[m].notna().any()]
-    cols = ["attention", "ratio", *[c for m in metrics for c in (m, f"{m}_ci")], "n_seeds"]
-    return format_summary(summary[cols], metrics)
+    return format_summary(summary[["attention", "ratio", *[c for m in metrics for c in (m, f"{m}_ci")], "n_seeds"]],
+                          metrics)
+
 
 
 def focus_table(summary: pd.DataFrame) -> pd.DataFrame:

@@ -25,9 +25,8 @@ from torch import Tensor, nn
 
 from qkov_lib.data.batch import Batch
 from qkov_lib.knob import knob_groups
-from qkov_lib.metrics import macro_f1, relevant_mass, seed_half_width
+from qkov_lib.metrics import macro_f1, relevant_mass, seed_half_width, tag_frame
 from qkov_lib import claims, protocol
-from qkov_lib.metrics import tag_frame
 from qkov_lib.runtime import pick_device, seed_everything
 from qkov_lib.train import TrainConfig, train
 
@@ -55,10 +54,8 @@ def encoder_with_attention(encoder: nn.TransformerEncoder, x: Tensor, key_paddin
     """Run ``encoder`` (batch_first layers, pre- or post-norm) on ``x`` (B, T, d) and also return
     each layer's per-head attention weights, a list of ``L`` tensors (B, H, T, T) (rows: queries,
     columns: keys; exactly zero on padded keys). ``key_padding_mask`` (B, T) is True on padding.
-
-    The layer is re-traced from its public parts (``self_attn``, ``linear1/2``, ``norm1/2``,
-    ``activation``, dropouts) so that ``self_attn`` can be called with ``need_weights=True,
-    average_attn_weights=False``; the output equals ``encoder(x, src_key_padding_mask=...)``."""
+    Each layer is re-traced from its public parts so that ``self_attn`` can be called with
+    ``need_weights=True, average_attn_weights=False``; the output equals ``encoder(x, src_key_padding_mask=...)``."""
     maps = []
     for layer in encoder.layers:
         if not getattr(layer.self_attn, "batch_first", False):
@@ -86,12 +83,10 @@ def encoder_with_attention(encoder: nn.TransformerEncoder, x: Tensor, key_paddin
 
 class EncoderClassifier(nn.Module):
     """Token + position embeddings (positions counted back from the query, as in
-    :class:`qkov_lib.models.TokenModel`), a pre-norm ``nn.TransformerEncoder`` (``n_layers``
-    layers of ``n_heads`` heads, ``batch_first``, no dropout) with a final LayerNorm, and a
-    linear readout of the query position (the last column).
-
-    ``forward(tokens (B, T), key_mask (B, T))`` -> ``(logits (B, C), attn (B, L, H, T))``: the
-    query row of every layer's and head's attention."""
+    :class:`qkov_lib.models.TokenModel`), a pre-norm ``nn.TransformerEncoder`` (``n_layers`` layers of
+    ``n_heads`` heads, ``batch_first``, no dropout) with a final LayerNorm, and a linear readout of the
+    query position (the last column). ``forward(tokens (B, T), key_mask (B, T))`` -> ``(logits (B, C),
+    attn (B, L, H, T))``: the query row of every layer's and head's attention."""
 
     def __init__(self, vocab_size: int, n_classes: int, max_len: int, d_model: int = 64, n_heads: int = 4,
                  n_layers: int = 2, dim_ff: int = 128, generator: torch.Generator | None = None) -> None:
@@ -170,17 +165,16 @@ def head_metrics(attn: Tensor, roll: Tensor, relevant: Tensor, key_mask: Tensor,
     """Attention on the relevant tokens at the query position, over the instances with at least
     one relevant token. ``attn`` (N, L, H, T), ``roll`` (N, T), ``relevant``/``key_mask`` (N, T).
 
-    One row per (layer, head) with ``head`` = 1..H (index), plus ``head="mean"`` (the
-    head-averaged attention row of the layer), plus one row ``layer="rollout"``. Columns:
-    ``attn_relevant`` (mean mass), ``AC`` (fraction with mass >= ``tau``), ``focus`` (fraction
-    whose most-attended key is relevant), ``uniform`` (the mass of uniform attention over the
-    keys, ``|R_i| / #keys``, the reference for "sharper than chance")."""
+    One row per (layer, head) with ``head`` = 1..H, plus ``head="mean"`` (the layer's head-averaged
+    row) per layer and one row ``layer="rollout"``. Columns: ``attn_relevant`` (mean mass), ``AC``
+    (fraction with mass >= ``tau``), ``focus`` (fraction whose most-attended key is relevant),
+    ``uniform`` (mass of uniform attention over the keys, ``|R_i| / #keys``: the chance reference)."""
     has = relevant.any(dim=1)
     if not bool(has.any()):
         raise ValueError("no test instance has relevant tokens")
     attn, roll, rel = attn[has].double(), roll[has].double(), relevant[has]
     uniform = float((rel.sum(1) / key_mask[has].sum(1)).double().mean())
-    N, L, H, T = attn.shape
+    L, H = attn.shape[1:3]
 
     def row(layer, head, a_rows: Tensor) -> dict:
         a = relevant_mass(a_rows, rel)
@@ -190,11 +184,8 @@ def head_metrics(attn: Tensor, roll: Tensor, relevant: Tensor, key_mask: Tensor,
 
     rows = []
     for l in range(L):
-        for h in range(H):
-            rows.append(row(l + 1, h + 1, attn[:, l, h]))
-        rows.append(row(l + 1, "mean", attn[:, l].mean(dim=1)))
-    rows.append(row("rollout", "-", roll))
-    return pd.DataFrame(rows)
+        rows += [row(l + 1, h + 1, attn[:, l, h]) for h in range(H)] + [row(l + 1, "mean", attn[:, l].mean(dim=1))]
+    return pd.DataFrame(rows + [row("rollout", "-", roll)])
 
 
 # --- training -------------------------------------------------------------------------------
@@ -234,10 +225,15 @@ def trim_padding(b: Batch) -> Batch:
     return Batch(b.tokens[:, first:], b.key_mask[:, first:], b.relevant[:, first:], b.y, b.weight)
 
 
+def _loss_accuracy(probs: Tensor, y: Tensor) -> dict[str, float]:
+    """Mean negative log-likelihood (nats) and accuracy of the probabilities ``probs`` (N, C)."""
+    return {"loss": float(F.nll_loss(probs.clamp_min(1e-300).log(), y)),
+            "accuracy": float((probs.argmax(-1) == y).double().mean())}
+
+
 def _monitor(model: EncoderClassifier, data: Batch) -> dict[str, float]:
     probs, attn, _ = predict_maps(model, data)
-    out = {"loss": float(F.nll_loss(probs.clamp_min(1e-300).log(), data.y.cpu())),
-           "accuracy": float((probs.argmax(-1) == data.y.cpu()).double().mean())}
+    out = _loss_accuracy(probs, data.y.cpu())
     has = data.relevant.any(1).cpu()
     if bool(has.any()):
         a = (attn[has] * data.relevant.cpu()[has][:, None, None].to(attn.dtype)).sum(-1)  # (n, L, H)
@@ -249,12 +245,11 @@ def _monitor(model: EncoderClassifier, data: Batch) -> dict[str, float]:
 
 def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: torch.device | None = None,
               progress: bool = False) -> Run:
-    """Train one :class:`EncoderClassifier` with AdamW over the ``qk``/``ov``/``other`` groups of
-    :func:`qkov_lib.knob.knob_groups` (qk: ``eta_ov * ratio``; ov: ``eta_ov``; other:
-    ``eta_other`` or ``eta_ov``) for ``cfg["steps"]`` minibatch steps with
+    """Train one :class:`EncoderClassifier` on ``data`` (a :class:`qkov_lib.data.text.TextDataset`)
+    with AdamW over the groups of :func:`qkov_lib.knob.knob_groups` (qk: ``eta_ov * ratio``; ov:
+    ``eta_ov``; other: ``eta_other`` or ``eta_ov``) for ``cfg["steps"]`` steps of
     :func:`qkov_lib.train.train` (batches of similar lengths, trimmed padding), logging
-    :func:`_monitor` on the first ``n_monitor`` test instances; then evaluate on the test split.
-    ``data`` is a :class:`qkov_lib.data.text.TextDataset`."""
+    :func:`_monitor` on the first ``n_monitor`` test instances; then evaluate on the test split."""
     device = device or pick_device()
     gen = seed_everything(seed)
     model = EncoderClassifier(data.vocab_size, data.n_classes, data.max_len, cfg["d_model"], cfg["n_heads"],
@@ -272,9 +267,7 @@ def train_one(data, dataset: str, ratio: float, seed: int, cfg: dict, device: to
                  prepare=trim_padding).frame()
     probs, attn, roll = predict_maps(model, test)
     y = test.y.cpu()
-    pred = probs.argmax(-1)
-    scores = {"loss": float(F.nll_loss(probs.clamp_min(1e-300).log(), y)), "accuracy": float((pred == y).double().mean()),
-              "macro_f1": macro_f1(pred, y, data.n_classes)}
+    scores = {**_loss_accuracy(probs, y), "macro_f1": macro_f1(probs.argmax(-1), y, data.n_classes)}
     heads = head_metrics(attn, roll, test.relevant.cpu(), test.key_mask.cpu())
     return Run(dataset, float(ratio), seed, scores, heads, hist, str(report), report.summary())
 
@@ -305,9 +298,8 @@ def scores_frame(runs: Sequence[Run]) -> pd.DataFrame:
 
 
 def heads_frame(runs: Sequence[Run]) -> pd.DataFrame:
-    """Long table of every run's :func:`head_metrics`, plus ``rank``: the head's position when
-    the heads of its layer are sorted by ``attn_relevant`` (1 = sharpest; NaN for the mean and
-    rollout rows)."""
+    """Long table of every run's :func:`head_metrics`, plus ``rank``: the head's position when the heads of
+    its layer are sorted by ``attn_relevant`` (1 = sharpest; NaN for the mean and rollout rows)."""
     parts = []
     for r in runs:
         f = r.heads.copy()
@@ -353,9 +345,8 @@ def rank_table(heads: pd.DataFrame) -> pd.DataFrame:
 
 
 def head_table(heads: pd.DataFrame, seed: int) -> pd.DataFrame:
-    """Per-head attention on relevant tokens by head index for one seed (heads keep their
-    initialisation across ratios, since the seed fixes it): rows (dataset, layer, head),
-    columns ratios."""
+    """Per-head attention on relevant tokens by head index for one seed (the seed fixes the heads'
+    initialisation across ratios): rows (dataset, layer, head), columns ratios."""
     h = heads[(heads["seed"] == seed) & heads["rank"].notna()]
     t = h.pivot_table(index=["dataset", "layer", "head"], columns="ratio", values="attn_relevant")
     t.columns = [f"ratio {c:g}" for c in t.columns]
@@ -363,13 +354,11 @@ def head_table(heads: pd.DataFrame, seed: int) -> pd.DataFrame:
 
 
 def changes(heads: pd.DataFrame, lo: float, hi: float, delta: float = DELTA) -> pd.DataFrame:
-    """Per dataset, layer and head rank: the change of attention on relevant tokens from ratio
-    ``lo`` to ``hi``, pairing runs by seed: mean over seeds, its 95% half-width (NaN with one
-    seed), and ``sharpened`` / ``blunted``: the mean change exceeds ``+delta`` / falls below
-    ``-delta`` and every seed's change has that sign."""
+    """Per dataset, layer and head rank: the change of attention on relevant tokens from ratio ``lo`` to
+    ``hi``, paired by seed: mean over seeds, its 95% half-width (NaN with one seed), and ``sharpened`` /
+    ``blunted``: the mean change exceeds ``+delta`` / falls below ``-delta`` and every seed's has that sign."""
     h = heads[heads["rank"].notna()]
-    a = h[h["ratio"] == lo].set_index(["dataset", "layer", "rank", "seed"])["attn_relevant"]
-    b = h[h["ratio"] == hi].set_index(["dataset", "layer", "rank", "seed"])["attn_relevant"]
+    a, b = (h[h["ratio"] == r].set_index(["dataset", "layer", "rank", "seed"])["attn_relevant"] for r in (lo, hi))
     d = (b - a).dropna().rename("change").reset_index()
     rows = []
     for (ds, layer, rank), g in d.groupby(["dataset", "layer", "rank"]):
@@ -405,12 +394,11 @@ def _arrow(values: Sequence[float]) -> str:
 
 
 def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: float = DELTA) -> dict[str, str]:
-    """The numbers and verdicts the chapter's prose quotes. Per dataset ``<ds>_...``: accuracy
-    and the head-mean / sharpest-head attention of each layer across the ratios, the uniform
-    baseline, the rollout; per higher ratio ``<ds>_r<ratio>_...``: counts of sharper/blunter
-    (layer, head-rank) slots against the lowest ratio, the layers they are in, the layer with the
-    largest head-mean gain and the computed answer to "does the sharpening carry beyond one
-    layer and one head?"; ``<ds>_answer`` sums these up and ``overall`` covers all datasets."""
+    """The numbers and verdicts the chapter's prose quotes. Per dataset ``<ds>_...``: accuracy and the
+    head-mean / sharpest-head attention of each layer across the ratios, the uniform baseline, the rollout;
+    per higher ratio ``<ds>_r<ratio>_...``: counts of sharper/blunter (layer, head-rank) slots against the
+    lowest ratio, their layers, the layer with the largest head-mean gain and the answer to "does the
+    sharpening carry beyond one layer and one head?"; ``<ds>_answer`` sums these up, ``overall`` all datasets."""
     ratios = sorted(cfg["ratios"])
     lo, higher = ratios[0], ratios[1:]
     L = cfg["n_layers"]
@@ -428,6 +416,7 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
         out[f"{ds}_layers"] = "; ".join(
             f"layer {l}: head-mean {_arrow([lt.loc[(ds, r, l), 'head-mean'] for r in ratios])}, "
             f"sharpest head {_arrow([lt.loc[(ds, r, l), 'best head'] for r in ratios])}" for l in range(1, L + 1))
+
         answers = []
         for r in higher:
             c = changes(heads, lo, r, delta)
@@ -458,11 +447,11 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
 
 
 def chapter_verdicts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict) -> dict[str, dict[str, claims.Verdict]]:
-    """Per dataset, the extension verdicts by the rules of :mod:`qkov_lib.claims`: R1-multilayer
-    (accuracy and macro-F1 at every higher ratio against the lowest, paired by seed, with seed
-    intervals), R2-multilayer (each layer's head-mean attention gain at the highest ratio) and
-    R3-multilayer (the per-seed gain of the layer that gained most against the accuracy change,
-    at every higher ratio, read at the highest)."""
+    """Per dataset, the extension verdicts by the rules of :mod:`qkov_lib.claims`: R1-multilayer (accuracy
+    and macro-F1 at every higher ratio against the lowest, paired by seed), R2-multilayer (each layer's
+    head-mean attention gain at the highest ratio) and R3-multilayer (the per-seed gain of the layer that
+    gained most against the accuracy change, at every higher ratio, read at the highest)."""
+
     ratios = sorted(cfg["ratios"])
     lo, hi, higher = ratios[0], ratios[-1], ratios[1:]
     lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])

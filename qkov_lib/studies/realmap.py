@@ -2,19 +2,13 @@
 analysed head, a validation split, base-rate grids for AdamW and SGD, the necessity check and
 the R1-R3 verdicts over the map.
 
-Per dataset (``sva``, ``hatexplain``, ``squad``), :data:`PROFILES` fixes the options of the
-analysed-head model (:class:`qkov_lib.head_model.HeadModel`, :data:`HEAD_OPTIONS`), the splits
-(HateXplain: the official validation split; SVA and SQuAD: a seeded part of the training split
-held out; SQuAD as the answer-word task of :func:`qkov_lib.head_model.word_task`), the base-rate
-grid of each optimizer, the ratios, seeds and the step budget with early stopping on validation
-loss.
-
-:func:`run_map` trains the whole map with :func:`.protocol.train_grid` and returns a
-:class:`MapResult` (the run table with the trained-run flag, the validation-chosen base rates,
-the phase table, the necessity table of the tuned models, per-column verdicts and the region
-verdicts); :func:`tuned_evaluations` evaluates the tuned models for the chapters' attention
-analyses; the ``*_facts`` functions return the numbers a chapter glues and :func:`claims_rows`
-its scorecard rows.
+Per dataset (``sva``, ``hatexplain``, ``squad``) the profiles of :data:`MAPS` fix the options of
+the analysed-head model (:class:`qkov_lib.head_model.HeadModel`, :data:`HEAD_OPTIONS`), the splits
+(HateXplain: its official validation split; SVA and SQuAD: a seeded part of the training split
+held out), the base-rate grid of each optimizer, ratios, seeds and the step budget (early stopping
+on validation loss). :func:`run_map` trains the map and returns a :class:`MapResult`;
+:func:`tuned_evaluations` evaluates the tuned models for the attention analyses; the ``*_facts``
+functions give the numbers a chapter glues and :func:`claims_rows` its scorecard rows.
 """
 
 from __future__ import annotations
@@ -44,8 +38,8 @@ from qkov_lib.studies import rationales, attention_analysis
 from qkov_lib import protocol
 from qkov_lib.studies.agreement_roles import split_validation
 
-# the options of qkov_lib.head_model.HeadModel a map config may set
-# (config name, model argument); "head_query", as "query" names the SVA loader's query token
+# the HeadModel options a map config may set, config name -> model argument ("head_query": "query"
+# already names the SVA loader's query token)
 HEAD_OPTIONS = {"readout": "readout", "encoder": "encoder", "layers": "layers", "window": "window",
                 "positions": "positions", "match": "match", "head_query": "query", "values": "values",
                 "relative": "relative", "ov_init": "ov_init"}
@@ -53,17 +47,15 @@ OPTIMIZERS = ("adamw", "sgd")
 MAP_FRACS = (0.01, 0.05, 0.1, 0.2, 0.5)
 RATIOS = [1.0, 3.0, 10.0, 30.0, 100.0]
 
-# Shared by every dataset: both optimizers, early stopping on validation loss (evaluated every
-# eval_every steps, best weights restored), sufficiency on n_eraser instances; the analysed head
-# of qkov_lib.head_model (HEAD_OPTIONS) fed by a convolution over the keys, token-local values.
-# On CPU the two optimizers' stacks train in two one-thread processes at once: on an idle 2-core
-# machine as fast as one stack on two threads, and when another job holds a core about as fast
-# as one thread, where two threads ran twice as slow (benchmarks/bench_map_threads.py).
+# Shared by every dataset: both optimizers, early stopping on validation loss (every eval_every
+# steps, best weights restored), sufficiency on n_eraser instances; the analysed head fed by a
+# convolution over the keys, token-local values. On CPU the two optimizers' stacks train in two
+# one-thread processes: on an idle 2-core machine as fast as one stack on two threads, and twice
+# as fast as that when another job holds a core (benchmarks/bench_map_threads.py).
 COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=[0, 1, 2, 3], parameterization="FAFO",
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
                eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
-               encoder="conv",
-               layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
+               encoder="conv", layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
                relative=False, ov_init=0.0, adamw_rates=[1e-3, 3e-3, 1e-2], sgd_rates=[0.3, 1.0, 3.0])
 # every profile's map of the test profile: seconds (CI)
 _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=40,
@@ -74,12 +66,12 @@ _FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=
 # cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most:
 # 72 runs of up to 800 steps). Each grid brackets its validation-chosen rate (widened where an edge won).
 _SVA_PROFILES = profile_table(
-    dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2,
-         adamw_steps=2000, sgd_steps=2000, adamw_rates=[3e-4, 1e-3, 3e-3]),
+    dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2, adamw_steps=2000,
+         sgd_steps=2000, adamw_rates=[3e-4, 1e-3, 3e-3]),
     dict(_TEST, n_train=400, n_test=200),
     dict(n_train=None, n_test=None),
-    dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None,
-         adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
+    dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2],
+         sgd_rates=[0.1, 0.3, 1.0, 3.0]),
 )
 _HATEXPLAIN_PROFILES = profile_table(
     dict(COMMON, d_model=32, max_len=64, min_freq=2, adamw_steps=1000, sgd_steps=1000, eval_every=100,
@@ -102,10 +94,9 @@ _SQUAD_PROFILES = profile_table(
 
 @dataclass(frozen=True)
 class MapSpec:
-    """A dataset the protocol map runs on: its ``profiles`` (``test`` / ``cpu`` / ``full`` of
-    :func:`qkov_lib.profiles.profile_table`, the keys of :data:`COMMON` and the loader's) and
-    ``load(cfg, data_dir) -> (dataset, validation batch)``, where ``dataset.train`` excludes the
-    validation instances and the test split chooses nothing."""
+    """A dataset the protocol map runs on: its ``profiles`` (:func:`qkov_lib.profiles.profile_table`
+    with the keys of :data:`COMMON` and the loader's) and ``load(cfg, data_dir) -> (dataset, validation
+    batch)``, where ``dataset.train`` excludes the validation instances and the test split chooses nothing."""
 
     name: str
     profiles: Mapping[str, Mapping[str, Any]]
@@ -128,8 +119,7 @@ def check_dataset(name: str) -> None:
 
 
 def load_splits(name: str, cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Batch]:
-    """``(dataset, validation batch)`` of dataset ``name`` for a map config (its
-    :attr:`MapSpec.load`)."""
+    """``(dataset, validation batch)`` of dataset ``name`` for a map config (:attr:`MapSpec.load`)."""
     check_dataset(name)
     return MAPS[name].load(cfg, data_dir)
 
@@ -168,7 +158,8 @@ def _sva_splits(cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Bat
     return hold_out_validation(ds, cfg)
 
 
-for _spec in (MapSpec("sva", _SVA_PROFILES, _sva_splits), MapSpec("hatexplain", _HATEXPLAIN_PROFILES, _hatexplain_splits),
+for _spec in (MapSpec("sva", _SVA_PROFILES, _sva_splits),
+              MapSpec("hatexplain", _HATEXPLAIN_PROFILES, _hatexplain_splits),
               MapSpec("squad", _SQUAD_PROFILES, _squad_splits)):
     register(_spec)
 DATASETS = tuple(MAPS)  # the book's own maps, in chapter order of their claims rows
@@ -194,19 +185,18 @@ def base_rates(cfg: Mapping[str, Any]) -> dict[str, list[float]]:
 
 
 def cell_config(cfg: Mapping[str, Any], cell: protocol.Cell) -> TrainConfig:
-    """The :class:`TrainConfig` of one cell: its optimizer, base rate and ratio; validation every
-    ``eval_every`` steps and early stopping after ``patience`` evaluations without a lower
-    validation loss (best weights restored)."""
+    """The :class:`TrainConfig` of one cell (optimizer, base rate, ratio, seed): validation every ``eval_every``
+    steps, early stopping after ``patience`` evaluations without a lower validation loss (best weights restored)."""
     return TrainConfig.from_profile(cfg, optimizer=cell.optimizer, eta_ov=cell.eta_ov, ratio=cell.ratio, seed=cell.seed,
                                     steps=int(cfg[f"{cell.optimizer}_steps"]), log_every=int(cfg["eval_every"]),
                                     progress=False, log_subsample=0, restore_best=True)
 
 
 def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float] = MAP_FRACS) -> dict[str, float]:
-    """Accuracy, macro-F1, loss, the attention metrics of :func:`.protocol.phase_metrics`
-    (mean relevant mass, AC/ACMC at 0.5 and any other registered phase metric; instances with
-    relevant tokens) and ERASER sufficiency (AOPC over ``fracs``, lower is
-    better) on ``n_eraser`` evenly spaced instances of ``data`` (none when 0)."""
+    """Accuracy, macro-F1, loss, the attention metrics of :func:`.protocol.phase_metrics` (mean
+    relevant mass, AC/ACMC at 0.5, any other registered phase metric; instances with relevant
+    tokens) and ERASER sufficiency (AOPC over ``fracs``, lower is better) on ``n_eraser`` evenly
+    spaced instances of ``data`` (none when 0)."""
     attn, probs = predict(model, data)
     out = prediction_metrics(probs, data.y)
     has = data.relevant.any(1)
@@ -226,11 +216,10 @@ def chance(val: Batch) -> float:
 
 @dataclass
 class MapResult:
-    """A trained protocol map: ``table`` (one row per run, with ``trained``), ``selected``
-    (validation-chosen base rate per optimizer), ``phase`` (:func:`.protocol.phase_table`),
-    ``cells`` (per-column verdicts), ``regions`` (per claim: tuned-rate verdict and region),
-    ``chance`` (validation majority rate), the trained ``models`` keyed by cell and the
-    validation split ``val`` they were stopped on."""
+    """A trained protocol map: ``table`` (one row per run, with ``trained``), ``selected`` (validation-chosen
+    base rate per optimizer), ``phase`` (:func:`.protocol.phase_table`), ``cells`` (per-column verdicts),
+    ``regions`` (per claim: tuned-rate verdict and region), ``chance`` (validation majority rate), the trained
+    ``models`` keyed by cell, the validation split ``val`` they were stopped on and the ``necessity`` table."""
 
     table: pd.DataFrame
     selected: dict[str, float]
@@ -245,10 +234,9 @@ class MapResult:
 
 def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Cell, nn.Module] | None = None,
             test: Batch | None = None) -> MapResult:
-    """The protocol's analysis of a run table (:func:`.protocol.train_grid`): trained-run flag,
-    validation-chosen base rates, phase table, the necessity check of the tuned models on
-    ``test`` (:func:`necessity_table`, when ``models`` and ``test`` are given), column verdicts
-    (R3 is not tested in a tuned column whose head is not necessary) and region verdicts."""
+    """The protocol's analysis of a run table (:func:`.protocol.train_grid`): trained-run flag, validation-chosen
+    base rates, phase table, the necessity check on ``test`` (:func:`necessity_table`, when ``models`` and
+    ``test`` are given), column verdicts (R3 untested where the head is not necessary) and region verdicts."""
     table = table.assign(trained=protocol.trained(table, chance_rate))
     selected = protocol.select_base_rates(table)
     phase = protocol.phase_table(table, chance=chance_rate)
@@ -266,16 +254,15 @@ def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Ce
 
 def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.device | None = None,
             desc: str | None = None) -> MapResult:
-    """Train the map of ``cfg`` (optimizers × their base rates × ratios × ``map_seeds``) on
-    ``ds.train`` with early stopping on ``val``, measure every run on ``val`` and ``ds.test``,
-    and analyse it (:func:`analyse`, with the necessity check on ``ds.test``)."""
+    """Train the map of ``cfg`` (optimizers × their base rates × ratios × ``map_seeds``) on ``ds.train`` with
+    early stopping on ``val``, measure every run on ``val`` and ``ds.test``, and :func:`analyse` it."""
     device = device or torch.device("cpu")
     cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
     models: dict[protocol.Cell, nn.Module] = {}
     # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
     table = protocol.train_grid(
         cells, functools.partial(_cell_model, ds, cfg, device), ds.train.to(device), val.to(device),
-        ds.test.to(device), functools.partial(cell_config, cfg), functools.partial(_measure, cfg["n_eraser"]),
+        ds.test.to(device), functools.partial(cell_config, cfg), functools.partial(measure, n_eraser=cfg["n_eraser"]),
         desc=desc or ds.name, models_out=models, threads=cfg.get("threads"),
         processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1)
     result = analyse(table, chance(val), models, ds.test.to(device))
@@ -287,25 +274,19 @@ def _cell_model(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device, s
     return make_model(ds, cfg, seed).to(device)
 
 
-def _measure(n_eraser: int, model: nn.Module, data: Batch) -> dict[str, float]:
-    return measure(model, data, n_eraser)
-
-
 def necessity_table(result: MapResult, test: Batch) -> pd.DataFrame:
     """The necessity check (:func:`qkov_lib.head_model.necessity`) of the trained models at each
-    optimizer's tuned base rate, at ratio 1 and at the highest ratio at which a run trained: per
-    (optimizer, ratio) the seed means of the test accuracy with the model's attention, with
-    uniform attention over the same keys and with oracle attention (all mass on the relevant
-    tokens), the chance rate, the number of seeds and whether the head is necessary
+    optimizer's tuned base rate, at ratio 1 and the highest trained ratio: per (optimizer, ratio)
+    the seed means of the test accuracy with the model's, uniform (same keys) and oracle (all mass
+    on the relevant tokens) attention, the chance rate, the seeds and whether the head is necessary
     (:func:`qkov_lib.claims.head_necessary` on the seed means). Fractions in [0, 1]."""
     rows = []
     for opt, eta in result.selected.items():
         runs = tuned_runs(result, opt)
         ratios = sorted(set(runs["ratio"]))
         for r in dict.fromkeys([1.0, ratios[-1]] if ratios else []):
-            got = [head_model.necessity(result.models[protocol.Cell(opt, eta, r, int(s))], test)
-                   for s in runs[runs["ratio"] == r]["seed"]
-                   if protocol.Cell(opt, eta, r, int(s)) in result.models]
+            cells = [protocol.Cell(opt, eta, r, int(s)) for s in runs[runs["ratio"] == r]["seed"]]
+            got = [head_model.necessity(result.models[c], test) for c in cells if c in result.models]
             if not got:
                 continue
             mean = {k: float(np.mean([g[k] for g in got])) for k in ("model", "uniform", "oracle", "chance")}
@@ -322,9 +303,9 @@ NECESSITY_RULE = (f"the head's attention is necessary when uniform attention ove
 
 def necessity_facts(result: MapResult) -> dict[str, str]:
     """Numbers a chapter glues from :func:`necessity_table` (percent): per optimizer ``nec_<opt>_<what>_<at>``
-    for what in model / uniform / oracle / chance and at = ``lo`` (ratio 1) / ``hi`` (the highest
-    trained ratio, ``nec_<opt>_r_hi``), ``nec_<opt>_necessary`` (yes / no / undecided at ratio 1),
-    and ``nec_rule`` (the rule's text); "n/a" where a model is missing."""
+    for what in model / uniform / oracle / chance and at = ``lo`` (ratio 1) / ``hi`` (the highest trained
+    ratio, ``nec_<opt>_r_hi``), ``nec_<opt>_necessary`` (yes / no / undecided at ratio 1) and ``nec_rule``;
+    "n/a" where a model is missing."""
     f: dict[str, str] = {"nec_rule": NECESSITY_RULE}
     t = result.necessity if result.necessity is not None else pd.DataFrame(columns=["optimizer"])
     for opt in OPTIMIZERS:
@@ -339,10 +320,9 @@ def necessity_facts(result: MapResult) -> dict[str, str]:
 
 
 def attention_facts(result: MapResult) -> dict[str, str]:
-    """Per optimizer at its tuned base rate, ratio 1 (``lo``) and the highest trained ratio
-    (``hi``): test accuracy, AC@0.5 and mean attention on the relevant tokens, seed mean ± 95%
-    half-width (``att_<opt>_<metric>_<at>``, metric in accuracy / AC / mass), the ratio
-    (``att_<opt>_r_hi``) and the seeds per cell (``att_<opt>_seeds``)."""
+    """Per optimizer at its tuned base rate, ratio 1 (``lo``) and the highest trained ratio (``hi``): test
+    accuracy, AC@0.5 and mean attention on the relevant tokens, seed mean ± 95% half-width
+    (``att_<opt>_<metric>_<at>``, metric in accuracy / AC / mass), ``att_<opt>_r_hi`` and ``att_<opt>_seeds``."""
     f: dict[str, str] = {}
     for opt in OPTIMIZERS:
         runs = tuned_runs(result, opt)
@@ -353,14 +333,8 @@ def attention_facts(result: MapResult) -> dict[str, str]:
             sub = runs[runs["ratio"] == r] if r is not None else runs.iloc[0:0]
             for key, col in (("accuracy", "accuracy"), ("AC", "AC@0.5"), ("mass", "attn_relevant")):
                 v = list(sub[col]) if col in sub else []
-                f[f"att_{opt}_{key}_{at}"] = (_pm(v) if key != "mass" else _pm_raw(v))
+                f[f"att_{opt}_{key}_{at}"] = _pm(v) if key != "mass" else _pm(v, pct=False, digits=3)
     return f
-
-
-def _pm_raw(values: Sequence[float]) -> str:
-    """Seed mean ± 95% half-width of values in [0, 1], as fractions with 3 decimals."""
-    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    return attention_analysis.pm(float(v.mean()), seed_half_width(v), pct=False, digits=3) if len(v) else "n/a"
 
 
 def data_facts(ds: TextDataset) -> dict[str, str]:
@@ -374,9 +348,8 @@ def data_facts(ds: TextDataset) -> dict[str, str]:
 
 
 def plot_dtap(evals: Mapping[str, Sequence[attention_analysis.RealRun]], result: MapResult):
-    """DTAP heatmaps (:func:`qkov_lib.plotting.dtap_grid`) of the tuned models, averaged over seeds:
-    one row per optimizer (labelled with its tuned base rate), one column per ratio; None when
-    no tuned model has a histogram."""
+    """DTAP heatmaps (:func:`qkov_lib.plotting.dtap_grid`) of the tuned models, averaged over seeds: one row
+    per optimizer (labelled with its tuned base rate), one column per ratio; None without any histogram."""
     from qkov_lib.plotting import dtap_grid
 
     hists, ratios = {}, set()
@@ -416,20 +389,18 @@ def titled(frame: pd.DataFrame, title: str):
 
 
 def map_record(result: MapResult) -> dict[str, Any]:
-    """The map's part of a chapter's results file: run table, phase table, chosen base rates,
-    per-column verdicts and the necessity table (JSON-ready records)."""
+    """The map's part of a chapter's results file (JSON-ready): run, phase, chosen-rate, cell and necessity tables."""
     nec = result.necessity if result.necessity is not None else pd.DataFrame()
     return {"map": result.table.to_dict("records"), "map_phase": result.phase.to_dict("records"),
             "map_selected": dict(result.selected), "map_cells": result.cells.to_dict("records"),
             "necessity": nec.to_dict("records")}
 
 
-def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]) -> dict[str, list[attention_analysis.RealRun]]:
-    """Every trained model at each optimizer's tuned base rate evaluated on the test split with
-    its own, uniform and random attention (:func:`.attention_analysis.evaluate_run`: the metrics table, the
-    DTAP histogram, per-instance mass and correctness), keyed by optimizer: what the DTAP
-    heatmaps, the tau sweep, the focus and baseline tables and the attention by correctness,
-    question type or token role are computed from."""
+def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]
+                      ) -> dict[str, list[attention_analysis.RealRun]]:
+    """Every trained model at each optimizer's tuned base rate evaluated on the test split with its
+    own, uniform and random attention (:func:`.attention_analysis.evaluate_run`), keyed by optimizer:
+    what the DTAP heatmaps, tau sweep, focus and baseline tables and role analyses are computed from."""
     ecfg = {"taus": attention_analysis.TAU_SWEEP, "fracs": list(MAP_FRACS), "n_eraser": cfg["n_eraser"],
             "plausibility": bool(cfg.get("plausibility", False))}
     return {opt: [attention_analysis.evaluate_run(ds, r.model, None, r.ratio, r.seed, ecfg)
@@ -439,9 +410,8 @@ def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]
 
 def map_config(name: str, profile: str | None, **overrides: Any) -> dict[str, Any]:
     """The map settings of dataset ``name``: its ``profile`` of :data:`MAPS` with the chapter's
-    ``overrides`` (None = profile value). Every value is checked here (types, names, ranges:
-    :func:`qkov_lib.profiles.resolve`), so a chapter calls this in its settings cell, before
-    anything trains."""
+    ``overrides`` (None = profile value), every value checked (:func:`qkov_lib.profiles.resolve`)
+    so that a chapter's settings cell fails before anything trains."""
     from qkov_lib.profiles import resolve
 
     check_dataset(name)
@@ -450,9 +420,8 @@ def map_config(name: str, profile: str | None, **overrides: Any) -> dict[str, An
 
 def run_chapter_map(name: str, cfg: Mapping[str, Any], data_dir=None, device: torch.device | None = None,
                     ) -> tuple[MapResult, TextDataset, dict[str, str]]:
-    """What a dataset chapter runs with the settings of :func:`map_config`: load the splits,
-    train and analyse the map. Returns ``(result, dataset, facts)``; ``facts`` are
-    :func:`map_facts` plus the validation size and the trained-run margin."""
+    """Load the splits and train and analyse the map of a :func:`map_config`: ``(result, dataset, facts)``,
+    ``facts`` being :func:`map_facts` plus the validation size, largest gain and trained-run margin."""
     check_dataset(name)
     ds, val = load_splits(name, cfg, data_dir)
     result = run_map(ds, val, cfg, device, desc=f"{name} map")
@@ -470,9 +439,8 @@ def chapter_map(name: str, profile: str | None, data_dir=None, device: torch.dev
 
 
 def anchor_gap(result: MapResult, optimizer: str, accuracy: float, f1: float, within: float = 0.02) -> dict[str, str]:
-    """How far the tuned ``optimizer`` runs at ratio 1 are from a published model's test
-    ``accuracy`` and macro-``f1`` (fractions): the two gaps in points and whether both lie
-    within ``within``."""
+    """How far the tuned ``optimizer`` runs at ratio 1 are from a published model's test ``accuracy`` and
+    macro-``f1`` (fractions): the two gaps in points and whether both lie within ``within``."""
     ref = tuned_runs(result, optimizer, ratio=1.0)
     if not len(ref):
         return {"anchor_gap_accuracy": "n/a", "anchor_gap_macro_f1": "n/a", "anchor_within": "not tested (no run trained)"}
@@ -483,15 +451,16 @@ def anchor_gap(result: MapResult, optimizer: str, accuracy: float, f1: float, wi
 
 
 # --- what the chapter quotes ------------------------------------------------------------------
-def _pm(values: Sequence[float]) -> str:
-    """Seed mean ± 95% half-width of fractions, in percent (:func:`.attention_analysis.pm`)."""
+def _pm(values: Sequence[float], pct: bool = True, digits: int = 1) -> str:
+    """Seed mean ± 95% half-width of the finite ``values`` (:func:`.attention_analysis.pm`: fractions
+    in percent by default); "n/a" when none."""
     v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
-    return attention_analysis.pm(float(v.mean()), seed_half_width(v)) if len(v) else "n/a"
+    return attention_analysis.pm(float(v.mean()), seed_half_width(v), pct=pct, digits=digits) if len(v) else "n/a"
 
 
 def selection_table(result: MapResult) -> pd.DataFrame:
-    """Per optimizer and base rate, at ratio 1: trained runs, validation loss / accuracy /
-    macro-F1 of the trained runs (mean over seeds) and whether it was chosen."""
+    """Per optimizer and base rate at ratio 1: trained runs, their mean validation loss / accuracy / macro-F1
+    and whether the rate was chosen."""
     t = result.table[result.table["ratio"] == 1.0]
     rows = []
     for (opt, eta), g in t.groupby(["optimizer", "eta_ov"], sort=False):
@@ -511,8 +480,7 @@ def failure_frame(result: MapResult) -> pd.DataFrame:
 
 
 def tuned_runs(result: MapResult, optimizer: str, ratio: float | None = None) -> pd.DataFrame:
-    """The trained runs at the validation-chosen base rate of ``optimizer`` (only those at
-    ``ratio`` if given; empty if none)."""
+    """The trained runs at the validation-chosen base rate of ``optimizer`` (at ``ratio`` if given; may be empty)."""
     if optimizer not in result.selected:
         return result.table.iloc[0:0]
     t = result.table
@@ -523,9 +491,9 @@ def tuned_runs(result: MapResult, optimizer: str, ratio: float | None = None) ->
 
 
 def map_facts(result: MapResult) -> dict[str, str]:
-    """Sentences and numbers a chapter glues (prefix ``map_``): per optimizer the chosen rate and
-    its ratio-1 validation and test numbers, the failure count, and per claim the verdict at the
-    tuned rates, its reason and the region where it holds."""
+    """Sentences and numbers a chapter glues (prefix ``map_``): run and failure counts, per optimizer the chosen
+    rate and its ratio-1 validation and test numbers, per claim the verdict at the tuned rates, reason,
+    region and rule."""
     t = result.table
     f: dict[str, str] = {"map_runs": str(len(t)), "map_failed": str(int((~t["trained"]).sum())),
                          "map_diverged": str(int(t["diverged"].sum())), "map_chance": f"{100 * result.chance:.1f}%"}
@@ -543,9 +511,8 @@ def map_facts(result: MapResult) -> dict[str, str]:
 
 
 def largest_gain_sentence(result: MapResult, metric: str = "AC@0.5") -> str:
-    """Where in the map ``metric`` (a fraction) rises most against ratio 1, and how well the
-    ratio-1 runs of that column predict compared with the tuned base rate of its optimizer:
-    the sentence that says whether sharpening comes where training at ratio 1 was slow."""
+    """Where in the map ``metric`` (a fraction) rises most against ratio 1, and how well that column's
+    ratio-1 runs predict against its optimizer's tuned base rate: does sharpening come where training was slow?"""
     p = result.phase
     col = f"d_{metric}"
     if col not in p or not p[col].notna().any():
@@ -564,9 +531,8 @@ def largest_gain_sentence(result: MapResult, metric: str = "AC@0.5") -> str:
 
 
 def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
-    """At the tuned base rate of ``optimizer``: the paired change (against ratio 1) at the highest
-    ratio at which a run trained (as R2 reads it) of accuracy, AC@0.5, attention on the relevant
-    tokens and sufficiency (NaN if absent)."""
+    """At the tuned base rate of ``optimizer``: the paired change against ratio 1, at the highest trained ratio
+    (as R2 reads it), of accuracy, AC@0.5, attention on the relevant tokens and sufficiency (NaN if absent)."""
     p = result.phase
     if optimizer not in result.selected:
         return {}
@@ -578,8 +544,8 @@ def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
 
 
 def necessity_sentence(result: MapResult) -> str:
-    """One sentence per optimizer on the necessity check at ratio 1 and the highest trained ratio:
-    test accuracy with the model's, uniform and oracle attention, and chance (percent)."""
+    """The necessity check per optimizer at ratio 1 and the highest trained ratio as a sentence: test
+    accuracy with the model's, uniform and oracle attention, and chance (percent)."""
     t = result.necessity
     if t is None or not len(t):
         return "Necessity check: no tuned model."
@@ -592,7 +558,7 @@ def necessity_sentence(result: MapResult) -> str:
 
 
 def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> list[dict[str, str]]:
-    """Scorecard rows R1-R3 of a dataset chapter from its map: the verdict at the tuned base rates
+    """Scorecard rows R1-R3 of a dataset chapter: the verdict at the tuned base rates
     (:func:`qkov_lib.claims.tuned_region`), our numbers at those rates and the region."""
     ch = chapter or attention_analysis.CHAPTERS[dataset]
     rows = []
@@ -604,15 +570,14 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
         for opt, eta in result.selected.items():
             d = tuned_changes(result, opt)
             if d["ratio"] == 1.0:
-                parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): no run above ratio 1 trained")
-                continue
-            if not math.isfinite(d["accuracy"]):  # no seed trained at both ratio 1 and the top ratio
-                parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): no seed trained at both ratio 1 and "
-                             f"ratio {d['ratio']:g}")
-                continue
-            parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): at ratio {d['ratio']:g} vs 1, accuracy "
-                         f"{100 * d['accuracy']:+.1f} points, AC@0.5 {100 * d['AC@0.5']:+.1f} points, attention on "
-                         f"relevant tokens {d['attn_relevant']:+.3f}, sufficiency {d['sufficiency']:+.3f}")
+                what = "no run above ratio 1 trained"
+            elif not math.isfinite(d["accuracy"]):  # no seed trained at both ratio 1 and the top ratio
+                what = f"no seed trained at both ratio 1 and ratio {d['ratio']:g}"
+            else:
+                what = (f"at ratio {d['ratio']:g} vs 1, accuracy {100 * d['accuracy']:+.1f} points, AC@0.5 "
+                        f"{100 * d['AC@0.5']:+.1f} points, attention on relevant tokens {d['attn_relevant']:+.3f}, "
+                        f"sufficiency {d['sufficiency']:+.3f}")
+            parts.append(f"{opt} (eta_ov {eta:g}, chosen on validation): {what}")
         ours = (f"{dataset}, base-rate x ratio map ({len(result.table)} runs, "
                 f"{int((~result.table['trained']).sum())} did not train): "
                 + ("; ".join(parts) or "no base rate trained at ratio 1") + f". Reproduced in: {region}. "
@@ -629,8 +594,8 @@ def verdict_frame(result: MapResult) -> pd.DataFrame:
 
 
 def runs_at(result: MapResult, optimizer: str) -> list[Any]:
-    """The trained models at the tuned base rate of ``optimizer`` as objects with ``ratio``,
-    ``seed`` and ``model`` (what :func:`.rationales.protocol_rows` reads)."""
+    """The trained models at the tuned base rate of ``optimizer`` as objects with ``ratio``, ``seed`` and
+    ``model`` (what :func:`.rationales.protocol_rows` reads)."""
     from types import SimpleNamespace
 
     ok = {(r.ratio, r.seed) for r in tuned_runs(result, optimizer).itertuples()}
@@ -641,8 +606,8 @@ def runs_at(result: MapResult, optimizer: str) -> list[Any]:
 
 def roles_by_ratio(result: MapResult, optimizer: str, roles: Callable[[nn.Module], Mapping[str, float]]
                    ) -> pd.DataFrame:
-    """``roles(model)`` (e.g. the mean attention mass per token role on the test split) for every
-    trained model at the tuned base rate of ``optimizer``, averaged over seeds per ratio."""
+    """``roles(model)`` (e.g. the mean attention mass per token role on the test split) of every trained model
+    at the tuned base rate of ``optimizer``, averaged over seeds per ratio."""
     rows = [{"ratio": r.ratio, "seed": r.seed, **roles(r.model)} for r in runs_at(result, optimizer)]
     if not rows:
         return pd.DataFrame()
@@ -656,8 +621,8 @@ def roles_by_optimizer(result: MapResult, roles: Callable[[nn.Module], Mapping[s
 
 
 def plot_roles(result: MapResult, frames: Mapping[str, pd.DataFrame], roles: Sequence[str]):
-    """:func:`qkov_lib.plotting.role_bars` of :func:`roles_by_optimizer`, one panel per optimizer
-    titled with its tuned base rate; None when no optimizer has one."""
+    """:func:`qkov_lib.plotting.role_bars` of :func:`roles_by_optimizer`, one panel per optimizer titled with
+    its tuned base rate; None when no optimizer has one."""
     from qkov_lib.plotting import role_bars
 
     if not frames:
@@ -666,9 +631,8 @@ def plot_roles(result: MapResult, frames: Mapping[str, pd.DataFrame], roles: Seq
 
 
 def top_words(result: MapResult, optimizer: str, data: Batch, vocab: Sequence[str], k: int = 10) -> pd.DataFrame:
-    """The ``k`` most-attended words (summed attention mass on the test split) of the first seed's
-    tuned ``optimizer`` model at each ratio, with the fraction of their occurrences inside a
-    rationale in brackets; one column per ratio."""
+    """The ``k`` most-attended words (summed attention mass on the test split) of the first seed's tuned
+    ``optimizer`` model, one column per ratio, with the share of their occurrences inside a rationale."""
     runs = runs_at(result, optimizer)
     if not runs:
         return pd.DataFrame()
@@ -687,9 +651,9 @@ def test_attention(model: nn.Module, data: Batch) -> torch.Tensor:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m qkov_lib.studies.realmap DATASET [--profile P] [-p NAME VALUE ...]``: train
-    one protocol map outside the book (values parsed as JSON, as ``qkov run``) and print its run
-    table and region verdicts."""
+    """``python -m qkov_lib.studies.realmap DATASET [--profile P] [-p NAME VALUE ...]``: train one protocol
+    map outside the book (values parsed as JSON, as ``qkov run``) and print its run table and verdicts."""
+
     import argparse
     import json
 
@@ -713,9 +677,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(verdict_frame(result).to_string())
 
 
-__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "top_words", "MAPS", "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model", "base_rates", "cell_config", "measure",
-           "chance", "analyse", "run_map", "chapter_map", "map_config", "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts", "tuned_changes",
-           "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
+__all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "top_words", "MAPS",
+           "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model",
+           "base_rates", "cell_config", "measure", "chance", "analyse", "run_map", "chapter_map", "map_config",
+           "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts",
+           "tuned_changes", "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
+
 
 
 if __name__ == "__main__":
