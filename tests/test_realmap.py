@@ -81,11 +81,12 @@ def test_facts_rows_and_tables():
 
 def test_largest_gain_names_its_cell():
     res = M.analyse(_table(), 0.5)
-    text = M.largest_gain_sentence(res)
+    row = M.largest_gain(res).iloc[0]
     # SGD's AC rises by 0.2 in both columns; the first (eta_ov 0.1) is named, with the tuned rate's accuracy
-    assert text.startswith("The largest AC@0.5 gain in the map is +20.0 points (sgd, eta_ov 0.1, ratio 10;")
-    assert "at the tuned eta_ov 0.3: 85.1%" in text
-    assert M.largest_gain_sentence(M.analyse(_table().drop(columns="AC@0.5"), 0.5)).startswith("No cell")
+    assert (row["optimizer"], row["eta_ov"], row["ratio"]) == ("sgd", 0.1, 10.0)
+    assert row["Δ AC@0.5 (points)"] == pytest.approx(20.0) and row["tuned eta_ov"] == 0.3
+    assert round(row["ratio-1 accuracy at tuned eta_ov (%)"], 1) == 85.1
+    assert M.largest_gain(M.analyse(_table().drop(columns="AC@0.5"), 0.5)).empty
 
 
 def test_anchor_gap_and_no_trained_run():

@@ -31,7 +31,6 @@ from qkov_lib.runtime import pick_device, seed_everything
 from qkov_lib.train import TrainConfig, train
 
 DATASETS = ("sva", "hatexplain")
-DISPLAY = {"sva": "SVA", "hatexplain": "HateXplain"}
 TAU = 0.5  # AC threshold for the per-head table
 DELTA = claims.HEAD_DELTA  # a change of head attention smaller than this counts as "no change"
 
@@ -393,21 +392,49 @@ def _arrow(values: Sequence[float]) -> str:
     return " → ".join(f"{v:.3f}" for v in values)
 
 
+def carry_table(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: float = DELTA) -> pd.DataFrame:
+    """Per dataset and ratio above the lowest, against the lowest: the answer to "does the
+    sharpening carry beyond one layer and one head?" (:func:`_verdict`), the sharper and blunter
+    (layer, head-rank) slots of :func:`changes` at ``delta`` out of all slots, the layers with a
+    sharper slot, the layer with the largest head-mean gain (attention on relevant tokens) and that
+    gain, and the change of accuracy (seed means). Columns ``dataset, ratio, answer, sharper,
+    blunter, slots, sharp_layers, best_layer, best_gain, d_accuracy``."""
+    ratios = sorted(cfg["ratios"])
+    lo, L = ratios[0], cfg["n_layers"]
+    lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
+    acc = scores.groupby(["dataset", "ratio"])["accuracy"].mean()
+    rows = []
+    for ds in cfg["datasets"]:
+        for r in ratios[1:]:
+            c = changes(heads, lo, r, delta)
+            c = c[c["dataset"] == ds]
+            sharp = c[c["sharpened"]]
+            layers = sorted({int(x) for x in sharp["layer"]})
+            max_heads = int(sharp.groupby("layer").size().max()) if len(sharp) else 0
+            gains = {l: lt.loc[(ds, r, l), "head-mean"] - lt.loc[(ds, lo, l), "head-mean"] for l in range(1, L + 1)}
+            best = max(gains, key=gains.get)
+            rows.append({"dataset": ds, "ratio": r, "answer": _verdict(layers, max_heads, L), "sharper": len(sharp),
+                         "blunter": int(c["blunted"].sum()), "slots": len(c),
+                         "sharp_layers": ", ".join(map(str, layers)) or "none", "best_layer": best,
+                         "best_gain": float(gains[best]), "d_accuracy": float(acc.loc[(ds, r)] - acc.loc[(ds, lo)])})
+    return pd.DataFrame(rows)
+
+
 def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: float = DELTA) -> dict[str, str]:
     """The numbers and verdicts the chapter's prose quotes. Per dataset ``<ds>_...``: accuracy and the
     head-mean / sharpest-head attention of each layer across the ratios, the uniform baseline, the rollout;
     per higher ratio ``<ds>_r<ratio>_...``: counts of sharper/blunter (layer, head-rank) slots against the
     lowest ratio, their layers, the layer with the largest head-mean gain and the answer to "does the
-    sharpening carry beyond one layer and one head?"; ``<ds>_answer`` sums these up, ``overall`` all datasets."""
+    sharpening carry beyond one layer and one head?" (:func:`carry_table`); ``<ds>_yes_at`` lists the ratios
+    where it does ("none" if none)."""
     ratios = sorted(cfg["ratios"])
-    lo, higher = ratios[0], ratios[1:]
-    L = cfg["n_layers"]
+    lo, L = ratios[0], cfg["n_layers"]
     lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
     acc = scores.groupby(["dataset", "ratio"])[["accuracy", "macro_f1"]].mean()
     out = {"r_low": f"{lo:g}", "r_high": f"{ratios[-1]:g}", "ratios": " / ".join(f"{r:g}" for r in ratios),
            "n_layers": str(L), "n_heads": str(cfg["n_heads"]), "n_seeds": str(len(cfg["seeds"])), "delta": f"{delta:g}",
            "n_slots": str(L * cfg["n_heads"])}
-    overall = []
+    ct = carry_table(scores, heads, cfg, delta)
     for ds in cfg["datasets"]:
         out[f"{ds}_acc"] = _arrow([acc.loc[(ds, r), "accuracy"] for r in ratios])
         out[f"{ds}_f1"] = _arrow([acc.loc[(ds, r), "macro_f1"] for r in ratios])
@@ -416,31 +443,15 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
         out[f"{ds}_layers"] = "; ".join(
             f"layer {l}: head-mean {_arrow([lt.loc[(ds, r, l), 'head-mean'] for r in ratios])}, "
             f"sharpest head {_arrow([lt.loc[(ds, r, l), 'best head'] for r in ratios])}" for l in range(1, L + 1))
-
-        answers = []
-        for r in higher:
-            c = changes(heads, lo, r, delta)
-            c = c[c["dataset"] == ds]
-            sharp = c[c["sharpened"]]
-            layers = sorted({int(x) for x in sharp["layer"]})
-            max_heads = int(sharp.groupby("layer").size().max()) if len(sharp) else 0
-            gains = {l: lt.loc[(ds, r, l), "head-mean"] - lt.loc[(ds, lo, l), "head-mean"] for l in range(1, L + 1)}
-            best = max(gains, key=gains.get)
-            verdict = _verdict(layers, max_heads, L)
-            tag = f"{ds}_r{r:g}"
-            out.update({f"{tag}_n_sharp": str(len(sharp)), f"{tag}_n_blunt": str(int(c["blunted"].sum())),
-                        f"{tag}_sharp_layers": ", ".join(map(str, layers)) or "none",
-                        f"{tag}_best_layer": str(best), f"{tag}_best_gain": f"{gains[best]:+.3f}",
-                        f"{tag}_dacc": f"{acc.loc[(ds, r), 'accuracy'] - acc.loc[(ds, lo), 'accuracy']:+.3f}",
-                        f"{tag}_verdict": verdict})
-            answers.append(f"at ratio {r:g}, {verdict} ({len(sharp)} sharper and {int(c['blunted'].sum())} blunter "
-                           f"slots of {len(c)}; largest head-mean gain in layer {best}, {gains[best]:+.3f})")
-        out[f"{ds}_answer"] = "; ".join(answers)
-        yes = [r for r in higher if out[f"{ds}_r{r:g}_verdict"].startswith("yes")]
-        overall.append(f"{DISPLAY.get(ds, ds)}: " + (f"yes at ratio {' and '.join(f'{r:g}' for r in yes)}" if yes
-                                                     else "not at any ratio")
-                       + " (" + "; ".join(f"ratio {r:g}: {out[f'{ds}_r{r:g}_verdict']}" for r in higher) + ")")
-    out["overall"] = " — ".join(overall)
+        rows = ct[ct["dataset"] == ds]
+        for r in rows.itertuples(index=False):
+            tag = f"{ds}_r{r.ratio:g}"
+            out.update({f"{tag}_n_sharp": str(r.sharper), f"{tag}_n_blunt": str(r.blunter),
+                        f"{tag}_n_slots": str(r.slots), f"{tag}_sharp_layers": r.sharp_layers, f"{tag}_best_layer": str(r.best_layer),
+                        f"{tag}_best_gain": f"{r.best_gain:+.3f}", f"{tag}_dacc": f"{r.d_accuracy:+.3f}",
+                        f"{tag}_verdict": r.answer})
+        out[f"{ds}_yes_at"] = ", ".join(f"{r:g}" for r, v in zip(rows["ratio"], rows["answer"]) if v.startswith("yes"))
+        out[f"{ds}_yes_at"] = out[f"{ds}_yes_at"] or "none"
     out["eta_qk_high"] = f"{cfg['eta_ov'] * ratios[-1]:g}"
     out["eta_ov"] = f"{cfg['eta_ov']:g}"
     return out
@@ -489,7 +500,11 @@ def claims_rows(facts: dict[str, str], verdicts: dict[str, dict[str, claims.Verd
         ours = {"R1-multilayer": f"{ds} ({size}): accuracy {facts[f'{ds}_acc']}, macro-F1 {facts[f'{ds}_f1']} at "
                                  f"ratios {facts['ratios']}",
                 "R2-multilayer": f"{ds} ({size}): {facts[f'{ds}_layers']}",
-                "R3-multilayer": f"{ds} ({size}): {facts[f'{ds}_answer']}"}
+                "R3-multilayer": f"{ds} ({size}): " + "; ".join(
+                    f"at ratio {r:g}, {facts[f'{t}_verdict']} ({facts[f'{t}_n_sharp']} sharper and "
+                    f"{facts[f'{t}_n_blunt']} blunter slots of {facts[f'{t}_n_slots']}; largest head-mean gain in "
+                    f"layer {facts[f'{t}_best_layer']}, {facts[f'{t}_best_gain']})"
+                    for r in sorted(cfg["ratios"])[1:] for t in [f"{ds}_r{r:g}"])}
         rows += [claims.claim(cid, claims.statement(cid), ours[cid], v, ch) for cid, v in vs.items()]
     return rows
 

@@ -421,11 +421,11 @@ def map_config(name: str, profile: str | None, **overrides: Any) -> dict[str, An
 def run_chapter_map(name: str, cfg: Mapping[str, Any], data_dir=None, device: torch.device | None = None,
                     ) -> tuple[MapResult, TextDataset, dict[str, str]]:
     """Load the splits and train and analyse the map of a :func:`map_config`: ``(result, dataset, facts)``,
-    ``facts`` being :func:`map_facts` plus the validation size, largest gain and trained-run margin."""
+    ``facts`` being :func:`map_facts` plus the validation size and the trained-run margin."""
     check_dataset(name)
     ds, val = load_splits(name, cfg, data_dir)
     result = run_map(ds, val, cfg, device, desc=f"{name} map")
-    facts = map_facts(result) | {"map_n_val": f"{len(val):,}", "map_gain": largest_gain_sentence(result),
+    facts = map_facts(result) | {"map_n_val": f"{len(val):,}",
                                  "trained_margin": claims.threshold_text("TRAINED_MARGIN")}
     return result, ds, facts
 
@@ -510,24 +510,29 @@ def map_facts(result: MapResult) -> dict[str, str]:
     return f
 
 
-def largest_gain_sentence(result: MapResult, metric: str = "AC@0.5") -> str:
-    """Where in the map ``metric`` (a fraction) rises most against ratio 1, and how well that column's
-    ratio-1 runs predict against its optimizer's tuned base rate: does sharpening come where training was slow?"""
-    p = result.phase
-    col = f"d_{metric}"
+def largest_gain(result: MapResult, metric: str = "AC@0.5", digits: int | None = 1) -> pd.DataFrame:
+    """The map's cell where ``metric`` (a fraction) rises most against ratio 1 (the first, on a
+    tie), as one row: its optimizer, base rate and ratio, the changes of ``metric`` and of
+    accuracy (percentage points, paired by seed), the mean test accuracy of that column's
+    ratio-1 runs and of the ratio-1 runs at the optimizer's tuned base rate (percent; NaN if it
+    has none), the points and percents rounded to ``digits`` (None: unrounded). No row when no
+    cell has a ``metric`` change."""
+    p, col = result.phase, f"d_{metric}"
+    cols = ["optimizer", "eta_ov", "ratio", f"Δ {metric} (points)", "Δ accuracy (points)",
+            "ratio-1 accuracy (%)", "tuned eta_ov", "ratio-1 accuracy at tuned eta_ov (%)"]
     if col not in p or not p[col].notna().any():
-        return f"No cell of the map has a {metric} change to report."
+        return pd.DataFrame(columns=cols)
     best = p.loc[p[col].idxmax()]
-    opt, eta = best["optimizer"], best["eta_ov"]
-    ref = p[(p["optimizer"] == opt) & (p["eta_ov"] == eta) & (p["ratio"] == 1.0)]["accuracy"]
-    out = (f"The largest {metric} gain in the map is {100 * best[col]:+.1f} points ({opt}, eta_ov {eta:g}, ratio "
-           f"{best['ratio']:g}; accuracy {100 * best['d_accuracy']:+.1f} points), in a column whose ratio-1 runs reach "
-           f"{100 * float(ref.mean()):.1f}% test accuracy")
-    tuned = result.selected.get(opt)
-    if tuned is not None:
-        t = p[(p["optimizer"] == opt) & (p["eta_ov"] == tuned) & (p["ratio"] == 1.0)]["accuracy"]
-        out += f" (at the tuned eta_ov {tuned:g}: {100 * float(t.mean()):.1f}%)"
-    return out + "."
+    opt, tuned = best["optimizer"], result.selected.get(best["optimizer"], math.nan)
+
+    def ratio1_accuracy(eta: float) -> float:
+        acc = p[(p["optimizer"] == opt) & (p["eta_ov"] == eta) & (p["ratio"] == 1.0)]["accuracy"]
+        return 100 * float(acc.mean()) if len(acc) else math.nan
+
+    row = [opt, best["eta_ov"], best["ratio"], 100 * best[col], 100 * best["d_accuracy"],
+           ratio1_accuracy(best["eta_ov"]), tuned, ratio1_accuracy(tuned)]
+    out = pd.DataFrame([row], columns=cols)
+    return out if digits is None else out.round({c: digits for c in cols if c.endswith(("(points)", "(%)"))})
 
 
 def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
@@ -681,7 +686,7 @@ __all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_a
            "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model",
            "base_rates", "cell_config", "measure", "chance", "analyse", "run_map", "chapter_map", "map_config",
            "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts",
-           "tuned_changes", "claims_rows", "largest_gain_sentence", "verdict_frame", "runs_at"]
+           "tuned_changes", "claims_rows", "largest_gain", "verdict_frame", "runs_at"]
 
 
 
