@@ -967,7 +967,7 @@ def test_changes_and_verdicts():
     assert ml._verdict([1, 3], 1, 4) == "yes, in layers 1, 3 of 4, but in one head per layer"
     assert ml._verdict([2], 1, 2) == "only in layer 2, in a single head"
     assert ml._verdict([], 0, 2).startswith("no")
-    # the carry table: layer 1's two heads and layer 2's second head got sharper (two layers: "yes"),
+    # the carry table: layer 1's first head and both heads of layer 2 got sharper (two layers: "yes"),
     # layer 2 gained most in head-mean ((0.31 + 0.3) / 2 against (0.3 + 0.01) / 2 in layer 1)
     scores = pd.DataFrame({"dataset": "d", "ratio": [1.0, 1.0, 100.0, 100.0], "seed": [0, 1, 0, 1],
                            "accuracy": [0.6, 0.7, 0.7, 0.8]})
@@ -976,7 +976,7 @@ def test_changes_and_verdicts():
     heads = pd.concat([heads, means.assign(head="mean", AC=0.0, focus=0.0, uniform=0.1, rank=float("nan"))])
     row = ml.carry_table(scores, heads, cfg).iloc[0]
     assert row["answer"].startswith("yes, in every layer") and row["sharp_layers"] == "1, 2"
-    assert (row["sharper"], row["slots"], row["best_layer"]) == (ch["sharpened"].sum(), 4, 2)
+    assert (row["sharper"], row["slots"], row["best_layer"]) == (3, 4, 2)
     assert row["best_gain"] == pytest.approx(0.305) and row["d_accuracy"] == pytest.approx(0.1)
     flat = ml.carry_table(scores, heads.assign(attn_relevant=0.5), cfg).iloc[0]
     assert flat["answer"].startswith("no") and flat["sharp_layers"] == "none" and flat["sharper"] == 0

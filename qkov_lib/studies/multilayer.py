@@ -420,13 +420,14 @@ def carry_table(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: flo
     return pd.DataFrame(rows)
 
 
-def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: float = DELTA) -> dict[str, str]:
+def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: float = DELTA,
+                  carry: pd.DataFrame | None = None) -> dict[str, str]:
     """The numbers and verdicts the chapter's prose quotes. Per dataset ``<ds>_...``: accuracy and the
     head-mean / sharpest-head attention of each layer across the ratios, the uniform baseline, the rollout;
     per higher ratio ``<ds>_r<ratio>_...``: counts of sharper/blunter (layer, head-rank) slots against the
     lowest ratio, their layers, the layer with the largest head-mean gain and the answer to "does the
     sharpening carry beyond one layer and one head?" (:func:`carry_table`); ``<ds>_yes_at`` lists the ratios
-    where it does ("none" if none)."""
+    where it does ("none" if none). ``carry``: that table, if the caller already has it."""
     ratios = sorted(cfg["ratios"])
     lo, L = ratios[0], cfg["n_layers"]
     lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
@@ -434,7 +435,7 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
     out = {"r_low": f"{lo:g}", "r_high": f"{ratios[-1]:g}", "ratios": " / ".join(f"{r:g}" for r in ratios),
            "n_layers": str(L), "n_heads": str(cfg["n_heads"]), "n_seeds": str(len(cfg["seeds"])), "delta": f"{delta:g}",
            "n_slots": str(L * cfg["n_heads"])}
-    ct = carry_table(scores, heads, cfg, delta)
+    ct = carry_table(scores, heads, cfg, delta) if carry is None else carry
     for ds in cfg["datasets"]:
         out[f"{ds}_acc"] = _arrow([acc.loc[(ds, r), "accuracy"] for r in ratios])
         out[f"{ds}_f1"] = _arrow([acc.loc[(ds, r), "macro_f1"] for r in ratios])
