@@ -11,15 +11,25 @@ Recognised attention modules ("families"):
   and ``in_proj_bias`` (3E,) = ``[Q; K; V]`` (separate weights with ``kdim``/``vdim``), ``bias_k``,
   ``bias_v``, ``out_proj``.
 * Sibling modules (:data:`SEPARATE_FAMILIES`: Llama/OPT/BART/Phi ``q_proj`` ..., BERT
-  ``query``/``key``/``value`` with ``attention.output.dense``, T5, DistilBERT). A parent needs a Q
-  and a K child (a lone ``out_proj`` head stays ``other``); a child takes every parameter below it
-  (LoRA adapters of ``q_proj`` are ``qk``).
+  ``query``/``key``/``value`` with ``attention.output.dense``, T5, DistilBERT, and the
+  ``to_q``/``to_k``/``to_v``/``to_out`` of diffusers' and x-transformers' ``Attention``, with
+  diffusers' joint-attention ``add_q_proj`` ... ``to_add_out``, its qk-norms ``norm_q`` ...,
+  x-transformers' memory key/values and qk-norm scales). A parent needs a Q and a K child (a lone
+  ``out_proj`` head stays ``other``); a child takes every parameter below it (LoRA adapters of
+  ``q_proj`` are ``qk``). diffusers' ``fuse_projections()`` ``to_qkv`` / ``to_kv`` /
+  ``to_added_qkv`` are split by the sizes of the projections they concatenate.
 * GPT-2's packed ``c_attn`` (HF ``Conv1D`` (E, 3E) or ``nn.Linear`` (3E, E); K, V only beside a
   ``q_attn``) with its sibling ``c_proj`` as O.
 * Fused projections with a model-specific layout (:data:`FUSED_LAYOUTS`: GPT-NeoX/Pythia, BLOOM,
-  Falcon, MPT, ModernBERT, Phi-3, GPT-BigCode), found by the class of their attention module and
-  each checked against that model's forward in the tests. A fused projection (``qkv``, ``Wqkv``,
-  ``query_key_value`` ...) of any other class is refused with a clear error, not guessed.
+  Falcon, MPT, ModernBERT, Phi-3, GPT-BigCode; timm's ViT/DeiT ``Attention``, BEiT, EVA (fused or
+  not), Swin and Swin V2 ``qkv`` with ``q_bias`` / ``v_bias`` and ``q_norm`` / ``k_norm``), found
+  by the class of their attention module and each checked against that model's forward in the
+  tests. A fused projection (``qkv``, ``Wqkv``, ``query_key_value`` ...) of any other class is
+  refused with a clear error, not guessed: :func:`inspect` shows what was found and suggests a
+  layout rule (``rules={regex: "QKV"}`` or :class:`Fused` per head) for the user to check.
+* A peft LoRA layer over any of these fused projections: ``base_layer`` as the projection, the rows
+  of each ``lora_B`` (the output features) split like the base's output, each ``lora_A`` (which
+  feeds Q, K and V alike) whole to ``ov``, so V never learns faster than ``eta_OV``.
 * TransformerLens attention (``W_Q`` ... ``b_O``, grouped-query ``_W_K`` ...) and the library's
   :class:`qkov_lib.models.QKOVAttention`.
 
@@ -48,130 +58,32 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from qkov_lib.knob_layouts import (  # the layouts are re-exported: part of knob's interface
+    DIFFUSERS_FUSED,
+    FUSED_LAYOUTS,
+    PART_GROUP,
+    SEPARATE_FAMILIES,
+    TRANSFORMER_LENS_PARTS,
+    UNSUPPORTED_PACKED,
+    Fused,
+    FusedLayout,  # noqa: F401
+    Layout,
+    RuleSpec,
+    equal_layout,  # noqa: F401
+    grouped_layout,  # noqa: F401
+    interleaved_layout,  # noqa: F401
+    known_fused,
+    lora_base,
+    original_name,
+    rule_spec,
+    stacked_layout,  # noqa: F401
+)
 from qkov_lib.models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention, check_rate
 
 if TYPE_CHECKING:
     import pandas as pd
 
-PART_GROUP: dict[str, str] = {"Q": "qk", "K": "qk", "V": "ov", "O": "ov"}
-
-# separate-projection families: child name -> part; a parent needs a Q and a K child
-SEPARATE_FAMILIES: tuple[tuple[str, dict[str, str]], ...] = (
-    ("q_proj/k_proj/v_proj/o_proj", {"q_proj": "Q", "k_proj": "K", "v_proj": "V", "o_proj": "O", "out_proj": "O",
-                                     "dense": "O"}),
-    ("query/key/value", {"query": "Q", "key": "K", "value": "V"}),
-    ("q/k/v/o (T5)", {"q": "Q", "k": "K", "v": "V", "o": "O"}),
-    ("q_lin/k_lin/v_lin/out_lin (DistilBERT)", {"q_lin": "Q", "k_lin": "K", "v_lin": "V", "out_lin": "O"}),
-)
 BERT_OUTPUT = re.compile(r"(?:^|\.)attention\.output\.dense$")
-# names of packed projections: outside FUSED_LAYOUTS their slice layout is unknown, refuse to guess
-UNSUPPORTED_PACKED = ("qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "kv_proj", "kv", "w_pack")
-# TransformerLens attention: own parameter -> part (GroupedQueryAttention keeps K, V as _W_K ...)
-TRANSFORMER_LENS_PARTS: dict[str, str] = {
-    "W_Q": "Q", "b_Q": "Q", "W_K": "K", "b_K": "K", "_W_K": "K", "_b_K": "K",
-    "W_V": "V", "b_V": "V", "_W_V": "V", "_b_V": "V", "W_O": "O", "b_O": "O",
-}
-
-
-# --- fused Q/K/V layouts -------------------------------------------------------------------
-Layout = tuple[tuple[str, int], ...]  # (part, size) blocks along the packed dim, in order
-
-
-def _merge(blocks: Sequence[tuple[str, int]]) -> Layout:
-    """``blocks`` with adjacent blocks of the same part joined (fewer slices, same layout)."""
-    out: list[tuple[str, int]] = []
-    for part, size in blocks:
-        if size < 1:
-            raise ValueError(f"layout block {part!r} has size {size}; sizes must be >= 1")
-        if out and out[-1][0] == part:
-            out[-1] = (part, out[-1][1] + size)
-        else:
-            out.append((part, int(size)))
-    return tuple(out)
-
-
-def stacked_layout(q: int, k: int, v: int) -> Layout:
-    """``[Q; K; V]`` one after the other, of sizes ``q``, ``k``, ``v`` (rows or features)."""
-    return _merge([("Q", q), ("K", k), ("V", v)])
-
-
-def interleaved_layout(n_heads: int, head_dim: int) -> Layout:
-    """``[n_heads, 3, head_dim]``: for each head its Q, K and V rows (GPT-NeoX, BLOOM ...)."""
-    return _merge([(part, head_dim) for _ in range(n_heads) for part in "QKV"])
-
-
-def grouped_layout(n_heads: int, n_kv_heads: int, head_dim: int) -> Layout:
-    """``[n_kv_heads, n_heads / n_kv_heads + 2, head_dim]``: for each key/value group its query
-    heads, then one K head, then one V head (Falcon's ``new_decoder_architecture``)."""
-    if n_kv_heads < 1 or n_heads % n_kv_heads:
-        raise ValueError(f"n_heads ({n_heads}) must be a multiple of n_kv_heads ({n_kv_heads})")
-    per = n_heads // n_kv_heads
-    return _merge([b for _ in range(n_kv_heads) for b in (("Q", per * head_dim), ("K", head_dim), ("V", head_dim))])
-
-
-def _attr(module: nn.Module, *names: str) -> int:
-    """The first of ``module.<name>`` or ``module.config.<name>`` that exists, as an int."""
-    for src in (module, getattr(module, "config", None)):
-        for n in names:
-            v = getattr(src, n, None) if src is not None else None
-            if isinstance(v, int) and not isinstance(v, bool):
-                return v
-    raise ValueError(f"{type(module).__name__} has none of the attributes {names} (on itself or its config) "
-                     "that give its fused Q/K/V layout")
-
-
-@dataclass(frozen=True)
-class FusedLayout:
-    """A fused Q/K/V projection: the ``nn.Linear`` child ``qkv`` of an attention module of class
-    ``attention``, with output-projection sibling ``out``. ``kind`` says how :meth:`layout` reads
-    the blocks off the attention module (sizes from the attributes ``heads`` and ``head_dim``):
-    ``interleaved`` per head; ``falcon`` / ``bigcode``: interleaved, ``[Q; K; V]`` with one K/V head
-    when ``multi_query``, Falcon's ``new_decoder_architecture`` grouped; ``gqa``: ``[Q; K; V]``
-    with ``num_key_value_heads``; ``thirds``: ``[Q; K; V]`` of ``hidden_size`` each."""
-
-    family: str
-    attention: str
-    qkv: str
-    out: str
-    kind: str
-    heads: tuple[str, ...] = ()
-    head_dim: tuple[str, ...] = ("head_dim",)
-
-    def layout(self, a: nn.Module) -> Layout:
-        """The (part, size) blocks of the projection's output features for the attention module ``a``."""
-        if self.kind == "thirds":
-            e = _attr(a, "hidden_size", "d_model")
-            return stacked_layout(e, e, e)
-        if self.kind == "gqa":
-            hd = _attr(a, *self.head_dim)
-            heads, kv = _attr(a, *self.heads), _attr(a, "num_key_value_heads")
-            return stacked_layout(heads * hd, kv * hd, kv * hd)
-        if self.kind == "bigcode" and getattr(a, "is_cross_attention", False):
-            raise ValueError("GPT-BigCode cross-attention (c_attn holding K, V of the encoder states) is not supported; "
-                             "pass rules={regex: group} to place it")
-        heads, hd = _attr(a, *self.heads), _attr(a, *self.head_dim)
-        if self.kind == "falcon" and getattr(a, "new_decoder_architecture", False):
-            return grouped_layout(heads, _attr(a, "num_kv_heads"), hd)
-        if self.kind != "interleaved" and getattr(a, "multi_query", False):
-            return stacked_layout(heads * hd, hd, hd)
-        return interleaved_layout(heads, hd)
-
-
-FUSED_LAYOUTS: tuple[FusedLayout, ...] = (
-    FusedLayout("GPT-NeoX query_key_value", "GPTNeoXAttention", "query_key_value", "dense", "interleaved",
-                ("num_attention_heads",), ("head_size",)),
-    FusedLayout("BLOOM query_key_value", "BloomAttention", "query_key_value", "dense", "interleaved", ("num_heads",)),
-    FusedLayout("Falcon query_key_value", "FalconAttention", "query_key_value", "dense", "falcon",
-                ("num_heads", "num_attention_heads")),
-    FusedLayout("MPT Wqkv", "MptAttention", "Wqkv", "out_proj", "thirds"),
-    FusedLayout("ModernBERT Wqkv", "ModernBertAttention", "Wqkv", "Wo", "thirds"),
-    FusedLayout("Phi-3 qkv_proj", "Phi3Attention", "qkv_proj", "o_proj", "gqa", ("num_attention_heads", "num_heads")),
-    FusedLayout("GPT-BigCode c_attn", "GPTBigCodeAttention", "c_attn", "c_proj", "bigcode", ("num_heads",)),
-)
-
-
-def _known_fused() -> str:
-    return ", ".join(f"{fl.attention}.{fl.qkv}" for fl in FUSED_LAYOUTS)
 
 
 # --- the parametrization ------------------------------------------------------------------
@@ -324,6 +236,7 @@ class _Plan:
         self.handled_modules: set[int] = set()
         self.frozen: list[str] = []  # attention tensors left out because requires_grad is False
         self.shared: dict[str, list[str]] = {}  # packed tensors held by more than one module
+        self.attention: dict[str, str] = {}  # attention modules recognised: name -> family
 
     def _add(self, key: str, entries: list[Entry]) -> None:
         old = self.by_param.get(key)
@@ -352,14 +265,24 @@ class _Plan:
         elif isinstance(p, nn.Parameter):  # else a buffer or a computed tensor: nothing to train
             self.frozen.append(_join(mname, attr))
 
-    def subtree(self, module: nn.Module, mname: str, part: str, family: str) -> None:
-        """Every trainable parameter below ``module`` goes to the group of ``part``."""
+    def subtree(self, module: nn.Module, mname: str, part: str, family: str, group: str | None = None) -> None:
+        """Every trainable parameter below ``module`` goes to ``group`` (default: the group of ``part``)."""
         self.handled_modules.update(id(m) for m in module.modules())
         for pname, p in module.named_parameters():
             if p.requires_grad:
-                self._leaf(p, PART_GROUP[part], part, family)
+                self._leaf(p, group or PART_GROUP[part], part, family)
             else:
                 self.frozen.append(_join(mname, pname))
+
+    def part(self, parent: nn.Module, pname: str, name: str, part: str, family: str) -> None:
+        """``parent.<name>`` goes to the group of ``part``: a child module whole (subtree), an own
+        tensor whole; nothing if the parent has neither (or it was placed already)."""
+        child = parent._modules.get(name)
+        if child is not None:
+            if id(child) not in self.handled_modules:
+                self.subtree(child, _join(pname, name), part, family)
+        elif name in parent._parameters:
+            self.whole(parent, pname, name, part, family)
 
     def packed(self, module: nn.Module, mname: str, attr: str, layout: str | Layout, dim: int, family: str) -> None:
         """``module.<attr>`` holds the blocks of ``layout`` along ``dim``; a string of part labels
@@ -412,6 +335,29 @@ class _Plan:
         self.packed(module, mname, "bias", layout, 0, family)
         self.handled_modules.add(id(module))
 
+    def fused(self, module: nn.Module, mname: str, layout: str | Layout, family: str,
+              dim: int | Callable[[nn.Module], int] = 0) -> None:
+        """A fused projection: ``weight`` packed along ``dim`` (a function of the layer that holds
+        the weight, for a GPT-2 ``Conv1D``), ``bias`` along 0, nothing else. Wrapped in a peft LoRA
+        layer: its ``base_layer`` the same way, each adapter's ``lora_B`` rows (the output features)
+        like the base's output, each ``lora_A`` (shared by every part) whole to ``ov``."""
+        base = lora_base(module)
+        layer = module if base is None else base
+        lname = mname if base is None else _join(mname, "base_layer")
+        _check_only(layer, lname, ("weight", "bias"))
+        self.projection(layer, lname, layout, dim(layer) if callable(dim) else dim, family)
+        if base is None:
+            return
+        _check_only(module, mname, ("base_layer", "lora_A", "lora_B"))
+        shared = "".join(dict.fromkeys(p for p, _ in layout)) if not isinstance(layout, str) else layout
+        for adapter, b in module.lora_B.items():
+            bname = _join(mname, "lora_B", adapter)
+            _check_only(b, bname, ("weight", "bias"))
+            self.projection(b, bname, layout, 0, f"{family}, LoRA B")
+        for adapter, a in module.lora_A.items():
+            self.subtree(a, _join(mname, "lora_A", adapter), shared, f"{family}, LoRA A (feeds {shared}: ov)", "ov")
+        self.handled_modules.update(id(m) for m in module.modules())
+
 
 def _runs(layout: Layout) -> list[tuple[str, int, list[int]]]:
     """The runs of adjacent blocks of ``layout`` whose parts share a group (e.g. one head's Q
@@ -458,28 +404,77 @@ def _check_only(module: nn.Module, mname: str, allowed: Sequence[str]) -> None:
         raise ValueError(f"ambiguous packed projection {mname}: unexpected parameters {extra}")
 
 
-def compile_rules(rules: Mapping[str, str] | None) -> list[tuple[re.Pattern, str]]:
-    """``rules`` (regular expression on parameter names -> group) compiled, in order; raises
-    ValueError for an unknown group or an invalid expression."""
+def compile_rules(rules: Mapping[str, RuleSpec] | None) -> list[tuple[re.Pattern, RuleSpec]]:
+    """``rules`` (regular expression on tensor names -> group, or layout of a fused tensor)
+    compiled, in order; raises ValueError for an unknown group or layout or an invalid expression."""
     if rules is not None and not isinstance(rules, Mapping):
-        raise TypeError(f"rules must be a mapping {{regex: group}}, got {type(rules).__name__}")
+        raise TypeError(f"rules must be a mapping {{regex: group or layout}}, got {type(rules).__name__}")
     out = []
-    for rx, g in (rules or {}).items():
-        if g not in GROUPS:
-            raise ValueError(f"rule {rx!r} names group {g!r}; expected one of {GROUPS}")
+    for rx, value in (rules or {}).items():
+        if isinstance(value, str) and value.lower() in GROUPS and value not in GROUPS:
+            raise ValueError(f"rule {rx!r} names group {value!r}; the groups are {GROUPS} (lower case); a fused "
+                             f"[{'; '.join(value)}] layout is knob.Fused({value!r})")
+        spec = rule_spec(rx, value)
         try:
-            out.append((re.compile(rx), g))
+            out.append((re.compile(rx), spec))
         except (re.error, TypeError) as err:
             raise ValueError(f"rule {rx!r} is not a valid regular expression: {err}") from None
     return out
 
 
-def _plan_families(model: nn.Module, mods: Mapping[str, nn.Module]) -> _Plan:
-    """The entries of the built-in families (module docstring) for ``model``, before any rule."""
+def _plan_module(plan: _Plan, mname: str, m: nn.Module) -> None:
+    """The entries of the families recognised by the children (or class) of the module ``m``."""
+    # all children, also a module registered under two names (k_proj = q_proj), which
+    # named_children() would list once
+    children = {c: mod for c, mod in m._modules.items() if mod is not None}
+    fused = next((fl for fl in FUSED_LAYOUTS if fl.matches(m) and (fl.qkv in children or fl.separate)), None)
+    if fused is not None:
+        plan.attention[mname] = fused.family
+        if fused.qkv in children:
+            qkv, qname = children[fused.qkv], _join(mname, fused.qkv)
+            if not isinstance(lora_base(qkv) or qkv, nn.Linear):
+                raise ValueError(f"{qname} of {fused.attention} is a {type(qkv).__name__}; its layout "
+                                 f"({fused.family}) is known for nn.Linear (or a peft LoRA layer over one) only")
+            size = (lora_base(qkv) or qkv).out_features
+            plan.fused(qkv, qname, fused.layout(m, size), fused.family)
+        for name, part in fused.separate:
+            plan.part(m, mname, name, part, fused.family)
+        for name, part in fused.extras + ((fused.out, "O"),):
+            plan.part(m, mname, name, part, fused.family)
+        return
+    for fam, table in SEPARATE_FAMILIES:
+        present = {c: part for c, part in table.items() if c in children}
+        if {"Q", "K"} <= set(present.values()):
+            plan.attention[mname] = fam
+            for name, part in table.items():
+                plan.part(m, mname, name, part, fam)
+            for name, sources in DIFFUSERS_FUSED.items():  # [to_q; to_k; to_v] of fuse_projections()
+                if getattr(m, "fused_projections", False) is True and name in children \
+                        and all(isinstance(lora_base(children[s]) or children[s], nn.Linear) for s in sources):
+                    layout = tuple((table[s], (lora_base(children[s]) or children[s]).out_features) for s in sources)
+                    plan.fused(children[name], _join(mname, name), layout, fam)
+    c_attn = children.get("c_attn")
+    if c_attn is not None and id(c_attn) not in plan.handled_modules:
+        fam, qname = "GPT-2 c_attn/c_proj", _join(mname, "c_attn")
+        plan.attention[mname] = fam
+        parts = "KV" if "q_attn" in children else "QKV"
+        plan.fused(c_attn, qname, parts, fam, lambda layer: _conv1d_dim(layer, qname, len(parts)))
+        for sibling, part in (("q_attn", "Q"), ("c_proj", "O")):
+            if sibling in children:
+                plan.subtree(children[sibling], _join(mname, sibling), part, fam)
+    if BERT_OUTPUT.search(mname) and id(m) not in plan.handled_modules:
+        plan.subtree(m, mname, "O", "query/key/value")
+
+
+def _plan_families(model: nn.Module, mods: Mapping[str, nn.Module], problems: dict[str, str] | None = None) -> _Plan:
+    """The entries of the built-in families (module docstring) for ``model``, before any rule.
+    With ``problems`` (a dict), a module that cannot be placed is recorded there (module name ->
+    message) instead of raising."""
     plan = _Plan(model)
     for mname, m in mods.items():  # attention modules that own their tensors
         if isinstance(m, nn.MultiheadAttention):
             fam = "nn.MultiheadAttention"
+            plan.attention[mname] = fam
             if m._qkv_same_embed_dim:
                 plan.packed(m, mname, "in_proj_weight", "QKV", 0, fam)
             else:
@@ -491,79 +486,80 @@ def _plan_families(model: nn.Module, mods: Mapping[str, nn.Module]) -> _Plan:
             plan.subtree(m.out_proj, _join(mname, "out_proj"), "O", fam)
             plan.handled_modules.add(id(m))
         elif isinstance(m, QKOVAttention):
+            plan.attention[mname] = "QKOVAttention"
             for attr in QK_PARAMS + OV_PARAMS:
                 plan.whole(m, mname, attr, attr, "QKOVAttention", "qk" if attr in QK_PARAMS else "ov")
         else:
             own = {n for n, _ in m.named_parameters(recurse=False)}
             if "W_Q" in own and {"W_K", "_W_K"} & own:  # TransformerLens
+                plan.attention[mname] = "TransformerLens W_Q/W_K/W_V/W_O"
                 for attr, part in TRANSFORMER_LENS_PARTS.items():
                     plan.whole(m, mname, attr, part, "TransformerLens W_Q/W_K/W_V/W_O")
 
     for mname, m in mods.items():  # attention modules recognised by their children
         if id(m) in plan.handled_modules:
             continue
-        # all children, also a module registered under two names (k_proj = q_proj), which
-        # named_children() would list once
-        children = {c: mod for c, mod in m._modules.items() if mod is not None}
-        fused = next((fl for fl in FUSED_LAYOUTS if type(m).__name__ == fl.attention and fl.qkv in children), None)
-        if fused is not None:
-            qkv, qname = children[fused.qkv], _join(mname, fused.qkv)
-            if not isinstance(qkv, nn.Linear):
-                raise ValueError(f"{qname} of {fused.attention} is a {type(qkv).__name__}; its layout "
-                                 f"({fused.family}) is known for nn.Linear only")
-            _check_only(qkv, qname, ("weight", "bias"))
-            plan.projection(qkv, qname, fused.layout(m), 0, fused.family)
-            if fused.out in children:
-                plan.subtree(children[fused.out], _join(mname, fused.out), "O", fused.family)
+        if problems is None:
+            _plan_module(plan, mname, m)
             continue
-        for fam, table in SEPARATE_FAMILIES:
-            present = {c: part for c, part in table.items() if c in children}
-            if {"Q", "K"} <= set(present.values()):
-                for c, part in present.items():
-                    if id(children[c]) not in plan.handled_modules:
-                        plan.subtree(children[c], _join(mname, c), part, fam)
-        c_attn = children.get("c_attn")
-        if c_attn is not None and id(c_attn) not in plan.handled_modules:
-            fam, qname = "GPT-2 c_attn/c_proj", _join(mname, "c_attn")
-            parts = "KV" if "q_attn" in children else "QKV"
-            dim = _conv1d_dim(c_attn, qname, len(parts))
-            _check_only(c_attn, qname, ("weight", "bias"))
-            plan.projection(c_attn, qname, parts, dim, fam)
-            for sibling, part in (("q_attn", "Q"), ("c_proj", "O")):
-                if sibling in children:
-                    plan.subtree(children[sibling], _join(mname, sibling), part, fam)
-        if BERT_OUTPUT.search(mname) and id(m) not in plan.handled_modules:
-            plan.subtree(m, mname, "O", "query/key/value")
+        try:
+            _plan_module(plan, mname, m)
+        except ValueError as err:
+            problems[mname] = str(err)
     return plan
 
 
-def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobReport:
-    """Assign every trainable tensor (or slice of a packed tensor) of ``model`` to ``qk``, ``ov``
-    or ``other``, without changing the model; returns the :class:`KnobReport`. ``rules`` maps
-    regular expressions on parameter names to groups; a tensor matched by a rule goes whole to
-    that group, overriding the built-in families. Raises ValueError (TypeError for a non-module)
-    when no attention or no query/key parameter is recognised (saying so when they are frozen),
-    when a tensor is reached with different groups (tied weights), when a packed tensor is shared
-    by several modules or cannot be split, or when a rule is invalid."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+def _rule_plan(model: nn.Module, layouts: Mapping[str, tuple[Fused, str]]) -> _Plan:
+    """The entries of the tensors that rules give a layout: original tensor name -> (layout, rule)."""
+    plan = _Plan(model)
+    for tname, (spec, pattern) in layouts.items():
+        module, attr = _owner(model, tname)
+        mname, fam = tname.rpartition(".")[0], f"rule {pattern}: {spec}"
+        if ".lora_A." in f".{tname}":  # a LoRA A feeds every part of the fused output
+            plan.whole(module, mname, attr, spec.parts, f"{fam}, LoRA A (feeds {spec.parts}: ov)", "ov")
+            continue
+        value = getattr(module, attr)
+        dim = 0 if value.dim() == 1 or ".lora_B." in f".{tname}" else spec.dim
+        if dim >= value.dim():
+            raise ValueError(f"rule {pattern!r} splits {tname} along dim {dim}, but it has shape {tuple(value.shape)}")
+        plan.packed(module, mname, attr, spec.layout(value.shape[dim], f"rule {pattern!r} on {tname}"), dim, fam)
+    return plan
+
+
+def _assign(model: nn.Module, rules: Mapping[str, RuleSpec] | None,
+            problems: dict[str, str] | None = None) -> tuple[list[Entry], _Plan]:
+    """The entries of every trainable tensor (families, then rules over them, then ``other``)
+    and the families' plan. Raises ValueError on the first problem, or, with ``problems`` (a
+    dict), records each there (module or tensor name -> message) and goes on."""
     compiled = compile_rules(rules)
     mods = dict(model.named_modules())
-    plan = _plan_families(model, mods)
+    plan = _plan_families(model, mods, problems)
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     ruled: dict[str, tuple[str, str]] = {}  # parameter -> (group, family) of the first rule that matches it
+    layouts: dict[str, tuple[Fused, str]] = {}  # original tensor -> (layout, pattern) of a layout rule
     for n in names:
-        for rx, g in compiled:
-            if rx.search(n):
-                ruled[n] = (g, f"rule {rx.pattern}")
+        tname = original_name(n)  # rules name tensors as in the unsplit model
+        for rx, spec in compiled:
+            if rx.search(tname):
+                if isinstance(spec, Fused):
+                    layouts.setdefault(tname, (spec, rx.pattern))
+                else:
+                    ruled[n] = (spec, f"rule {rx.pattern}")
                 break
-    entries: list[Entry] = []
-    seen: set[str] = set()
-    for ents in plan.by_param.values():  # rules override the families' tensors, whole
-        if not any((e.parameter or e.tensor) in ruled for e in ents):
+    rplan = _rule_plan(model, layouts)
+    by_rule = {n for n in names if original_name(n) in layouts}
+    entries: list[Entry] = [e for ents in rplan.by_param.values() for e in ents]
+    seen: set[str] = {e.parameter or e.tensor for e in entries} | by_rule
+    for ents in plan.by_param.values():  # rules override the families' tensors
+        if not any((e.parameter or e.tensor) in ruled or (e.parameter or e.tensor) in by_rule for e in ents):
             entries.extend(ents)
             seen.update(e.parameter or e.tensor for e in ents)
+
+    def problem(where: str, message: str) -> None:
+        if problems is None:
+            raise ValueError(message)
+        problems.setdefault(where, message)
 
     # packed projections of unknown layout must not silently land in "other"
     for mname, m in mods.items():
@@ -572,23 +568,41 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
             own = [_join(mname, n) for n, p in m.named_parameters() if p.requires_grad]
             if own and not all(n in ruled or n in seen for n in own):
                 parent = mods[mname.rpartition(".")[0]]
-                raise ValueError(
-                    f"ambiguous attention tensor(s) {own}: '{leaf}' in {type(parent).__name__} looks like a packed "
-                    "projection whose slice layout is model-specific (e.g. interleaved per head); the fused "
-                    f"layouts checked against their models are {_known_fused()}; pass rules={{regex: group}} "
-                    "to place it explicitly")
-    shared = {t: owners for t, owners in plan.shared.items() if t not in ruled}
-    if shared:
-        raise ValueError(
-            "packed tensor(s) shared by several modules: "
-            + "; ".join(f"{t} (also {', '.join(o for o in owners if o != t)})" for t, owners in shared.items())
-            + ". Splitting one would break the tie; untie them, or pass rules={regex: group} to keep each whole "
-            "in one group")
+                problem(mname,
+                        f"ambiguous attention tensor(s) {own}: '{leaf}' in {type(parent).__name__} looks like a packed "
+                        "projection whose slice layout is model-specific (e.g. interleaved per head); the fused "
+                        f"layouts checked against their models are {known_fused()}; pass rules={{regex: group}} "
+                        "to place it whole, or rules={regex: 'QKV'} (knob.Fused) to split it with a layout you "
+                        "checked; knob.inspect(model) lists what was found")
+    shared = {t: owners for t, owners in {**plan.shared, **rplan.shared}.items() if t not in ruled}
+    for t, owners in shared.items():
+        problem(t, "packed tensor(s) shared by several modules: "
+                f"{t} (also {', '.join(o for o in owners if o != t)}). Splitting one would break the tie; untie "
+                "them, or pass rules={regex: group} to keep each whole in one group")
 
     for n in names:
         if n in ruled or n not in seen:
             group, family = ruled.get(n, ("other", "other"))
             entries.append(Entry(n, group, "-", family, tuple(model.get_parameter(n).shape), parameter=n))
+    plan.frozen += rplan.frozen
+    return entries, plan
+
+
+def classify(model: nn.Module, rules: Mapping[str, RuleSpec] | None = None) -> KnobReport:
+    """Assign every trainable tensor (or slice of a packed tensor) of ``model`` to ``qk``, ``ov``
+    or ``other``, without changing the model; returns the :class:`KnobReport`.
+
+    ``rules`` maps regular expressions on tensor names (as in the unsplit model) to a group
+    (``"qk"``, ``"ov"``, ``"other"``: the tensor goes whole there) or to a layout that splits a
+    fused tensor (``"QKV"``, ``"KV"`` ... or :class:`Fused` with ``heads`` / ``dim``); the first
+    rule that matches a tensor wins, over the built-in families. Raises ValueError (TypeError for
+    a non-module) when no attention or no query/key parameter is recognised (saying so when they
+    are frozen), when a tensor is reached with different groups (tied weights), when a packed
+    tensor is shared by several modules or cannot be split, or when a rule is invalid;
+    :func:`inspect` shows what was found without raising."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    entries, plan = _assign(model, rules)
     if not any(e.group in ("qk", "ov") for e in entries):
         if plan.frozen:
             raise ValueError(
@@ -597,13 +611,122 @@ def classify(model: nn.Module, rules: Mapping[str, str] | None = None) -> KnobRe
         raise ValueError(
             f"no attention parameters recognised in {type(model).__name__}: looked for "
             "nn.MultiheadAttention, QKOVAttention, q_proj/k_proj/v_proj/o_proj, query/key/value + "
-            "attention.output.dense, q/k/v/o, q_lin/k_lin/v_lin/out_lin, GPT-2 c_attn/c_proj, TransformerLens "
-            f"W_Q/W_K/W_V/W_O, fused {_known_fused()}; pass rules={{regex: group}} for other layouts")
+            "attention.output.dense, q/k/v/o, q_lin/k_lin/v_lin/out_lin, to_q/to_k/to_v/to_out, GPT-2 c_attn/c_proj, "
+            f"TransformerLens W_Q/W_K/W_V/W_O, fused {known_fused()}; knob.inspect(model) lists the attention-like "
+            "modules it found; pass rules={regex: group} or rules={regex: 'QKV'} for other layouts")
     if not any(e.group == "qk" for e in entries):
         raise ValueError(f"no trainable query/key parameters recognised in {type(model).__name__}"
                          + (f" (frozen: {plan.frozen[:4]})" if plan.frozen else "")
                          + ": the ratio eta_QK/eta_OV would act on nothing")
     return KnobReport(entries)
+
+
+# --- a model the families do not know ------------------------------------------------------
+ATTENTION_CLASS = re.compile(r"attn|attention", re.IGNORECASE)
+
+
+def _placed(ents: Sequence[Entry]) -> str:
+    """Where the entries of one tensor go, e.g. ``qk: Q[0:8] K[8:16]; ov: V[16:24]`` or ``qk (Q)``."""
+    if ents[0].dim is None:
+        e = ents[0]
+        return e.group if e.part == "-" else f"{e.group} ({e.part})"
+    by: dict[str, list[str]] = {}
+    for e in ents:
+        by.setdefault(e.group, []).append(f"{e.part}[{e.start}:{e.stop}]")
+    return "; ".join(f"{g}: {' '.join(v)}" if len(v) <= 6 else f"{g}: {len(v)} slices {v[0]} {v[1]} ... {v[-1]}"
+                     for g, v in by.items())
+
+
+def _suggest(model: nn.Module, mname: str) -> tuple[str, str]:
+    """A rule for the fused projection ``mname`` of unknown layout: a regex for its tensors in
+    every layer (digits generalised) and the ``[Q; K; V]`` (or ``[K; V]``) layout its size allows."""
+    pattern = re.sub(r"\d+", r"\\d+", re.escape(mname)) + r"\."
+    m = model.get_submodule(mname)
+    w = getattr(lora_base(m) or m, "weight", None)
+    dim = _conv1d_dim(lora_base(m) or m, mname, 3) if isinstance(w, Tensor) and w.dim() == 2 else 0
+    n = w.shape[dim] if isinstance(w, Tensor) else 0
+    return pattern, "QKV" if n % 3 == 0 else "KV" if n % 2 == 0 else "?"
+
+
+@dataclass
+class Inspection:
+    """What :func:`inspect` found: ``rows``, one per trainable tensor below an attention-like
+    module (recognised by a family, named ``*Attention*`` / ``*Attn*``, or holding a projection
+    named like ``qkv``), with the keys ``module``, ``class``, ``family``, ``tensor``, ``shape``,
+    ``goes to`` (group and part, or the slices of a split tensor) and ``note``; ``problems``:
+    module or tensor -> why it cannot be placed (what :func:`classify` would raise); ``suggested``:
+    rules (regex -> layout) for the fused projections of unknown layout, to be checked against
+    the model's forward before use."""
+
+    rows: list[dict[str, str]]
+    problems: dict[str, str]
+    suggested: dict[str, str]
+
+    def frame(self) -> pd.DataFrame:
+        import pandas as pd
+
+        return pd.DataFrame(self.rows, columns=["module", "class", "family", "tensor", "shape", "goes to", "note"])
+
+    def __str__(self) -> str:
+        lines, current = [], None
+        width = max((len(r["tensor"]) for r in self.rows), default=0)
+        for r in self.rows:
+            if r["module"] != current:
+                current = r["module"]
+                lines.append(f"{r['module'] or '(model)'}  [{r['class']}]  {r['family']}")
+            note = f"   <- {r['note']}" if r["note"] else ""
+            lines.append(f"  {r['tensor']:<{width}}  {r['shape']:>9}  {r['goes to']}{note}")
+        if not self.rows:
+            lines.append("no attention-like module found (no family matched, no class named *Attention*/*Attn*)")
+        if self.problems:  # the same refusal in every layer: said once
+            (first, msg), *more = self.problems.items()
+            lines.append(f"cannot place {first}: {msg}")
+            if more:
+                names = ", ".join(w for w, _ in more[:6]) + (" ..." if len(more) > 6 else "")
+                lines.append(f"  and {len(more)} more: {names}")
+        if self.suggested:
+            body = ", ".join(f"r'{p}': {v!r}" for p, v in self.suggested.items())
+            lines.append(f"rules that would split the unknown fused projections (check the layout against the "
+                         f"model's forward first; per head: knob.Fused('QKV', heads=H)): rules={{{body}}}")
+        return "\n".join(lines)
+
+
+def inspect(model: nn.Module, rules: Mapping[str, RuleSpec] | None = None) -> Inspection:
+    """Every attention-like module of ``model`` with the tensors found below it and where each
+    would go under the built-in families and ``rules`` (as :func:`classify` with the same
+    rules), what could not be placed and why, and suggested layout rules for fused projections
+    of unknown layout. Never raises for a model it cannot place (only for invalid ``rules``);
+    changes nothing."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    problems: dict[str, str] = {}
+    entries, plan = _assign(model, rules, problems)
+    mods = dict(model.named_modules())
+    like = set(plan.attention) | {n for n, m in mods.items() if ATTENTION_CLASS.search(type(m).__name__)}
+    like |= {n.rpartition(".")[0] for n in mods if n.rsplit(".", 1)[-1].lower() in UNSUPPORTED_PACKED}
+    like |= {n.rpartition(".")[0] for n in problems if n in mods}
+    by_tensor: dict[str, list[Entry]] = {}
+    for e in entries:
+        by_tensor.setdefault(original_name(e.tensor), []).append(e)
+    rows, innermost_first = [], sorted(like, key=len, reverse=True)
+    for tname, ents in by_tensor.items():
+        owner = next((m for m in innermost_first if not m or tname.startswith(m + ".")), None)
+        if owner is None:
+            continue
+        mod, shape = mods[owner], tuple(tensor_value(model, tname).shape)
+        note = ""
+        if ents[0].family == "other":
+            bad = next((w for w in problems if tname.startswith(w + ".")), None)
+            note = "cannot place: see below" if bad else "not placed by any family: goes to other"
+        family = plan.attention.get(owner) or ("rules" if any(e.family.startswith("rule ") for e in ents)
+                                                else "no family matched")
+        rows.append({"module": owner, "class": type(mod).__name__, "family": family, "tensor": tname,
+                     "shape": "x".join(map(str, shape)), "goes to": _placed(ents), "note": note})
+    order = {n: i for i, n in enumerate(mods)}
+    rows.sort(key=lambda r: order[r["module"]])  # stable: tensors keep the model's order within a module
+    suggested = dict(_suggest(model, w) for w in problems
+                     if w in mods and w.rsplit(".", 1)[-1].lower() in UNSUPPORTED_PACKED)
+    return Inspection(rows, problems, suggested)
 
 
 # --- splitting packed tensors ------------------------------------------------------------

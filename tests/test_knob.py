@@ -743,9 +743,16 @@ def test_real_model_split_and_one_step(case, opt):
     optim.zero_grad()
     loss_on(c.run(model, ids)[0]).backward()
     optim.step()
+    assert_one_step(model, p0, g, lambda n, shape: rate_map(n, shape, c, masks), opt, wd, eps)
+
+
+def assert_one_step(model: nn.Module, p0: dict, g: dict, rates: Callable, opt: str, wd: float, eps: float) -> None:
+    """Every tensor of ``p0`` (values before the step) moved by one step at the rate
+    ``rates(name, shape)`` of each element, from the reference gradients ``g``: SGD ``-lr g``,
+    AdamW's first step ``-lr (wd p + g / (|g| + eps))``."""
     for n, p in p0.items():
         delta = knob.tensor_value(model, n).detach() - p
-        lr = rate_map(n, p.shape, c, masks)
+        lr = rates(n, p.shape)
         if n not in g:  # no gradient (unused): no step, no weight decay
             expected = torch.zeros_like(p)
         elif opt == "sgd":
