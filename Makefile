@@ -4,16 +4,20 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PROFILE ?= cpu
+# DRY_RUN=1: every chapter with the profile's models, data and grids, each run capped at a few steps
+DRY_RUN ?=
+DRY := $(if $(DRY_RUN),QKOV_DRY_RUN=$(DRY_RUN))
 DATA ?= $(abspath ../shared/data)
 BIN := $(VENV)/bin
 export QKOV_DATA_DIR ?= $(DATA)
 
-.PHONY: setup book book-cached test browser-test clean lab data data-check
+.PHONY: setup book book-cached estimate test browser-test clean lab data data-check
 
-$(BIN)/activate: requirements.txt pyproject.toml
+$(BIN)/activate: requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install --quiet --no-deps -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $(BIN)/activate
@@ -26,17 +30,20 @@ data-check:  ## before set-up, with the system python: stop at once if data is m
 data: setup  ## download the official releases into $(QKOV_DATA_DIR), verify their sha256, build the data folder
 	$(BIN)/python -m qkov_lib.data.fetch fetch --dest "$(QKOV_DATA_DIR)"
 
-book: data-check setup  ## execute every chapter (profile $(PROFILE)) and build _build/html
+book: data-check setup  ## execute every chapter (profile $(PROFILE); DRY_RUN=1: steps capped) and build _build/html
 	$(BIN)/python -m qkov_lib.data.fetch check --fetch
 	rm -rf _build/results
-	QKOV_PROFILE=$(PROFILE) $(BIN)/jupyter-book build . -W --keep-going --all
+	QKOV_PROFILE=$(PROFILE) $(DRY) $(BIN)/jupyter-book build . -W --keep-going --all
+
+estimate: setup  ## each chapter's work and estimated time on this machine's device (profile $(PROFILE)), nothing trained
+	QKOV_PROFILE=$(PROFILE) $(BIN)/python -m qkov_lib.cost
 
 test: setup  ## the unit tests
 	$(BIN)/python -m pytest -q --ignore=tests/browser
 
 book-cached: data-check setup  ## like book, but reuse outputs keyed on the chapter cells AND qkov_lib
 	$(BIN)/python -m qkov_lib.data.fetch check --fetch
-	QKOV_PROFILE=$(PROFILE) $(BIN)/qkov book --mode cache
+	QKOV_PROFILE=$(PROFILE) $(DRY) $(BIN)/qkov book --mode cache
 
 browser-test:  ## headless Chromium checks of the built _build/html (needs chromium + chromium-driver)
 	QKOV_BROWSER_REQUIRED=1 $(BIN)/python -m pytest -q -rs tests/browser

@@ -10,6 +10,10 @@ ratio is a finite number > 0, a seed an integer >= 0, a step or size count an in
 fraction lies in (0, 1)) and needs no profile table, so ``qkov run`` and ``qkov sweep`` apply it
 to ``-p``/``-g`` values before a kernel starts; :func:`resolve` applies it to every resolved
 setting, and checks the type of each override against the profile's value.
+
+A dry run (:func:`set_dry_run`, :func:`cap_steps`) keeps a profile's models, data sizes and grids
+but caps every step count, so the ``full`` profile's shapes and code paths run on a CPU in
+minutes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ from typing import Any
 
 PROFILES = ("test", "cpu", "full")
 PROFILE_ENV = "QKOV_PROFILE"
+DRY_RUN_ENV = "QKOV_DRY_RUN"
+#: step budget of every run in a dry run: enough for a validation evaluation mid-run and at the end
+DRY_RUN_STEPS = 20
+# step counts (steps, adamw_steps, full_steps, warmup_steps...) and evaluation intervals by name
+_STEP_KEY = re.compile(r"(^|_)steps$")
+_EVERY_KEY = re.compile(r"(^|_)every$")
+_dry_run: bool = False  # set by set_dry_run: every later resolve() caps its steps
 
 #: Allowed values of the categorical parameters the chapters share (a list-valued parameter of
 #: the same meaning, e.g. ``parameterizations``, takes a non-empty list of them).
@@ -82,6 +93,51 @@ def check_values(values: Mapping[str, Any]) -> None:
     """:func:`check_value` for every item of ``values`` (e.g. the ``-p`` overrides of a run)."""
     for name, value in values.items():
         check_value(name, value)
+
+
+def env_dry_run() -> bool:
+    """``$QKOV_DRY_RUN`` as a bool (unset or empty: False); ValueError on anything but
+    1/0, true/false, yes/no, on/off."""
+    raw = os.environ.get(DRY_RUN_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${DRY_RUN_ENV}={raw!r}: expected 1 or 0 (true/false, yes/no, on/off)")
+
+
+def set_dry_run(on: bool) -> None:
+    """Make every later :func:`resolve` in this process cap its step counts (:func:`cap_steps`)
+    when ``on``; what a chapter resolved before its dry run started is capped by the caller."""
+    global _dry_run
+    if not isinstance(on, bool):
+        raise TypeError(f"dry_run must be True or False, got {type(on).__name__} {on!r}")
+    _dry_run = on
+
+
+def dry_run_active() -> bool:
+    """Whether :func:`set_dry_run` turned the dry run on in this process."""
+    return _dry_run
+
+
+def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any]:
+    """A copy of the settings ``cfg`` with every step count (a key ending in ``steps``) at most
+    ``cap`` and every interval (a key ending in ``every``: evaluation, logging) at most ``cap // 2``,
+    so a capped run still evaluates before its end. Everything else (models, data sizes, grids)
+    is kept."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
+        raise ValueError(f"the dry-run step cap must be an integer >= 2, got {cap!r}")
+    out = dict(cfg)
+    for key, value in cfg.items():
+        if not _number(value):
+            continue
+        if _STEP_KEY.search(key):
+            out[key] = min(int(value), cap)
+        elif _EVERY_KEY.search(key):
+            out[key] = min(int(value), cap // 2)
+    return out
+
+
 def profile_table(base: Mapping[str, Any], test: Mapping[str, Any], cpu: Mapping[str, Any],
                   full: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """A chapter's profile table: the settings ``base`` shared by every profile, updated by each
@@ -124,7 +180,8 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
     """Settings of ``profile`` from a chapter's profile ``table``, updated with the overrides
     that are not None. Each override must have the type of the profile's value (ints pass as
     floats, lists as tuples) and every setting an allowed value (:func:`check_value`); a wrong
-    type raises TypeError, an unknown name or a value out of range ValueError."""
+    type raises TypeError, an unknown name or a value out of range ValueError. In a dry run
+    (:func:`set_dry_run`) the step counts are capped (:func:`cap_steps`)."""
     name = profile_name(profile)
     base = dict(table[name])
     for key, value in overrides.items():
@@ -139,6 +196,8 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
             )
         base[key] = list(value) if isinstance(value, tuple) else value
     check_values(base)
+    if _dry_run:
+        base = cap_steps(base)
     return {"profile": name, **base}
 
 

@@ -297,7 +297,7 @@ def fetch(dest: str | os.PathLike | None, only: Iterable[str] | None = None, ove
 
 def _verified(how: str) -> str:
     """Status words for a :func:`sources.verify_file` result."""
-    return how if how == sources.UNVERIFIED_ALLOWED else f"{how} verified"
+    return how if sources.is_unverified(how) else f"{how} verified"
 
 
 def _raw(did: str, have: Mapping[str, Path], pending: Mapping[str, Path]) -> bytes:
@@ -320,37 +320,35 @@ def ensure(data_dir: str | os.PathLike | None = None, timeout: float = 5.0, **fe
 def main(argv: list[str] | None = None) -> int:
     """``qkov data`` / ``python -m qkov_lib.data.fetch``: ``fetch [--dest DIR] [--only ...] [--overwrite]
     [--no-progress]`` and ``check --fetch [--data-dir DIR]`` here; ``check [--probe]``, ``verify`` and
-    ``list`` are :func:`qkov_lib.data.sources.main`. Exit status 1, one message on stderr, when data
-    cannot be fetched or fails its check."""
-    import argparse
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["check"] and "--fetch" in argv:
-        c = argparse.ArgumentParser(prog="qkov data check", description="check the data folder; fetch what is missing")
-        c.add_argument("--fetch", action="store_true", required=True)
-        c.add_argument("--data-dir", default=None)
-        args = c.parse_args(argv[1:])
+    ``list`` are :func:`qkov_lib.data.sources.run`, on one command line (:func:`qkov_lib.data.sources.parser`).
+    Exit status 1, one message on stderr, when data cannot be fetched or fails its check."""
+    ap, sub = sources.parser()
+    sub.choices["check"].add_argument("--fetch", action="store_true",
+                                      help="fetch and build what is missing (when its servers can be reached)")
+    f = sub.add_parser("fetch", help="download the official releases, verify their sha256 and build the data folder",
+                       description="download the official releases, verify their sha256 and build the data folder")
+    f.add_argument("--dest", default=None, help=f"data folder to fill (default: ${sources.DATA_ENV}, else ../shared/data)")
+    f.add_argument("--only", nargs="*", default=None, help="file paths or dataset names (squad, hatexplain, sva, sva_linzen)")
+    f.add_argument("--overwrite", action="store_true", help="rebuild files that are already there")
+    f.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = ap.parse_args(sys.argv[1:] if argv is None else list(argv))
+    if args.cmd == "check" and args.fetch:
+        if args.probe:
+            ap.error("check: give --fetch or --probe, not both")
         try:
             fetched = ensure(args.data_dir)
         except sources.DataUnavailable as err:
             print(err, file=sys.stderr)
             return 1
-        except (ValueError, OSError) as err:  # ChecksumError, DownloadError
+        except (ValueError, OSError) as err:  # ChecksumError, DownloadError, ManifestError
             print(f"qkov data check: {err}", file=sys.stderr)
             return 1
         if fetched:
             print(f"data: the missing files were fetched and built in {sources.data_dir_location(args.data_dir)[0]}")
             return 0
-        return sources.main(["check"] + (["--data-dir", args.data_dir] if args.data_dir else []))
-    if argv[:1] != ["fetch"]:
-        return sources.main(argv)
-    f = argparse.ArgumentParser(prog="qkov data fetch",
-                                description="download the official releases, verify their sha256 and build the data folder")
-    f.add_argument("--dest", default=None, help=f"data folder to fill (default: ${sources.DATA_ENV}, else ../shared/data)")
-    f.add_argument("--only", nargs="*", default=None, help="file paths or dataset names (squad, hatexplain, sva, sva_linzen)")
-    f.add_argument("--overwrite", action="store_true", help="rebuild files that are already there")
-    f.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = f.parse_args(argv[1:])
+        return sources.run(args)
+    if args.cmd != "fetch":
+        return sources.run(args)
     try:
         status = fetch(args.dest, args.only, args.overwrite, progress=not args.no_progress)
     except (ValueError, OSError) as err:  # ChecksumError, FileNotFoundError, DownloadError, a bad --only

@@ -5,7 +5,10 @@
 * **Manifest**: ``manifest.json`` beside this file (or ``$QKOV_DATA_MANIFEST``, e.g. a mirror) lists
   the official ``downloads`` (address, sha256 of the bytes as served, where that checksum comes
   from) and the ``files`` the loaders read (sha256 of the stored file and of its gunzipped content,
-  and how :mod:`qkov_lib.data.fetch` builds it).
+  and how :mod:`qkov_lib.data.fetch` builds it). It is a contract, checked whenever it is read
+  (:func:`manifest_problems`: its layout, every field's type, each sha256 as 64 hex digits); every
+  file the chapters read (:data:`CHAPTER_FILES`) must have an entry: a file without one is an
+  error, or, with ``QKOV_ALLOW_UNVERIFIED=1``, read unverified, loudly, and marked so.
 * **Checksums**: :func:`verify_file`. A file the manifest has no checksum for (the HateXplain train
   split built by ``qkov data fetch``) is read only with the provenance record ``fetch`` writes
   beside it -- never otherwise, not even when a checksummed alternative of its group is there --
@@ -28,6 +31,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import time
@@ -54,6 +58,21 @@ BAD_FILE_FIX = (f"delete it and run `{FETCH_HINT}` (or `make data`) to download 
                 f"{DATA_ENV} to a folder that holds a good copy")
 # Public Hugging Face hub names, for users with internet (source="hub"); SVA has none.
 HUB_NAMES = {"squad": "rajpurkar/squad", "hatexplain": "Hate-speech-CNERG/hatexplain"}
+#: The files the loaders read (the paths of qkov_lib.data.squad, hatexplain and sva), as groups of
+#: alternatives in the order the loaders prefer them: any one of a group will do. Written here, not
+#: read from the manifest, so that a manifest that lost an entry cannot take a file out of the checks
+#: (tests/test_manifest_contract.py holds the loaders and the manifest to it).
+CHAPTER_FILES: tuple[tuple[str, ...], ...] = (
+    ("squad/dev-v1.1.json.gz",),
+    ("squad/train-v1.1.json.gz", "squad/train-v1.1-from-explorer.json.gz"),
+    ("hatexplain/post_id_divisions.json",),
+    ("hatexplain/hatexplain_train.jsonl.gz", "hatexplain/hatexplain_train_no_rationales.csv.gz"),
+    ("hatexplain/hatexplain_validation.jsonl.gz",),
+    ("hatexplain/hatexplain_test.jsonl.gz",),
+    ("sva/linzen2016_numpred.val.tsv.gz",),
+    ("sva/linzen2016_numpred.test_attractors.tsv.gz",),
+    ("sva/marvin_linzen2018_agreement.jsonl.gz",),
+)
 
 
 class ChecksumError(ValueError):
@@ -76,25 +95,172 @@ class DataUnavailable(RuntimeError):
     """Needed data files are missing and cannot be fetched, or fail their check; the message says what to do."""
 
 
+class ManifestError(ValueError):
+    """The data manifest breaks its contract (:func:`manifest_problems`, :func:`manifest`); the message names
+    the manifest and every problem."""
+
+
 # --- manifest ---------------------------------------------------------------------------------
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _text(v: Any) -> bool:
+    return isinstance(v, str) and bool(v.strip())
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _sha(v: Any) -> bool:
+    return v is None or (isinstance(v, str) and bool(_SHA256.fullmatch(v)))
+
+
+SHA_RULE = "null or a sha256 (64 lowercase hex digits)"
+#: field -> (required, check, what it must be): the layout of a ``files`` entry and of a ``downloads`` entry.
+FILE_FIELDS = {
+    "dataset": (True, _text, "a non-empty string"), "license": (True, _text, "a non-empty string"),
+    "source": (True, _text, "a non-empty string"),
+    "build": (True, lambda v: v is None or isinstance(v, dict), "null or an object"),
+    "sha256": (True, _sha, SHA_RULE), "content_sha256": (True, _sha, SHA_RULE),
+    "lines": (False, lambda v: v is None or _count(v), "null or a count (an integer >= 0)"),
+    "records": (False, lambda v: isinstance(v, dict) and all(_text(k) and _count(n) for k, n in v.items()),
+                "an object of counts, e.g. {\"posts\": 1922}"),
+    "group": (False, _text, "a non-empty string"), "optional": (False, lambda v: isinstance(v, bool), "true or false"),
+    "note": (False, _text, "a non-empty string"),
+}
+DOWNLOAD_FIELDS = {
+    "url": (True, lambda v: isinstance(v, str) and v.startswith(("https://", "http://")), "an http(s) address"),
+    "sha256": (True, _sha, SHA_RULE), "path": (True, _text, "a path in the data folder"),
+    "store": (True, lambda v: v in ("gzip", "copy"), "'gzip' or 'copy'"),
+    "dataset": (False, _text, "a non-empty string"), "license": (False, _text, "a non-empty string"),
+    "sha256_from": (False, _text, "a non-empty string"), "bytes": (False, _count, "a count (an integer >= 0)"),
+}
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
+
+
+def _fields(where: str, entry: Any, spec: Mapping[str, tuple]) -> list[str]:
+    if not isinstance(entry, dict):
+        return [f"{where}: must be an object, is {_kind(entry)}"]
+    out = [f"{where}: '{k}' is missing" for k, (required, _, _) in spec.items() if required and k not in entry]
+    out += [f"{where}: unknown field '{k}' (known: {', '.join(spec)})" for k in entry if k not in spec]
+    out += [f"{where}.{k}: {json.dumps(entry[k])} is not {what}" for k, (_, ok, what) in spec.items()
+            if k in entry and not ok(entry[k])]
+    return out
+
+
+def _build_problems(where: str, build: Any, downloads: Mapping[str, Any]) -> list[str]:
+    if not isinstance(build, dict):
+        return []
+    if set(build) == {"download"}:
+        ids = [build["download"]]
+    elif set(build) == {"convert", "inputs"} and _text(build["convert"]) and isinstance(build["inputs"], list) \
+            and build["inputs"]:
+        ids = build["inputs"]
+    else:
+        return [f"{where}.build: {json.dumps(build)} is neither {{\"download\": ID}} nor "
+                "{\"convert\": NAME, \"inputs\": [ID, ...]}"]
+    return [f"{where}.build: download {json.dumps(i)} is not in 'downloads'" for i in ids if i not in downloads]
+
+
+def manifest_problems(doc: Any) -> list[str]:
+    """Every way ``doc`` (a parsed manifest) breaks the manifest's contract, one line each, empty if none:
+    the top level is an object with a ``files`` object and, optionally, ``downloads`` and ``about``;
+    each file entry has the fields of :data:`FILE_FIELDS` (checksums ``null`` or 64 lowercase hex digits),
+    a ``build`` of downloads that exist, ``optional: true`` exactly when no chapter reads it
+    (:data:`CHAPTER_FILES`) and a ``group`` exactly when the chapters accept an alternative to it, the
+    same for all of them; each download has the fields of :data:`DOWNLOAD_FIELDS`. A needed file that has
+    no entry is not a problem here (see :func:`missing_entries`)."""
+    if not isinstance(doc, dict):
+        return [f"the manifest must be a JSON object with 'files' and 'downloads', is {_kind(doc)}"]
+    out = [f"unknown top-level key {json.dumps(k)} (known: about, downloads, files)" for k in doc
+           if k not in ("about", "downloads", "files")]
+    files, downloads = doc.get("files"), doc.get("downloads", {})
+    if "files" not in doc:
+        out.append("'files' is missing: the object of the data files the loaders read, keyed by path")
+    elif not isinstance(files, dict):
+        out.append(f"'files' must be an object keyed by path, is {_kind(files)}")
+    if not isinstance(downloads, dict):
+        out.append(f"'downloads' must be an object keyed by download id, is {_kind(downloads)}")
+        downloads = {}
+    for did, d in downloads.items():
+        out += _fields(f"downloads[{json.dumps(did)}]", d, DOWNLOAD_FIELDS)
+    if not isinstance(files, dict):
+        return out
+    needed = {rel: g for g in CHAPTER_FILES for rel in g}
+    for rel, e in files.items():
+        where = f"files[{json.dumps(rel)}]"
+        problems = _fields(where, e, FILE_FIELDS)
+        out += problems
+        if not isinstance(e, dict):
+            continue
+        out += _build_problems(where, e.get("build"), downloads)
+        if rel in needed and e.get("optional"):
+            out.append(f"{where}: the chapters read it, so it cannot be optional")
+        elif rel not in needed and not e.get("optional"):
+            out.append(f"{where}: no chapter reads it (qkov_lib.data.sources.CHAPTER_FILES); mark it \"optional\": true")
+        alternatives = [r for r in needed.get(rel, (rel,)) if r in files and r != rel]
+        if alternatives and (not e.get("group") or any(files[r].get("group") != e.get("group") for r in alternatives
+                                                       if isinstance(files[r], dict))):
+            out.append(f"{where}.group: the chapters accept {' or '.join(alternatives)} instead, so they all need "
+                       "the same 'group'")
+        elif not alternatives and e.get("group"):
+            out.append(f"{where}.group: {json.dumps(e['group'])}, but no other file of the manifest stands in for it")
+    return out
+
+
 @lru_cache(maxsize=8)
 def _read_manifest(path: str) -> dict[str, Any]:
+    origin = f"from ${MANIFEST_ENV}" if os.environ.get(MANIFEST_ENV) == path else "the packaged one"
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read the data manifest {path} (from ${MANIFEST_ENV} or the package): {err}") from err
-    if not isinstance(doc.get("files"), dict) or not isinstance(doc.get("downloads", {}), dict):
-        raise ValueError(f"data manifest {path} has no 'files' object")
+        raise ManifestError(f"cannot read the data manifest {path} ({origin}): {err}") from err
+    bad = manifest_problems(doc)
+    if bad:
+        raise ManifestError(f"the data manifest {path} ({origin}) breaks its contract:\n" + "\n".join(f"  - {b}" for b in bad))
     return doc
 
 
+def manifest_path() -> str:
+    """``$QKOV_DATA_MANIFEST`` if set, else the packaged ``manifest.json``."""
+    return os.environ.get(MANIFEST_ENV) or str(MANIFEST_PATH)
+
+
 def manifest_doc() -> dict[str, Any]:
-    """The whole manifest: ``$QKOV_DATA_MANIFEST`` if set, else the packaged ``manifest.json``."""
-    return _read_manifest(os.environ.get(MANIFEST_ENV) or str(MANIFEST_PATH))
+    """The whole manifest (:func:`manifest_path`), checked against its contract (:func:`manifest_problems`;
+    ManifestError naming every problem)."""
+    return _read_manifest(manifest_path())
+
+
+def missing_entries() -> list[str]:
+    """The files of :data:`CHAPTER_FILES` that have no entry in the manifest."""
+    files = manifest_doc()["files"]
+    return [rel for g in CHAPTER_FILES for rel in g if rel not in files]
+
+
+_WARNED: set[tuple[str, ...]] = set()
 
 
 def manifest() -> dict[str, dict[str, Any]]:
-    """The manifest's file entries (what the loaders read), keyed by path relative to the data folder."""
+    """The manifest's file entries (what the loaders read), keyed by path relative to the data folder.
+    ManifestError when a file the chapters read has no entry (its checksum could not be checked); with
+    ``QKOV_ALLOW_UNVERIFIED=1`` a warning on stderr instead (once), and such a file is read unverified
+    (:func:`verify_file`) and marked so in the results files (:func:`used_files`)."""
+    missing = missing_entries()
+    if missing and not allow_unverified():
+        raise ManifestError(
+            f"the data manifest {manifest_path()} has no entry for {', '.join(missing)}, which the chapters read: "
+            f"without it the file's checksum cannot be checked. Restore the entry (the packaged manifest has it), or "
+            f"set {ALLOW_ENV}=1 to read the file unverified (the results files then say so)")
+    if missing and (key := (manifest_path(), *missing)) not in _WARNED:
+        _WARNED.add(key)
+        print(f"qkov data: WARNING: the data manifest {manifest_path()} has no entry for {', '.join(missing)}; "
+              f"read unverified because {ALLOW_ENV}=1 (marked so in the results files)", file=sys.stderr)
     return manifest_doc()["files"]
 
 
@@ -123,24 +289,31 @@ def data_dir_location(data_dir: str | os.PathLike | None = None) -> tuple[Path, 
     return (Path.cwd() / p).resolve(), origin
 
 
-def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data folder (:func:`data_dir_location`); FileNotFoundError naming ``QKOV_DATA_DIR`` and a fix if missing."""
-    path, origin = data_dir_location(data_dir)
+def not_a_folder(path: Path, origin: str) -> str | None:
+    """None when ``path`` is a folder; else why not (it does not exist, or it is a file), with ``origin``
+    and what to do."""
     if path.is_dir():
-        return path
-    raise FileNotFoundError(
-        f"data directory {str(path)!r} (from {origin}) does not exist; set {DATA_ENV} to the folder that holds "
-        f"squad/, hatexplain/ and sva/ (for example ../shared/data), or build it with `{FETCH_HINT}`"
-    )
+        return None
+    what = "is a file, not a folder" if path.exists() else "does not exist"
+    return (f"data directory {str(path)!r} (from {origin}) {what}; set {DATA_ENV} to the folder that holds "
+            f"squad/, hatexplain/ and sva/ (for example ../shared/data), or build it with `{FETCH_HINT}`")
+
+
+def resolve_data_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """The data folder (:func:`data_dir_location`); FileNotFoundError naming ``QKOV_DATA_DIR`` and a fix when
+    it does not exist or is a file."""
+    path, origin = data_dir_location(data_dir)
+    why = not_a_folder(path, origin)
+    if why:
+        raise FileNotFoundError(why)
+    return path
 
 
 def find_data_dir() -> tuple[Path | None, str]:
     """(data folder, where it came from) or (None, why not) -- for tests that need the real files."""
     path, origin = data_dir_location()
-    if path.is_dir():
-        return path, f"real data in {path} (from {origin})"
-    return None, (f"real data folder not found: {path} (from {origin}) does not exist; set {DATA_ENV} "
-                  f"to the data folder, or build one with `{FETCH_HINT}`")
+    why = not_a_folder(path, origin)
+    return (None, f"real data folder not found: {why}") if why else (path, f"real data in {path} (from {origin})")
 
 
 # --- checksums ----------------------------------------------------------------------------------
@@ -196,6 +369,12 @@ def allow_unverified() -> bool:
 
 
 UNVERIFIED_ALLOWED = f"unverified: no checksum in the manifest, used because ${ALLOW_ENV}=1"
+UNVERIFIED_NO_ENTRY = f"unverified: no entry in the manifest, used because ${ALLOW_ENV}=1"
+
+
+def is_unverified(status: str) -> bool:
+    """Whether a :func:`verify_file` status says the file was used without a check."""
+    return status in (UNVERIFIED_ALLOWED, UNVERIFIED_NO_ENTRY)
 
 
 def provenance_path(path: str | os.PathLike) -> Path:
@@ -248,8 +427,16 @@ def provenance_problem(path: str | os.PathLike, rel: str) -> str | None:
 def verify_file(path: str | os.PathLike, rel: str) -> str:
     """Check ``path`` against manifest entry ``rel``: ``"sha256"`` or ``"content_sha256"``
     (:func:`check_sha256`); without checksums ``"provenance"`` (a valid :func:`provenance_problem`
-    record) or, with ``QKOV_ALLOW_UNVERIFIED=1``, :data:`UNVERIFIED_ALLOWED`. Raises ChecksumError on
-    a mismatch, UnverifiedError for an unvouched file, KeyError if ``rel`` is not in the manifest."""
+    record) or, with ``QKOV_ALLOW_UNVERIFIED=1``, :data:`UNVERIFIED_ALLOWED`; with no entry at all,
+    :data:`UNVERIFIED_NO_ENTRY` under ``QKOV_ALLOW_UNVERIFIED=1``. Raises ChecksumError on a mismatch,
+    UnverifiedError for an unvouched file or one without an entry."""
+    if rel not in manifest():
+        if allow_unverified():
+            return UNVERIFIED_NO_ENTRY
+        raise UnverifiedError(f"{path} has no entry in the data manifest {manifest_path()}, so its checksum cannot "
+                              "be checked and it is not used",
+                              f"add its entry, or set {ALLOW_ENV}=1 to use it anyway (the results files then mark it "
+                              "unverified)")
     e = manifest()[rel]
     if e.get("sha256") or e.get("content_sha256"):
         return check_sha256(path, f"the manifest entry {rel!r}", e.get("sha256"), e.get("content_sha256"))
@@ -293,7 +480,8 @@ _USED: dict[str, str] = {}
 
 def used_files() -> dict[str, str]:
     """``{path in the data folder: sha256}`` of every file :func:`data_file` opened in this process (and
-    ``hub:NAME`` fingerprints); an unverified one has ``"<sha256> (<UNVERIFIED_ALLOWED>)"``."""
+    ``hub:NAME`` fingerprints); an unverified one has ``"<sha256> (<why unverified>)"``
+    (:data:`UNVERIFIED_ALLOWED`, :data:`UNVERIFIED_NO_ENTRY`)."""
     return dict(sorted(_USED.items()))
 
 
@@ -304,7 +492,8 @@ def clear_used() -> None:
 
 def data_file(rel: str, data_dir: str | os.PathLike | None = None, verify: bool = True) -> Path:
     """The path of data file ``rel`` (e.g. ``"sva/linzen2016_numpred.val.tsv.gz"``), checked with
-    :func:`verify_file` when ``verify`` and recorded for :func:`used_files`; FileNotFoundError if missing."""
+    :func:`verify_file` when ``verify`` (a file read unverified is named on stderr) and recorded for
+    :func:`used_files`; FileNotFoundError if missing."""
     root = resolve_data_dir(data_dir)
     path = root / rel
     if not path.is_file():
@@ -312,8 +501,10 @@ def data_file(rel: str, data_dir: str | os.PathLike | None = None, verify: bool 
             f"data file {rel!r} not found in {root} (the data directory comes from data_dir or ${DATA_ENV}); "
             f"build it with `{FETCH_HINT}` or point {DATA_ENV} at the folder that holds it"
         )
-    how = verify_file(path, rel) if verify and rel in manifest() else None
-    _USED[rel] = sha256_file(path) + (f" ({how})" if how == UNVERIFIED_ALLOWED else "")
+    how = verify_file(path, rel) if verify else None
+    if how and is_unverified(how):
+        print(f"qkov data: WARNING: {rel}: {how}", file=sys.stderr)
+    _USED[rel] = sha256_file(path) + (f" ({how})" if how and is_unverified(how) else "")
     return path
 
 
@@ -327,11 +518,15 @@ def verify_all(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
     """Verify every manifest file and kept download in the data folder, whatever fails: ``{path:
     status}``, a :func:`file_status` (``"sha256"``, ``"provenance"``, ``"FAILED: <reason>"``, ...),
     ``"no checksum"`` (a kept download without a published one), ``"missing"``, ``"missing
-    (optional)"`` or ``"missing (alternative present)"``. :func:`problems` picks out what is wrong."""
+    (optional)"`` or ``"missing (alternative present)"``; a file the chapters read that has no manifest
+    entry is among them too. :func:`problems` picks out what is wrong."""
     root = resolve_data_dir(data_dir)
-    present = {rel for rel in manifest() if (root / rel).is_file()}
+    files = manifest()
+    rels = list(dict.fromkeys([*files, *(rel for g in CHAPTER_FILES for rel in g)]))
+    present = {rel for rel in rels if (root / rel).is_file()}
     out = {}
-    for rel, e in manifest().items():
+    for rel in rels:
+        e = files.get(rel, {})
         if rel in present:
             out[rel] = file_status(root / rel, rel)
         elif e.get("optional"):
@@ -364,15 +559,14 @@ def problems(status: Mapping[str, str]) -> list[str]:
 
 # --- what the chapters need -------------------------------------------------------------------
 def group_members(rel: str) -> list[str]:
-    """The files of ``rel``'s manifest ``group`` (``rel`` included), in manifest order: the fetchable one first."""
-    g = manifest()[rel].get("group")
-    return [r for r, e in manifest().items() if g and e.get("group") == g] or [rel]
+    """The alternatives of ``rel`` (``rel`` included) in :data:`CHAPTER_FILES`, the fetchable one first; the
+    manifest's ``group`` says the same (:func:`manifest_problems`)."""
+    return next((list(g) for g in CHAPTER_FILES if rel in g), [rel])
 
 
 def required_files() -> list[list[str]]:
-    """The files the chapters need, as groups of alternatives (any one member will do), in manifest order."""
-    groups = (group_members(rel) for rel, e in manifest().items() if not e.get("optional"))
-    return list({tuple(g): g for g in groups}.values())  # each group once, where it first occurs
+    """The files the chapters need (:data:`CHAPTER_FILES`), as groups of alternatives (any one member will do)."""
+    return [list(g) for g in CHAPTER_FILES]
 
 
 def check_needed(data_dir: str | os.PathLike | None = None) -> dict[str, str]:
@@ -395,14 +589,14 @@ def missing_files(data_dir: str | os.PathLike | None = None) -> list[list[str]]:
 
 def build_target(group: list[str]) -> str | None:
     """The member of a group of alternatives that ``fetch`` can build, or None."""
-    return next((r for r in group if manifest()[r].get("build")), None)
+    return next((r for r in group if manifest().get(r, {}).get("build")), None)
 
 
 def downloads_for(rels: Iterable[str]) -> list[str]:
     """The download ids needed to build the files ``rels``, in manifest order."""
     need = set()
     for rel in rels:
-        b = manifest()[rel].get("build") or {}
+        b = manifest().get(rel, {}).get("build") or {}
         need.update([b["download"]] if "download" in b else b.get("inputs", []))
     return [d for d in downloads() if d in need]
 
@@ -466,9 +660,14 @@ def preflight(data_dir: str | os.PathLike | None = None, probe_network: bool = T
 
     :class:`DataUnavailable` if a needed file fails its sha256 (:func:`check_needed`; nothing is
     deleted or fetched), or if missing files cannot be fetched (no build, no ``probe_network``, or a
-    host fails :func:`probe`); the message names the files and the ways out. Else ``{path: status}``
-    of the missing files, which :func:`qkov_lib.data.fetch.ensure` then fetches (empty if none)."""
+    host fails :func:`probe`); the message names the files and the ways out. A data folder that is a
+    file, or that does not exist when nothing may be fetched (no ``probe_network``), is the same error,
+    whatever the manifest lists. Else ``{path: status}`` of the missing files, which
+    :func:`qkov_lib.data.fetch.ensure` then fetches (empty if none)."""
     root, origin = data_dir_location(data_dir)
+    why = not_a_folder(root, origin)
+    if why and (root.exists() or not probe_network):
+        raise DataUnavailable(f"qkov: {why}")
     missing = missing_files(root)
     bad = {rel: s for rel, s in check_needed(root).items() if s.startswith("FAILED")}
     if bad:
@@ -566,13 +765,12 @@ def use_hub(source: str | None) -> bool:
 
 
 # --- command line ---------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> int:
-    """``python -m qkov_lib.data.sources``: check, verify, list (standard library only). Exit status 1,
-    one message on stderr, when data is missing and cannot be fetched or fails its check (``check``: the
-    files the chapters read; ``verify``: every file, all listed)."""
+def parser() -> tuple[argparse.ArgumentParser, Any]:
+    """The ``check``, ``verify`` and ``list`` command line (and its subparsers, to which
+    :func:`qkov_lib.data.fetch.main` adds ``fetch``)."""
     ap = argparse.ArgumentParser(prog="qkov data", description="The real-data files: check, verify, list "
                                                                "(qkov data: also fetch).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="are the files the chapters need there? (make book runs this first)")
     c.add_argument("--data-dir", default=None, help=f"data folder (default: ${DATA_ENV}, else ../shared/data)")
     c.add_argument("--probe", action="store_true", help="only check that what is missing could be downloaded")
@@ -580,7 +778,18 @@ def main(argv: list[str] | None = None) -> int:
                                       "or a needed one is missing)")
     v.add_argument("--data-dir", default=None)
     sub.add_parser("list", help="print the manifest: files, sources, licences")
-    args = ap.parse_args(argv)
+    return ap, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m qkov_lib.data.sources``: check, verify, list (standard library only; :func:`run`)."""
+    return run(parser()[0].parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run parsed ``check``/``verify``/``list`` arguments (:func:`parser`). Exit status 1, one message on
+    stderr, when data is missing and cannot be fetched, fails its check (``check``: the files the chapters
+    read; ``verify``: every file, all listed) or the manifest breaks its contract."""
     try:
         if args.cmd == "check":
             t0 = time.perf_counter()
@@ -588,11 +797,13 @@ def main(argv: list[str] | None = None) -> int:
             root = data_dir_location(args.data_dir)[0]
             checked = check_needed(root)  # cached: no second read of the files
             for rel, s in checked.items():
-                if s == UNVERIFIED_ALLOWED:
+                if is_unverified(s):
                     print(f"data: WARNING: {rel}: {s}", file=sys.stderr)
+            unverified = sum(is_unverified(s) for s in checked.values())
             if not status:
                 print(f"data: every file the chapters need is in {root}; {len(checked)} checked against the "
-                      f"manifest in {time.perf_counter() - t0:.2f} s")
+                      f"manifest in {time.perf_counter() - t0:.2f} s"
+                      + (f", {unverified} of them UNVERIFIED (see the warnings)" if unverified else ""))
             else:
                 print(f"data: {len(status)} file(s) missing from {root}; the download servers answer, "
                       "so they are fetched before the chapters run")

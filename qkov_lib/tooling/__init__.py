@@ -4,6 +4,6 @@
 :mod:`.bookhtml`), results files (:mod:`.results`), the claims scorecard (:mod:`.scorecard`) and how tables are
 shown (:mod:`.tables`: importing this package sets pandas' display options, so no table is cut)."""
 
-from qkov_lib.tooling.tables import setup_display as _setup_display
+from qkov_lib.tooling.tables import setup_display_when_imported as _setup_display
 
 _setup_display()  # every chapter's first cell imports this package: its tables are shown whole

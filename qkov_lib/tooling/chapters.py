@@ -6,6 +6,7 @@ Used by the ``qkov`` command line (:mod:`qkov_lib.tooling.cli`) and the sweeps (
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import json
 import os
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from qkov_lib.tooling.results import failed_path, mark_failed
+from qkov_lib.tooling.results import output_lock, publish_run, record_failure, running_path, start_run
 from qkov_lib.runtime import REPO_ROOT
 
 
@@ -168,6 +169,41 @@ def _ipc_config(folder: str):
     return c
 
 
+class RunNotStarted(RuntimeError):
+    """Nothing ran: the output folder cannot be written, or another run holds its name there."""
+
+
+class RunBusy(RunNotStarted):
+    """Another process is running the same name into the same folder (it holds the lock); ``pid``: its PID."""
+
+    def __init__(self, message: str, pid: str):
+        super().__init__(message)
+        self.pid = pid
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for a failed run: papermill's cell error (``ename: evalue``), else ``Type: message``."""
+    name, value = getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", exc)
+    return f"{name}: {value}" if str(value) else name
+
+
+def _execute(nb_in: Path, nb_out: Path, params: Mapping[str, Any], cwd: Path, progress: bool) -> None:
+    """papermill's run of ``nb_in`` into ``nb_out``; a kernel that dies before its first reply is started again."""
+    import papermill as pm
+
+    for attempt in range(KERNEL_START_TRIES):
+        try:
+            with tempfile.TemporaryDirectory(prefix="qkov-kernel-") as sockets:
+                pm.execute_notebook(str(nb_in), str(nb_out), parameters=dict(params), cwd=str(cwd),
+                                    progress_bar=progress, kernel_name="python3", config=_ipc_config(sockets))
+            return
+        except RuntimeError as exc:
+            # A kernel that dies before running any cell (a busy machine's slow start) can be
+            # started again safely; kernels on Unix sockets no longer race for TCP ports.
+            if KERNEL_DIED not in str(exc) or attempt == KERNEL_START_TRIES - 1:
+                raise
+
+
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
                 name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
     """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
@@ -175,42 +211,49 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths.
 
     Parameter names are checked first (:func:`check_parameters`; values are checked by the
-    chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). An earlier
-    ``<name>.json`` is removed before the run; when the run fails, a results file it wrote becomes
-    ``<name>.failed.json`` (:func:`qkov_lib.tooling.results.mark_failed`) and the error is raised."""
+    chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). The run holds
+    ``<out_dir>/.<name>.lock`` throughout: while it does, a second run of the same name into the
+    same folder raises :class:`RunBusy` (with the holder's PID) and runs nothing; a folder that
+    cannot be written raises :class:`RunNotStarted`. The notebook and the results file are written
+    under ``<out_dir>/.running/`` and moved onto ``<name>.ipynb`` and ``<name>.json`` only when
+    the run has succeeded and its results file is whole JSON: an earlier run's files are
+    replaced then, and not before. A run that fails leaves them as they were, writes its own
+    record ``<name>.failed.json`` (and keeps its notebook with the error as
+    ``<name>.failed.ipynb``, when papermill wrote it whole;
+    :func:`qkov_lib.tooling.results.record_failure`), and raises its error."""
     import jupytext
-    import papermill as pm
 
     src = chapter_path(chapter)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     name = name or src.stem.split("_", 1)[-1]
     check_parameters(src, parameters or {})
-    nb_in = out_dir / f"{name}.input.ipynb"
     nb = jupytext.read(src)
     if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
         raise ValueError(f"{src} has no cell tagged 'parameters'")
     nb.metadata.setdefault("kernelspec", {"name": "python3", "display_name": "Python 3", "language": "python"})
-    jupytext.write(nb, nb_in)
     nb_out, results = out_dir / f"{name}.ipynb", out_dir / f"{name}.json"
-    for old in (results, failed_path(results)):  # an earlier run's numbers are not this notebook's
-        old.unlink(missing_ok=True)
-    params = {**(parameters or {}), "results_path": str(results.resolve())}
-    try:
-        for attempt in range(KERNEL_START_TRIES):
-            try:
-                with tempfile.TemporaryDirectory(prefix="qkov-kernel-") as sockets:
-                    pm.execute_notebook(str(nb_in), str(nb_out), parameters=params, cwd=str(src.parent),
-                                        progress_bar=progress, kernel_name="python3", config=_ipc_config(sockets))
-                break
-            except RuntimeError as exc:
-                # A kernel that dies before running any cell (a busy machine's slow start) can be
-                # started again safely; kernels on Unix sockets no longer race for TCP ports.
-                if KERNEL_DIED not in str(exc) or attempt == KERNEL_START_TRIES - 1:
-                    raise
-    except BaseException as exc:
-        mark_failed(results, f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', exc)}")
-        raise
-    finally:
-        nb_in.unlink(missing_ok=True)
+
+    def busy(pid: str) -> RunBusy:
+        return RunBusy(f"another run (pid {pid}) is writing {name} in {out_dir}; wait for it to end, "
+                       f"or give another --out or --name", pid)
+
+    with contextlib.ExitStack() as stack:
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            stack.enter_context(output_lock(out_dir, name, busy))
+            start_run(results, nb_out)
+        except OSError as e:
+            raise RunNotStarted(f"cannot write to the output folder {out_dir} ({e.strerror or e}); nothing ran; "
+                                "give another --out") from e
+        params = {**(parameters or {}), "results_path": str(running_path(results).resolve())}
+        try:
+            with tempfile.TemporaryDirectory(prefix="qkov-run-") as tmp:
+                nb_in = Path(tmp) / f"{name}.input.ipynb"
+                jupytext.write(nb, nb_in)
+                _execute(nb_in, running_path(nb_out), params, src.parent, progress)
+            publish_run(results, nb_out)
+        except BaseException as exc:
+            record_failure(results, nb_out, error_line(exc), {"chapter": src.stem.split("_", 1)[-1],
+                                                              "params": dict(parameters or {})})
+            raise
     return nb_out, results

@@ -1,4 +1,7 @@
-"""The ``qkov`` command line: run a chapter through papermill, sweeps, the book, the cache, the scorecard."""
+"""The ``qkov`` command line: run a chapter through papermill, sweeps, the book, the cache, the scorecard.
+
+Each command imports what it needs (torch, pandas, papermill, ...) when it runs, so that
+``qkov --help`` and a mistyped command answer at once."""
 
 from __future__ import annotations
 
@@ -7,9 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from qkov_lib.tooling.chapters import chapter_path, check_parameters, check_settings, run_chapter
-from qkov_lib.tooling.results import default_results_path, failed_path
-from qkov_lib.runtime import REPO_ROOT
+COMMANDS = ("run", "sweep", "chapters", "book", "cache", "scorecard", "data")
 
 
 def _parse_value(text: str) -> Any:
@@ -29,23 +30,30 @@ def main(argv: list[str] | None = None) -> int:
     qkov book [--mode force|cache|executed]              build the HTML book
     qkov cache key|clear                                 the library-keyed output cache
     qkov scorecard [--results DIR]                       the claims scorecard as a table
-    qkov data check|fetch|verify|list [...]              the real-data folder (qkov data fetch --help)
+    qkov data check|fetch|verify|list [...]              the real-data folder (qkov data --help)
     """
     import argparse
 
     ap = argparse.ArgumentParser(prog="qkov", description=main.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="execute one chapter through papermill")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    run = sub.add_parser("run", help="execute one chapter through papermill",
+                         description="Execute one chapter through papermill into OUT/NAME.ipynb and OUT/NAME.json. "
+                                     "They are moved into place only when the run succeeds, replacing an earlier "
+                                     "run's (the command says so); a failed run leaves them as they were and writes "
+                                     "OUT/NAME.failed.json (and OUT/NAME.failed.ipynb). A second run of the same "
+                                     "NAME into the same OUT stops at once (exit status 2).")
     run.add_argument("chapter", help="chapter name (e.g. synthetic) or path to its .md")
     run.add_argument("-p", "--param", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
                      help="parameter override; VALUE is parsed as JSON when possible (e.g. -p ratios '[1, 100]')")
     run.add_argument("--out", default="runs", help="output folder (default: runs/)")
     run.add_argument("--name", default=None, help="base name of the outputs (default: the chapter name)")
-    from qkov_lib.tooling import sweeps
-
     sw = sub.add_parser("sweep", help="run a chapter over a parameter grid (papermill; local pool or Slurm)")
-    sweeps.add_arguments(sw)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:  # its options come with the sweep module (and pandas): only when asked for
+        from qkov_lib.tooling import sweeps
+
+        sweeps.add_arguments(sw)
     sub.add_parser("chapters", help="list the executable chapters in book order")
     book = sub.add_parser("book", help="build the HTML book (library-aware caching, or from executed notebooks)")
     book.add_argument("--mode", choices=("force", "cache", "executed"), default="force",
@@ -57,42 +65,28 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("action", choices=("key", "clear"))
     sc = sub.add_parser("scorecard", help="print the reproducibility scorecard from results files")
     sc.add_argument("--results", default=None, help="results folder (default: $QKOV_RESULTS_DIR or _build/results)")
-    dat = sub.add_parser("data", help="check, fetch, verify or list the real-data files", add_help=False)
-    dat.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of python -m qkov_lib.data.fetch")
-    argv = sys.argv[1:] if argv is None else list(argv)
+    sub.add_parser("data", help="check, fetch, verify or list the real-data files (qkov data --help)", add_help=False)
     if argv[:1] == ["data"]:  # every option after "data" belongs to the data tool
         from qkov_lib.data import fetch
 
         return fetch.main(argv[1:])
+    if argv[:1] and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        ap.error(f"unknown option {argv[0]!r}; give a command first: {', '.join(COMMANDS)} (qkov --help)")
     args = ap.parse_args(argv)
 
     if args.cmd == "run":
-        params = {k: _parse_value(v) for k, v in args.param}
-        try:
-            src = chapter_path(args.chapter)
-            check_parameters(src, params)
-            check_settings(src, params)
-        except (ValueError, FileNotFoundError) as e:
-            print(f"qkov run: {e}", file=sys.stderr)
-            return 2
-        try:
-            nb, res = run_chapter(src, args.out, params, name=args.name, progress=True)
-        except Exception as e:  # noqa: BLE001 -- a failing chapter: one message, not a traceback
-            name = args.name or src.stem.split("_", 1)[-1]
-            err = f"{getattr(e, 'ename', type(e).__name__)}: {getattr(e, 'evalue', e)}"
-            marked = failed_path(Path(args.out) / f"{name}.json")
-            print(f"qkov run: {src.name} failed: {err}\nnotebook with the error: {Path(args.out) / f'{name}.ipynb'}"
-                  + (f"\nresults of the failed run: {marked}" if marked.exists() else "\nno results file written"),
-                  file=sys.stderr)
-            return 1
-        print(f"notebook: {nb}\nresults:  {res}")
-        return 0
+        return _run(args)
     if args.cmd == "sweep":
+        from qkov_lib.tooling import sweeps
+
         return sweeps.from_args(args)
+    from qkov_lib.runtime import REPO_ROOT
     from qkov_lib.tooling import cache as qcache
 
     if args.cmd == "chapters":
-        print("\n".join(sweeps.chapter_name(p) for p in qcache.chapters(REPO_ROOT)))
+        from qkov_lib.tooling.sweeps import chapter_name
+
+        print("\n".join(chapter_name(p) for p in qcache.chapters(REPO_ROOT)))
         return 0
     if args.cmd == "book":
         return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
@@ -106,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"removed {d}")
         return 0
     from qkov_lib.tooling import scorecard
+    from qkov_lib.tooling.results import default_results_path
 
     folder = Path(args.results) if args.results else default_results_path("scorecard").parent
     results = scorecard.load_results(folder)
@@ -115,6 +110,49 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(scorecard.to_details(card, link=False))
     print(json.dumps({"paper": scorecard.counts(card), "extension": scorecard.counts(card, "extension")}))
+    return 0
+
+
+def _run(args: Any) -> int:
+    """``qkov run``: exit status 0 (the files are in place), 1 (the chapter failed: what it left is
+    named, and only files that exist), 2 (nothing ran: bad parameters, the output busy or not
+    writable), 130 (interrupted)."""
+    from qkov_lib.tooling import chapters
+    from qkov_lib.tooling.results import failed_path
+
+    params = {k: _parse_value(v) for k, v in args.param}
+    try:
+        src = chapters.chapter_path(args.chapter)
+        chapters.check_parameters(src, params)
+        chapters.check_settings(src, params)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qkov run: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qkov run: interrupted before the chapter started; nothing was written", file=sys.stderr)
+        return 130
+    name = args.name or src.stem.split("_", 1)[-1]
+    res, nb = Path(args.out) / f"{name}.json", Path(args.out) / f"{name}.ipynb"
+    earlier = res.is_file()
+    try:
+        nb, res = chapters.run_chapter(src, args.out, params, name=name, progress=True)
+    except chapters.RunNotStarted as e:
+        print(f"qkov run: {e}", file=sys.stderr)
+        return 2
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 -- a failing chapter: one message, not a traceback
+        lines = [f"qkov run: {src.name} {'was interrupted' if isinstance(e, KeyboardInterrupt) else 'failed'}: "
+                 f"{chapters.error_line(e)}"]
+        for path, what, none in ((failed_path(nb), "notebook with the error", "no notebook of the failed run was kept"),
+                                 (failed_path(res), "record of the failed run", "no record of the failed run could "
+                                                                                "be written")):
+            lines.append(f"{what}: {path}" if path.is_file() else none)
+        if res.is_file():
+            lines.append(f"{res} and {nb} are an earlier run's, left as they were")
+        print("\n".join(lines), file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 1
+    print(f"notebook: {nb}\nresults:  {res}")
+    if earlier:
+        print("(they replace the notebook and results of an earlier run of this name)")
     return 0
 
 

@@ -7,7 +7,7 @@ finished. A run that fails is recorded with its error and the sweep goes on.
 
 Layout of a sweep folder ``OUT``::
 
-    OUT/runs/<run_id>.ipynb     executed notebook (also kept for failed runs, with the error)
+    OUT/runs/<run_id>.ipynb     executed notebook (<run_id>.failed.ipynb: a failed run's, with the error)
     OUT/runs/<run_id>.json      the chapter's results file (parameters, metrics, versions, ...)
     OUT/records/<run_id>.json   one record per run: status, error, parameters, timings
     OUT/results.{json,csv,parquet}   the table, one row per run of the current grid
@@ -48,12 +48,12 @@ from typing import Any
 import pandas as pd
 
 from qkov_lib.tooling.chapters import chapter_parameters
-from qkov_lib.tooling.results import replace_atomically, write_json
+from qkov_lib.tooling.results import failed_path, output_lock, replace_atomically, write_json
 
 EXECUTORS = ("local", "slurm", "submitit-local")
 RESERVED = ("results_path",)
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-LOCK_NAME = ".sweep.lock"
+LOCK_NAME = "sweep"  # the folder lock <OUT>/.sweep.lock (results.output_lock)
 
 
 class SweepError(ValueError):
@@ -187,6 +187,8 @@ def execute_run(spec: RunSpec) -> dict[str, Any]:
         record.update({k: doc.get(k) for k in ("metrics", "versions", "git_commit", "device", "wall_time_s")})
     except Exception as exc:  # noqa: BLE001 -- any failure of a run is data, not a crash
         err, tb = _error_text(exc)
+        failed_nb = failed_path(out / record["notebook"])
+        record["notebook"] = f"runs/{failed_nb.name}" if failed_nb.is_file() else None
         record.update(status="failed", error=err, traceback=tb, resolved_params=None, metrics=None,
                       versions=runtime.versions(), git_commit=runtime.git_commit(),
                       device=str(runtime.pick_device()), wall_time_s=None)
@@ -352,31 +354,12 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
-@contextlib.contextmanager
-def folder_lock(out_dir: str | os.PathLike) -> Iterator[Path]:
+def folder_lock(out_dir: str | os.PathLike) -> contextlib.AbstractContextManager[Path]:
     """Hold an exclusive ``flock`` on ``<out_dir>/.sweep.lock`` (with this process's PID in it)
-    while inside; raise :class:`SweepBusy` at once if another process holds it. The lock goes
-    with the last process holding the file open, however it ends."""
-    import fcntl
-
-    path = Path(out_dir) / LOCK_NAME
-    f = open(path, "a+")  # noqa: SIM115 -- held open for the whole sweep
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        holder = f.read().strip() or "?"
-        f.close()
-        raise SweepBusy(f"another sweep (pid {holder}) is writing to {out_dir}; wait for it to end "
-                        f"or give another --out") from None
-    try:
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        yield path
-    finally:
-        f.close()
+    while inside (:func:`qkov_lib.tooling.results.output_lock`, the lock ``qkov run`` takes on
+    its name); raise :class:`SweepBusy` at once if another process holds it."""
+    return output_lock(out_dir, LOCK_NAME, lambda pid: SweepBusy(
+        f"another sweep (pid {pid}) is writing to {out_dir}; wait for it to end or give another --out"))
 
 
 def _kill_workers(pool: Any) -> None:

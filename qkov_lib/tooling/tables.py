@@ -8,7 +8,10 @@ table scroll sideways in its own box and a long one scroll down in it with its h
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 DISPLAY_OPTIONS: Mapping[str, Any] = {
@@ -29,4 +32,35 @@ def setup_display() -> dict[str, Any]:
     return before
 
 
-__all__ = ["DISPLAY_OPTIONS", "setup_display"]
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Import hook: once module ``name`` has been run by its own loader, call ``then()``; used once."""
+
+    def __init__(self, name: str, then: Callable[[], Any]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the real finders, this hook gone
+        if spec is not None and spec.loader is not None:
+            run, then = spec.loader.exec_module, self.then
+
+            def run_then(module: Any) -> None:
+                run(module)
+                then()
+
+            spec.loader.exec_module = run_then  # this spec's loader object only
+        return spec
+
+
+def setup_display_when_imported() -> None:
+    """:func:`setup_display` now when pandas is loaded, else right after it is first imported, so
+    that importing the tooling (the ``qkov`` command line) does not pay pandas' import time."""
+    if "pandas" in sys.modules:
+        setup_display()
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport("pandas", setup_display))
+
+
+__all__ = ["DISPLAY_OPTIONS", "setup_display", "setup_display_when_imported"]
