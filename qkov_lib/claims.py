@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-VERDICTS = ("reproduced", "partly", "not reproduced", "not tested")
+VERDICTS = ("reproduced", "holds where", "not reproduced", "inconclusive", "not tested")
+# The five words, defined once (the scorecard prints these definitions).
+VERDICT_MEANING: dict[str, str] = {
+    "reproduced": "the claim holds over the whole range it speaks of, decided by the stated rule",
+    "holds where": "the claim holds in a region that the verdict names in words and numbers, and not outside it",
+    "not reproduced": "the measurement contradicts the claim: the interval that decides lies on the wrong side of "
+                      "the threshold",
+    "inconclusive": "the intervals straddle the threshold, or too few seeds: the verdict says what it would take",
+    "not tested": "the comparison could not be made (missing ratio, parameterization, metric or trained run)",
+}
 PARAMETERIZATIONS = ("FAFO", "CAFO", "FACO", "CACO")
 
 # --- the paper's claims, restated (the project's own copy) ---------------------------------
@@ -135,41 +144,63 @@ def threshold_text(name: str) -> str:
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of a rule: ``verdict`` (one of :data:`VERDICTS`), ``rule`` (the rule with its
-    thresholds, as shown on the scorecard) and ``reason`` (what decided it)."""
+    thresholds, as shown on the scorecard), ``reason`` (the numbers that decided it), ``region``
+    (where the claim holds, in words and numbers; required for ``holds where``) and ``effect``
+    (the effect size the rule read, with its interval where there are seeds)."""
 
     verdict: str
     rule: str
     reason: str = ""
+    region: str = ""
+    effect: str = ""
 
     def __post_init__(self) -> None:
         if self.verdict not in VERDICTS:
             raise ValueError(f"verdict must be one of {VERDICTS}, got {self.verdict!r}")
+        if self.verdict == "holds where" and not self.region.strip():
+            raise ValueError("a 'holds where' verdict must name its region")
+
+    @property
+    def label(self) -> str:
+        """The verdict as a reader sees it: ``holds where <region>`` for a region, else the word."""
+        return f"holds where {self.region}" if self.verdict == "holds where" else self.verdict
+
+
+def _region(holds: Sequence[str], fails: Sequence[str], unit: str = "") -> str:
+    """``for a, b; not for c`` from the places where a claim holds and where it fails (``unit``
+    prefixes each list, e.g. ``"for "`` or ``"at "``)."""
+    out = (unit or "for ") + ", ".join(holds)
+    return out + (f"; not {unit or 'for '}" + ", ".join(fails) if fails else "")
 
 
 def claim(claim_id: str, paper: str, ours: str, verdict: str | Verdict, chapter: str | None = None) -> dict[str, str]:
     """One row of the reproducibility scorecard: a claim ID (:data:`CLAIMS` or :data:`EXTENSIONS`),
     what the paper says, what we measured (numbers included), the verdict and, for a
-    :class:`Verdict`, its rule and reason."""
+    :class:`Verdict`, its rule, reason, region and effect."""
     v = verdict if isinstance(verdict, Verdict) else Verdict(verdict, "", "")
     return {"id": claim_id, "paper": paper, "ours": ours, "verdict": v.verdict, "rule": v.rule,
-            "reason": v.reason, "chapter": chapter or ""}
+            "reason": v.reason, "region": v.region, "effect": v.effect, "chapter": chapter or ""}
 
 
 def verdict_glue(verdicts: Mapping[str, Verdict]) -> dict[str, str]:
-    """Glue entries ``verdict_<ID>``, ``rule_<ID>`` and ``reason_<ID>`` of each verdict (``-`` in
-    an ID becomes ``_``, so ``R3-synthetic`` gives ``verdict_R3_synthetic``)."""
+    """Glue entries ``verdict_<ID>``, ``label_<ID>``, ``region_<ID>``, ``effect_<ID>``, ``rule_<ID>``
+    and ``reason_<ID>`` of each verdict (``-`` in an ID becomes ``_``, so ``R3-synthetic`` gives
+    ``verdict_R3_synthetic``; an empty region or effect is glued as ``-``)."""
     out = {}
     for cid, v in verdicts.items():
         key = cid.replace("-", "_")
-        out.update({f"verdict_{key}": v.verdict, f"rule_{key}": v.rule, f"reason_{key}": v.reason})
+        out.update({f"verdict_{key}": v.verdict, f"rule_{key}": v.rule, f"reason_{key}": v.reason,
+                    f"label_{key}": v.label, f"region_{key}": v.region or "-", f"effect_{key}": v.effect or "-"})
     return out
 
 
 def verdict_frame(verdicts: Mapping[str, Verdict]):
-    """The verdicts as a table for display: one row per claim ID with verdict, rule and reason."""
+    """The verdicts as a table for display: one row per claim ID with verdict, region, effect, rule
+    and reason."""
     import pandas as pd
 
-    return pd.DataFrame([{"claim": k, "verdict": v.verdict, "rule": v.rule, "reason": v.reason}
+    return pd.DataFrame([{"claim": k, "verdict": v.verdict, "region": v.region, "effect": v.effect, "rule": v.rule,
+                          "reason": v.reason}
                          for k, v in verdicts.items()]).set_index("claim")
 
 
@@ -183,7 +214,8 @@ def _t(name: str) -> str:
 
 # --- theory -------------------------------------------------------------------------------
 T1_RULE = (f"reproduced: reduced loss and gradients equal autograd within {_t('TOL_GRAD')} AND the ODE tracks "
-           f"full-model GD within {_t('TOL_OVERLAY')}; partly: only one of the two; not reproduced: neither")
+           f"full-model GD within {_t('TOL_OVERLAY')}; holds where: only one of the two (the region names which); "
+           "not reproduced: neither")
 
 
 def t1_reduction(loss_err: float, grad_err: float, overlay_err: float) -> Verdict:
@@ -192,8 +224,16 @@ def t1_reduction(loss_err: float, grad_err: float, overlay_err: float) -> Verdic
         return Verdict("not tested", T1_RULE, "a gap is missing or not finite")
     exact = max(loss_err, grad_err) <= TOL_GRAD
     tracks = overlay_err <= TOL_OVERLAY
-    v = "reproduced" if exact and tracks else "partly" if exact or tracks else "not reproduced"
-    return Verdict(v, T1_RULE, f"gradient gap {max(loss_err, grad_err):.1e}, ODE-vs-GD gap {overlay_err:.3g}")
+    why = f"gradient gap {max(loss_err, grad_err):.1e}, ODE-vs-GD gap {overlay_err:.3g}"
+    if exact and tracks:
+        return Verdict("reproduced", T1_RULE, why, effect=why)
+    if exact or tracks:
+        region = ("for the reduced loss and gradients (exact); the ODE does not track GD within "
+                  f"{_t('TOL_OVERLAY')}" if exact else
+                  "for the ODE against GD; the reduced gradients differ from autograd beyond "
+                  f"{_t('TOL_GRAD')}")
+        return Verdict("holds where", T1_RULE, why, region=region, effect=why)
+    return Verdict("not reproduced", T1_RULE, why, effect=why)
 
 
 T2_RULE = (f"reproduced: factor-level autograd equals the ODE with rate 2·eta·sigma within {_t('TOL_VELOCITY')} "
@@ -205,32 +245,45 @@ def t2_rescaling(velocity_err: float) -> Verdict:
     if not _finite([velocity_err]):
         return Verdict("not tested", T2_RULE, "no finite velocity gap")
     v = "reproduced" if velocity_err <= TOL_VELOCITY else "not reproduced"
-    return Verdict(v, T2_RULE, f"relative gap {velocity_err:.1e}")
+    return Verdict(v, T2_RULE, f"relative gap {velocity_err:.1e}", effect=f"relative gap {velocity_err:.1e}")
 
 
-T3_RULE = (f"reproduced: the OV scalar's fitted exponent in log t is within {_t('SLOPE_TOL')} of 1 for every "
-           f"parameterization AND the QK scalar q itself grows like log² t (exponent within {_t('LITERAL_TOL')} of 2); "
-           f"partly: OV ~ log t and exp(q) ~ log² t (exponent within {_t('SLOPE_TOL')} of 2) for CACO only; "
-           "not reproduced: otherwise")
+T3_RULE = (f"a growth law holds when its fitted exponent in log t is within {_t('SLOPE_TOL')} of the derived one "
+           f"(within {_t('LITERAL_TOL')} of 2 for q itself); reproduced: the OV scalar grows like log t for every "
+           "parameterization AND the QK scalar q itself like log² t (the summaries' wording); holds where: OV ~ log t "
+           "everywhere and exp(q) ~ log² t for some parameterizations (the region names them); not reproduced: OV "
+           "does not grow like log t, or neither q nor exp(q) grows like log² t for any parameterization")
 
 
-def t3_growth(ov_exponents: Sequence[float], q_exponents: Sequence[float], exp_q_exponent_caco: float) -> Verdict:
-    """T3 from the fitted exponents in log t of the OV scalar and of q (one per parameterization)
-    and of exp(q) for CACO."""
+def t3_growth(ov_exponents: Sequence[float], q_exponents: Sequence[float],
+              exp_q_exponents: Mapping[str, float], t_range: str = "") -> Verdict:
+    """T3 from the fitted exponents in log t of the OV scalar (any number), of q (one per
+    parameterization) and of exp(q) per parameterization (``{"CACO": 2.01, ...}``). ``t_range``
+    names the fit window in the region (e.g. ``"t from 1e6 to 1e8"``)."""
     ov, q = _finite(ov_exponents), _finite(q_exponents)
-    if not ov or not q or not _finite([exp_q_exponent_caco]):
+    eq = {p: float(x) for p, x in exp_q_exponents.items() if x is not None and math.isfinite(float(x))}
+    if not ov or not q or not eq:
         return Verdict("not tested", T3_RULE, "no fitted exponents")
     ov_ok = max(abs(x - 1) for x in ov) <= SLOPE_TOL
     literal = any(abs(x - 2) <= LITERAL_TOL for x in q)
-    exp_form = abs(exp_q_exponent_caco - 2) <= SLOPE_TOL
-    v = "reproduced" if ov_ok and literal else "partly" if ov_ok and exp_form else "not reproduced"
-    return Verdict(v, T3_RULE, f"OV exponents {min(ov):.3f}-{max(ov):.3f}; q exponents up to {max(q):.2f}; "
-                               f"exp(q) exponent for CACO {exp_q_exponent_caco:.2f}")
+    sq = [p for p, x in eq.items() if abs(x - 2) <= SLOPE_TOL]
+    why = (f"OV exponents {min(ov):.3f}-{max(ov):.3f}; q exponents up to {max(q):.2f}; exp(q) exponents "
+           + ", ".join(f"{p} {x:.2f}" for p, x in eq.items()))
+    effect = f"OV exponent {min(ov):.3f}-{max(ov):.3f} (law: 1); largest q exponent {max(q):.2f} (wording: 2)"
+    if ov_ok and literal:
+        return Verdict("reproduced", T3_RULE, why, effect=effect)
+    if ov_ok and sq:
+        other = [p for p in eq if p not in sq]
+        region = (f"OV ~ log t for every parameterization; exp(q) ~ log² t for {', '.join(sq)}"
+                  + (f", not for {', '.join(other)}" if other else "") + "; q itself does not grow like log² t"
+                  + (f" ({t_range})" if t_range else ""))
+        return Verdict("holds where", T3_RULE, why, region=region, effect=effect)
+    return Verdict("not reproduced", T3_RULE, why, effect=effect)
 
 
-T4_RULE = (f"reproduced: the line is exact (residual ≤ {_t('LINE_EXACT')}) for a fixed number of common tokens AND "
-           f"within {_t('LINE_APPROX')} (relative) for the mixture; partly: exact for fixed n only; "
-           "not reproduced: not even for fixed n")
+T4_RULE = (f"reproduced: the line is exact (residual ≤ {_t('LINE_EXACT')}) for a fixed number n of common tokens "
+           f"AND within {_t('LINE_APPROX')} (relative) for the mixture over n; holds where: exact at fixed n, "
+           "approximate beyond that for the mixture; not reproduced: not even for fixed n")
 
 
 def t4_line(residual_single: float, residual_mixture: float) -> Verdict:
@@ -238,45 +291,112 @@ def t4_line(residual_single: float, residual_mixture: float) -> Verdict:
     if not _finite([residual_single]):
         return Verdict("not tested", T4_RULE, "no residual")
     exact = residual_single <= LINE_EXACT
-    mix_ok = _finite([residual_mixture]) and residual_mixture <= LINE_APPROX
-    v = "reproduced" if exact and mix_ok else "partly" if exact else "not reproduced"
-    return Verdict(v, T4_RULE, f"residual {residual_single:.1e} for fixed n, {residual_mixture:.1%} for the mixture")
+    mix_ok = bool(_finite([residual_mixture])) and residual_mixture <= LINE_APPROX
+    why = f"residual {residual_single:.1e} for fixed n, {residual_mixture:.1%} for the mixture"
+    if exact and mix_ok:
+        return Verdict("reproduced", T4_RULE, why, effect=why)
+    if exact:
+        return Verdict("holds where", T4_RULE, why, effect=why,
+                       region=f"exactly at fixed n (residual {residual_single:.1e}); approximately for mixtures "
+                              f"over n (relative residual up to {residual_mixture:.1%})")
+    return Verdict("not reproduced", T4_RULE, why, effect=why)
 
 
-T5_RULE = ("reproduced: in the ODE the common-token mass at the end falls strictly with the ratio for every "
-           f"parameterization AND in full-model runs attention on the distinct token rises by ≥ {_t('SHARPER')} "
-           "from the lowest to the highest ratio for every parameterization; partly: some but not all of these; "
-           "not reproduced: none; not tested: fewer than two ratios")
+SHARPER_LOGIT = _threshold("SHARPER_LOGIT", 0.1, "nats", "smallest rise of the log-odds of the attention on the "
+                                                       "relevant token, log(a / (1 - a)), that counts as 'sharper' "
+                                                       "(near saturation: the fall of the log common-token mass)")
 
 
-def t5_sharpening(common_by_ratio: Mapping[str, Sequence[float]], full_rise: Mapping[str, float]) -> Verdict:
-    """T5 from, per parameterization, the ODE's common-token mass at the end at increasing ratios
-    and the full-model rise of attention on the distinct token (highest minus lowest ratio)."""
-    series = {p: _finite(v) for p, v in common_by_ratio.items()}
-    if not series or min(len(v) for v in series.values()) < 2:
+def log_odds(attention: float) -> float:
+    """``log(a / (1 - a))`` of an attention mass ``a`` on the relevant token (``1 - a``: the mass
+    on common tokens), clipped to [1e-12, 1 - 1e-12]; in nats. It keeps moving where ``a`` saturates
+    (a common-token mass falling 10x raises it by log 10), which a difference of ``a`` does not."""
+    a = min(max(float(attention), 1e-12), 1.0 - 1e-12)
+    return math.log(a) - math.log1p(-a)
+
+
+def interval_call(c: "Change", threshold: float) -> str:
+    """``"holds"`` when the 95 % seed interval of ``c`` lies at or above ``threshold``, ``"fails"``
+    when it lies below, ``"undecided"`` when it straddles it or is unbounded (fewer than 2 seeds)."""
+    return "holds" if c.bounded and c.lo >= threshold else "fails" if c.hi < threshold else "undecided"
+
+
+T5_RULE = ("T5 compares the common-token mass across ratios at matched training loss. ODE: at every matched loss "
+           "level reached at every ratio, the mass falls strictly as the ratio rises. Full model: the per-seed fall of "
+           "the log common-token mass from the lowest to the highest ratio has a 95 % seed interval (2 seeds or more) "
+           f"at or above {_t('SHARPER_LOGIT')}. A parameterization passes when both hold and fails when either is "
+           "contradicted (the ODE mass ends higher at the highest ratio than at the lowest, or the whole interval "
+           "lies below the threshold). Reproduced: every parameterization passes. Holds where: some pass (named). "
+           "Not reproduced: every one fails. Inconclusive: otherwise (an interval straddles the threshold or has "
+           "one seed). Not tested: fewer than two ratios")
+
+
+def t5_sharpening(common_by_ratio: Mapping[str, Sequence[Sequence[float]]],
+                  full_fall: Mapping[str, "Change | None"]) -> Verdict:
+    """T5 from, per parameterization, the ODE's common-token mass at increasing ratios, one series
+    per matched training-loss level (``common_by_ratio``), and the full model's per-seed fall of
+    the log common-token mass from the lowest to the highest ratio (``full_fall``: a
+    :class:`Change` in nats, positive when the mass shrank; None when not measured)."""
+    series = {p: [s for s in (_finite(x) for x in v) if len(s) >= 2] for p, v in common_by_ratio.items()}
+    series = {p: v for p, v in series.items() if v}
+    full = {p: c for p, c in full_fall.items() if c is not None and math.isfinite(c.mean)}
+    if not series and not full:
         return Verdict("not tested", T5_RULE, "fewer than two ratios")
-    falls = [all(b < a for a, b in zip(v, v[1:])) for v in series.values()]
-    rises = [float(d) >= SHARPER for d in full_rise.values() if d is not None and math.isfinite(float(d))]
-    checks = falls + rises
-    v = "reproduced" if all(checks) else "partly" if any(checks) else "not reproduced"
-    return Verdict(v, T5_RULE, f"common mass falls for {sum(falls)}/{len(falls)}; full-model attention rises for "
-                               f"{sum(rises)}/{len(rises)}")
+    call: dict[str, str] = {}
+    for p in dict.fromkeys([*series, *full]):
+        calls = []
+        if p in series:
+            calls.append("holds" if all(all(b < a for a, b in zip(s, s[1:])) for s in series[p]) else
+                         "fails" if any(s[-1] >= s[0] for s in series[p]) else "undecided")
+        if p in full:
+            calls.append(interval_call(full[p], SHARPER_LOGIT))
+        call[p] = "holds" if all(x == "holds" for x in calls) else "fails" if "fails" in calls else "undecided"
+    holds = [p for p, x in call.items() if x == "holds"]
+    v = ("reproduced" if len(holds) == len(call) else "holds where" if holds else
+         "not reproduced" if all(x == "fails" for x in call.values()) else "inconclusive")
+    region = f"for {', '.join(holds)}; not for {', '.join(p for p in call if p not in holds)}" if v == "holds where" else ""
+    effect = "; ".join(f"{p} {c.text(percent=False)}" for p, c in full.items())
+    n_ode = sum(call_ok for call_ok in (all(all(b < a for a, b in zip(s, s[1:])) for s in ss) for ss in series.values()))
+    reason = (f"ODE common mass falls strictly with the ratio at every matched loss for {n_ode}/{len(series)}; "
+              "full model, fall of the log common-token mass (nats): " + (effect or "not measured") + "; "
+              + ", ".join(f"{p} {x}" for p, x in call.items()))
+    return Verdict(v, T5_RULE, reason, region=region,
+                   effect=f"fall of the log common-token mass, lowest to highest ratio: {effect}" if effect else "")
 
 
-T6_RULE = ("reproduced: a factorized QK circuit is sharper than a collapsed one (FACO vs CACO and FAFO vs CAFO) in "
-           "every comparison made (ODE horizons and full-model runs); partly: in some; not reproduced: in none; "
-           "not tested: no comparison")
+T6_RULE = ("a factorized QK circuit is sharper than a collapsed one (FACO vs CACO and FAFO vs CAFO) in a "
+           "comparison when its margin is positive; reproduced: in every comparison made (ODE horizons and full-model "
+           "runs); holds where: in some (the region names them); not reproduced: in none; not tested: no comparison")
 
 
-def t6_factorized_qk(margins: Sequence[float]) -> Verdict:
+def _named_finite(values: Sequence[float] | Mapping[str, float], prefix: str, start: int) -> dict[str, float]:
+    """The finite values of a mapping, or of a sequence named ``<prefix> <i>`` from ``start``."""
+    named = dict(values) if isinstance(values, Mapping) else {f"{prefix} {i + start}": x for i, x in enumerate(values)}
+    return {k: float(x) for k, x in named.items() if x is not None and math.isfinite(float(x))}
+
+
+def _where_counted(values: Mapping[str, float], holds: Callable[[float], bool], rule: str, why: str,
+                   effect: str) -> Verdict:
+    """Reproduced when every named value ``holds``, holds where some do (the region names them),
+    not reproduced when none does."""
+    ok = [k for k, x in values.items() if holds(x)]
+    if len(ok) == len(values):
+        return Verdict("reproduced", rule, why, effect=effect)
+    if ok:
+        return Verdict("holds where", rule, why, region=_region(ok, [k for k in values if k not in ok], "in "),
+                       effect=effect)
+    return Verdict("not reproduced", rule, why, effect=effect)
+
+
+def t6_factorized_qk(margins: Sequence[float] | Mapping[str, float]) -> Verdict:
     """T6 from sharpness margins (factorized-QK attention minus collapsed-QK attention, or the
-    collapsed one's common mass minus the factorized one's), one per comparison."""
-    m = _finite(margins)
+    collapsed one's common mass minus the factorized one's), one per comparison; a mapping names
+    each comparison (its key) so that a region can say where it holds."""
+    m = _named_finite(margins, "comparison", 1)
     if not m:
         return Verdict("not tested", T6_RULE, "no comparison")
-    k = sum(x > 0 for x in m)
-    v = "reproduced" if k == len(m) else "partly" if k else "not reproduced"
-    return Verdict(v, T6_RULE, f"factorized QK sharper in {k}/{len(m)} comparisons")
+    why = f"factorized QK sharper in {sum(x > 0 for x in m.values())}/{len(m)} comparisons"
+    return _where_counted(m, lambda x: x > 0, T6_RULE, why, f"margins {min(m.values()):+.3g} to {max(m.values()):+.3g}")
 
 
 # --- synthetic experiments -------------------------------------------------------------------
@@ -292,11 +412,11 @@ def s2_summary(attention: Mapping[str, float]) -> str:
 
 
 def s2_fafo_move(before: Mapping[str, float], after: Mapping[str, float], gap: Change | None = None) -> str | None:
-    """Where a faster QK moves FAFO, for :func:`s2_ladder`: ``before``/``after`` are FAFO's
-    distances (at equal rates / at the faster ratio) to each candidate (``FACO``, ``CACO``) at
-    equal rates. The candidate whose distance fell; if both fell, the closer one after, unless the
-    two distances after are equal: :func:`is_tie` of ``gap`` (the per-seed difference of the
-    distances after, FACO's minus CACO's), or exactly equal without it. Then ``"tie"``, which
+    """Where a faster QK moves FAFO (S2): ``before``/``after`` are FAFO's distances (at the lower /
+    at the faster ratio) to each candidate (``FACO``, ``CACO``). The candidate whose distance
+    fell; if both fell, the closer one after, unless the two distances after are equal:
+    :func:`is_tie` of ``gap`` (the per-seed difference of the distances after, FACO's minus
+    CACO's), or exactly equal without it. Then ``"tie"``, which
     supports neither summary. ``"neither"`` when FAFO moved away from both; None when a distance
     is missing."""
     keys = [k for k in before if k in after]
@@ -319,10 +439,11 @@ def is_tie(difference: float, gap: Change | None = None) -> bool:
 
 
 S1_RULE = ("at each training-loss level of the matched-loss ladder, a pair of parameterizations differs when the 95 % "
-           f"seed interval of its per-seed DTAP total-variation distance lies at or above {_t('DTAP_TV')}, and is the "
-           "same when it lies below; reproduced: every pair differs at every level; partly: some pair differs at some "
-           "level; not reproduced: every pair is the same at every level; not tested: no pair decided either way, or "
-           "no level reached by two parameterizations")
+           f"seed interval of its per-seed DTAP total-variation distance lies at or above {_t('DTAP_TV')}, is the "
+           "same when it lies below, and is undecided otherwise; reproduced: no pair-level is the same and most "
+           "pair-levels differ; holds where: some pair-levels differ and some are the same (the region names the "
+           "pairs that are the same); not reproduced: every decided pair-level is the same; inconclusive: no "
+           "pair-level decided, or as many undecided as differ; not tested: no level reached by two parameterizations")
 
 
 def s1_pair(tv: Change) -> str:
@@ -341,86 +462,302 @@ def s1_ladder(levels: Mapping[float, Mapping[tuple[str, str], Change]]) -> Verdi
     if not calls:
         return Verdict("not tested", S1_RULE, "no loss level reached by two parameterizations")
     flat = [c for d in calls.values() for c in d.values()]
-    v = ("reproduced" if all(c == "differ" for c in flat) else "partly" if "differ" in flat else
-         "not reproduced" if all(c == "same" for c in flat) else "not tested")
+    n = {x: flat.count(x) for x in ("differ", "same", "undecided")}
     parts = [f"loss {lv:g}: {sum(c == 'differ' for c in d.values())} of {len(d)} pairs differ, "
              f"{sum(c == 'same' for c in d.values())} the same" for lv, d in sorted(calls.items(), reverse=True)]
-    return Verdict(v, S1_RULE, "; ".join(parts))
+    tvs = [c.mean for pairs in levels.values() for c in pairs.values() if math.isfinite(c.mean)]
+    effect = (f"{n['differ']} of {len(flat)} pair-levels differ, {n['undecided']} undecided; mean TV distance "
+              f"{min(tvs):.2f}-{max(tvs):.2f}" if tvs else "")
+    same = [f"{a}-{b} at loss {lv:g}" for lv, d in sorted(calls.items(), reverse=True) for (a, b), c in d.items()
+            if c == "same"]
+    if not same and n["differ"] > n["undecided"]:
+        v = Verdict("reproduced", S1_RULE, "; ".join(parts), effect=effect)
+    elif n["differ"] and same:
+        v = Verdict("holds where", S1_RULE, "; ".join(parts), effect=effect,
+                    region=f"{n['differ']} of {len(flat)} pair-levels differ; the same: {', '.join(same)}")
+    elif same and not n["differ"]:
+        v = Verdict("not reproduced", S1_RULE, "; ".join(parts), effect=effect)
+    else:
+        v = Verdict("inconclusive", S1_RULE, "; ".join(parts), effect=effect)
+    return v
 
 
-S2_RULE = ("decided at equal rates at every training-loss level of the matched-loss ladder. At a level, the "
+S2_ODE_TIE = _threshold("S2_ODE_TIE", 0.01, "nats", "largest gap in log-odds of the attention on the distinct token "
+                                                    "between the second and the third parameterization that counts "
+                                                    "as a tie in the reduced ODE (S2 phase map)")
+S2_WORDS = {"A": "summary A's pair (CACO, FACO)", "B": "summary B's pair (CAFO, CACO)", "neither": "neither pair",
+            "tie": "a tie", "not tested": "not tested"}
+S2_SHORT = {"A": "(CACO, FACO)", "B": "(CAFO, CACO)", "neither": "neither pair", "tie": "a tie"}
+
+S2_RULE = ("read over a map of eta_QK/eta_OV x init scale x number of common tokens x training loss. At each cell the "
            "top two are the two parameterizations with the most attention on the distinct token, unless the second "
-           "and third are equal within the 95 % seed interval of their per-seed difference (a tie: no top two); "
-           "FAFO's move compares its DTAP distances to FACO's and CACO's equal-rate heatmaps at the same level, at "
-           "equal rates and at the highest faster ratio, and is a tie when the two distances end equal within their "
-           "seed interval. Reproduced: at every level the top two are one summary's pair, the same summary "
-           "throughout, and FAFO moves toward its partner (FACO for (CACO, FACO), CACO for (CAFO, CACO)); partly: "
-           "some level supports a summary by its pair or by FAFO's move; not reproduced: no level does, and every "
-           "level's top two and move were measured; not tested: otherwise (no level reached by all four "
-           "parameterizations, or a top two or move without two seeds). A tie supports neither summary")
+           f"and third are equal: in the reduced ODE (every cell) within {_t('S2_ODE_TIE')} of log-odds, in the full "
+           "model (a few cells, several seeds) when the 95 % seed interval of their per-seed attention difference "
+           "holds 0 (a tie; fewer than two seeds: not tested). A decided full-model cell confirms a summary when its "
+           "top two are that summary's pair. Reproduced: one summary's pair is the ODE's top two at every cell and "
+           "every full-model cell confirms it; holds where: some full-model cell confirms a summary (the region is "
+           "where the ODE has each summary's pair); not reproduced: no ODE cell has either pair and every full-model "
+           "cell decides for neither; inconclusive: otherwise (ties, or an ODE region no full-model cell confirms; "
+           "the reason says how many seeds would separate a tie); not tested: no ODE cell or no full-model cell with "
+           "two seeds. Where a faster QK moves FAFO (toward FACO or CACO, step by step along the ratio axis) is "
+           "reported with the verdict, not decided on")
 
 
-def s2_level(pair: str, move: str | None) -> tuple[bool, bool]:
-    """Whether one ladder level's top two (``"A"``, ``"B"``, ``"neither"``, ``"tie"`` or ``"not
-    tested"``) and FAFO's move (``"FACO"``, ``"CACO"``, ``"neither"``, ``"tie"`` or None: not
-    measured) support a summary."""
-    pair_ok = pair in S2_PAIRS
-    move_ok = move == S2_PARTNER[pair] if pair_ok else move in S2_PARTNER.values()
-    return pair_ok, move_ok
+def s2_top_two(values: Mapping[str, float], gap: Change | None = None, tie: float | None = None) -> str:
+    """A cell's top two for S2: ``"A"``/``"B"`` (a summary's pair), ``"neither"``, ``"tie"`` or
+    ``"not tested"``. ``values`` rank the parameterizations (higher = more attention on the
+    distinct token; NaN or missing: not tested). With ``gap`` (the per-seed difference between
+    the second and the third, a :class:`Change`) the tie is :func:`is_tie` of it, and fewer than
+    two seeds is ``"not tested"``; without it, second minus third ``<= tie`` (default
+    :data:`S2_ODE_TIE`, for log-odds from the reduced ODE) is a tie."""
+    vals = {p: float(v) for p, v in values.items()}
+    if len(vals) < 3 or not all(math.isfinite(v) for v in vals.values()):
+        return "not tested"
+    order = sorted(vals, key=lambda p: -vals[p])
+    if gap is not None:
+        if not gap.bounded:
+            return "not tested"
+        if is_tie(gap.mean, gap):
+            return "tie"
+    elif vals[order[1]] - vals[order[2]] <= (S2_ODE_TIE if tie is None else tie):
+        return "tie"
+    return s2_summary(vals)
 
 
-def s2_ladder(levels: Mapping[float, tuple[str, str | None]]) -> Verdict:
-    """The book's S2 verdict: ``levels`` maps each training-loss level reached by all four
-    parameterizations to (top two, FAFO's move), as :func:`s2_level` reads them."""
-    if not levels:
-        return Verdict("not tested", S2_RULE, "no loss level reached by all four parameterizations")
-    ok = {lv: s2_level(*pm) for lv, pm in levels.items()}
-    full = all(a and b for a, b in ok.values()) and len({p for p, _ in levels.values()}) == 1
-    measured = all(p != "not tested" and m is not None for p, m in levels.values())
-    v = ("reproduced" if full else "partly" if any(a or b for a, b in ok.values()) else
-         "not reproduced" if measured else "not tested")
-    name = {"A": "summary A", "B": "summary B", "neither": "neither pair", "tie": "a tie", "not tested": "not measured"}
-    parts = [f"loss {lv:g}: top two {name.get(p, p)}, FAFO's move {m or 'not measured'}"
-             for lv, (p, m) in sorted(levels.items(), reverse=True)]
-    return Verdict(v, S2_RULE, "; ".join(parts))
+def _s2_values(cells: Sequence[tuple], axis: int) -> list:
+    return sorted({c[axis] for c in cells}, key=lambda v: (isinstance(v, str), v))
 
 
-S3_RULE = (f"reproduced: from the lowest to the highest ratio, attention on the distinct token rises by ≥ {_t('SHARPER')} "
-           f"for every parameterization while |Δ test loss| ≤ {_t('SAME_LOSS')} and |Δ accuracy| ≤ {_t('SAME_ACC')}; "
-           "partly: it rises for some, or rises with a loss or accuracy change; not reproduced: it rises for none; "
-           "not tested: fewer than two ratios")
+def s2_region(cells: Sequence[tuple], everywhere: Sequence[tuple], axes: Sequence[str]) -> str:
+    """Where ``cells`` (a subset of the map ``everywhere``; each a tuple of axis values named by
+    ``axes``) lie, in words: ``k of N cells`` and, per axis on which they do not cover every value of
+    the map, the values they take (``ratio 0.01-0.1``: a run of consecutive map values)."""
+    if not cells:
+        return "at no cell"
+    parts = []
+    for i, name in enumerate(axes):
+        full, have = _s2_values(everywhere, i), _s2_values(cells, i)
+        if have == full:
+            continue
+        idx = [full.index(v) for v in have]
+        fmt = lambda v: f"{v:g}" if isinstance(v, (int, float)) else str(v)  # noqa: E731
+        run = idx == list(range(idx[0], idx[-1] + 1)) and len(idx) > 2
+        parts.append(f"{name} {fmt(have[0])}-{fmt(have[-1])}" if run else f"{name} " + ", ".join(map(fmt, have)))
+    if not parts:
+        return f"at {len(cells)} of {len(everywhere)} cells, spread over every value of " + ", ".join(axes)
+    return f"at {', '.join(parts)} ({len(cells)} of {len(everywhere)} cells)"
 
 
-def s3_ratio_sharpens(d_attention: Sequence[float], d_loss: Sequence[float], d_accuracy: Sequence[float]) -> Verdict:
-    """S3 from, per parameterization, the change (highest minus lowest ratio) of mean attention on
-    the distinct token, of test loss (nats) and of test accuracy. Empty: fewer than two ratios."""
-    da, dl, dc = _finite(d_attention), _finite(d_loss), _finite(d_accuracy)
-    if not da:
-        return Verdict("not tested", S3_RULE, "fewer than two ratios")
-    up = sum(x >= SHARPER for x in da)
-    same = (max(map(abs, dl), default=0.0) <= SAME_LOSS) and (max(map(abs, dc), default=0.0) <= SAME_ACC)
-    v = "reproduced" if up == len(da) and same else "partly" if up else "not reproduced"
-    return Verdict(v, S3_RULE, f"attention rose for {up}/{len(da)}; largest |Δ loss| "
-                               f"{max(map(abs, dl), default=float('nan')):.3f} nats, |Δ accuracy| "
-                               f"{max(map(abs, dc), default=float('nan')):.3f}")
+def s2_settled(ode: Mapping[tuple, str], axes: Sequence[str]) -> tuple[float, str] | None:
+    """The depth from which the map's top two no longer depend on anything: ``(level, call)`` with
+    ``level`` the shallowest training loss such that every cell at that loss or below has the same
+    top two ``call``, provided some shallower level exists; None without a ``"loss"`` axis or when
+    even the deepest level is mixed."""
+    if "loss" not in axes or not ode:
+        return None
+    i = list(axes).index("loss")
+    levels = sorted({c[i] for c in ode})
+    found = None
+    for k, lv in enumerate(levels):
+        calls = {v for c, v in ode.items() if c[i] <= lv}
+        if len(calls) != 1 or k == len(levels) - 1:
+            break
+        found = (lv, calls.pop())
+    return found
 
 
-S3_ROBUST_RULE = ("S3's rule applied to each robustness variant; reproduced: every variant reproduces S3; "
-                  "not reproduced: no variant reproduces or partly reproduces it; partly: otherwise (also when a "
-                  "variant could not be tested); not tested: no variant could be tested")
+def _seeds_to_separate(gap: Change) -> str:
+    """About how many seeds would make ``gap``'s 95 % interval exclude 0, at its mean and spread."""
+    if not gap.bounded or gap.mean == 0:
+        return "no finite number of seeds at this mean"
+    n = math.ceil(gap.n * (gap.half_width / abs(gap.mean)) ** 2) + 1
+    return f"about {n} seeds"
+
+
+def s2_phase(ode: Mapping[tuple, str], full: Mapping[tuple, tuple[str, Change]], axes: Sequence[str],
+             fafo_moves: Mapping[str, int] | None = None) -> Verdict:
+    """The book's S2 verdict from the phase map: ``ode`` maps each cell (a tuple of values named by
+    ``axes``, e.g. ratio, init scale, n, training loss) to the reduced ODE's top two
+    (:func:`s2_top_two`); ``full`` maps the full-model cells to (their top two, the per-seed
+    attention gap between the second and the third as a :class:`Change`). ``fafo_moves`` counts
+    where a faster QK moves FAFO along the ratio axis (:func:`s2_fafo_move` calls) for the reason."""
+    if not ode:
+        return Verdict("not tested", S2_RULE, "no cell of the map was integrated")
+    decided = {c: (k, g) for c, (k, g) in full.items() if k != "not tested"}
+    if not decided:
+        return Verdict("not tested", S2_RULE, f"no full-model cell with two seeds ({len(full)} cells run)")
+    everywhere = list(ode)
+    by = {k: [c for c, v in ode.items() if v == k] for k in ("A", "B", "neither", "tie")}
+    confirm = {k: [c for c, (v, _) in decided.items() if v == k] for k in S2_PAIRS}
+    split = {c: v for c, (v, _) in decided.items() if v != "tie"}  # cells whose 2nd and 3rd separate
+    agree = sum(ode.get(c) == v for c, v in split.items())
+    fmt = lambda c: "(" + ", ".join(f"{a} {v:g}" if isinstance(v, (int, float)) else f"{a} {v}"  # noqa: E731
+                                    for a, v in zip(axes, c)) + ")"
+    reason = ("ODE: " + ", ".join(f"{S2_WORDS[k]} at {len(v)}" for k, v in by.items() if v) + f" of {len(ode)} cells; "
+              "full model: " + "; ".join(f"{fmt(c)} {S2_WORDS[k]}" for c, (k, _) in full.items())
+              + f"; the full model agrees with the ODE at {agree} of the {len(split)} cells where its 2nd and 3rd "
+              "separate")
+    if fafo_moves:
+        reason += "; a faster QK moves FAFO " + ", ".join(f"toward {k} {n}×" if k in ("FACO", "CACO") else f"{k} {n}×"
+                                                           for k, n in fafo_moves.items())
+    sep = [g for k, g in decided.values() if k != "tie"]
+    eff = sep or [g for _, g in decided.values()]
+    lo, hi = min(eff, key=lambda g: g.mean), max(eff, key=lambda g: g.mean)
+    txt = lambda g: (f"{g.mean:+.3g} ± {g.half_width:.2g} over {g.n} seeds" if g.bounded  # noqa: E731
+                     else g.text(percent=False))  # three significant digits: saturated cells have tiny gaps
+    effect = (f"attention gap between the 2nd and the 3rd at {len(eff)} full-model cell{'s' if len(eff) > 1 else ''}: "
+              + (txt(lo) if lo is hi else f"{txt(lo)} to {txt(hi)}"))
+    one = [k for k in S2_PAIRS if len(by[k]) == len(ode)]
+    if one and len(decided) == len(full) and all(v == one[0] for v, _ in decided.values()):
+        return Verdict("reproduced", S2_RULE, f"{S2_WORDS[one[0]]} at every cell; {reason}", effect=effect)
+    if any(confirm.values()):
+        deep = s2_settled(ode, axes)
+        parts = [f"{S2_SHORT[k]} {s2_region(by[k], everywhere, axes)}"
+                 + (f", at every cell from loss {deep[0]:g} down" if deep and deep[1] == k else "")
+                 + (f", confirmed by the full model at {len(confirm[k])} cell{'s' if len(confirm[k]) > 1 else ''}"
+                    if confirm[k] else ", in the ODE only") for k in S2_PAIRS if by[k] or confirm[k]]
+        if by["neither"]:
+            parts.append(f"neither pair {s2_region(by['neither'], everywhere, axes)}")
+        return Verdict("holds where", S2_RULE, reason, region="; ".join(parts), effect=effect)
+    ties = [(c, g) for c, (k, g) in decided.items() if k == "tie"]
+    if not by["A"] and not by["B"] and not ties and len(decided) == len(full):
+        return Verdict("not reproduced", S2_RULE, reason, effect=effect)
+    need = "; ".join(f"{fmt(c)} would need {_seeds_to_separate(g)}" for c, g in ties)
+    unconfirmed = [k for k in S2_PAIRS if by[k]]
+    why = (f"; a tie at {len(ties)} full-model cell{'s' if len(ties) > 1 else ''}: {need}" if ties else "") + (
+        "; no full-model cell confirms the ODE's region of " + " or ".join(S2_WORDS[k] for k in unconfirmed)
+        if unconfirmed else "")
+    return Verdict("inconclusive", S2_RULE, reason + why, effect=effect)
+
+
+MatchedCells = Mapping[tuple[float, Any], Mapping[str, Sequence["Change | None"]]]
+"""Paired changes at matched training loss: (loss level, ratio or parameterization) -> name ->
+``(log-odds change, loss change, accuracy change)`` (:class:`Change` values; loss or accuracy None
+when the rule does not read it)."""
+
+
+def matched_call(d_log_odds: "Change", d_loss: "Change | None" = None, d_accuracy: "Change | None" = None) -> str:
+    """One paired change at matched training loss: ``"holds"`` when the seed interval of the
+    log-odds change lies at or above :data:`SHARPER_LOGIT` and those of the test-loss and
+    accuracy changes (if given) inside ±:data:`SAME_LOSS` and ±:data:`SAME_ACC`; ``"fails"`` when
+    the log-odds interval lies below the threshold or a loss or accuracy interval lies wholly
+    outside its band; ``"undecided"`` otherwise (an interval straddles, or fewer than 2 seeds)."""
+    rise = interval_call(d_log_odds, SHARPER_LOGIT)
+    bands = [(c, tol) for c, tol in ((d_loss, SAME_LOSS), (d_accuracy, SAME_ACC)) if c is not None]
+    if rise == "fails" or any(c.hi < -tol or c.lo > tol for c, tol in bands):
+        return "fails"
+    inside = all(c.bounded and -tol <= c.lo and c.hi <= tol for c, tol in bands)
+    return "holds" if rise == "holds" and inside else "undecided"
+
+
+def _cells_verdict(rule: str, cells: MatchedCells, what: str, effect_at: tuple[float, Any] | None,
+                   notes: Mapping[Any, str] | None = None) -> Verdict:
+    """A verdict over matched-loss cells: a cell holds when every one of its changes holds
+    (:func:`matched_call`) and fails when one fails. Reproduced: every cell holds; holds where:
+    some do (the region names them by ``what`` and loss level); not reproduced: every cell fails;
+    inconclusive: otherwise; not tested: no cell. ``effect_at``: the cell whose log-odds changes
+    are the effect (default: the deepest level's last key); ``notes``: words the region adds after
+    a key (e.g. ``{100.0: "gradient descent unstable there"}``)."""
+    cells = {k: {n: c for n, c in v.items() if c and c[0] is not None and math.isfinite(c[0].mean)}
+             for k, v in cells.items()}
+    cells = {k: v for k, v in cells.items() if v}
+    if not cells:
+        return Verdict("not tested", rule, "no cell with runs at matched loss on both sides")
+    status = {}
+    for k, v in cells.items():
+        calls = [matched_call(*c) for c in v.values()]
+        status[k] = "holds" if all(x == "holds" for x in calls) else "fails" if "fails" in calls else "undecided"
+    n = {x: sum(s == x for s in status.values()) for x in ("holds", "fails", "undecided")}
+    v = ("reproduced" if n["holds"] == len(status) else "holds where" if n["holds"] else
+         "not reproduced" if n["fails"] == len(status) else "inconclusive")
+    keys = list(dict.fromkeys(k for _, k in status))
+
+    def where(ok: bool) -> list[str]:
+        out = []
+        for key in keys:
+            lv = sorted((lv for (lv, k), s in status.items() if k == key and (s == "holds") == ok), reverse=True)
+            if lv:
+                name = f"{key:g}" if isinstance(key, float) else str(key)
+                note = f" ({notes[key]})" if notes and key in notes else ""
+                out.append(f"{what}{name} at loss {', '.join(f'{x:g}' for x in lv)}{note}")
+        return out
+
+    region = ("for " + "; ".join(where(True)) + "; not for " + "; ".join(where(False))) if v == "holds where" else ""
+    at = effect_at if effect_at in cells else min(cells, key=lambda k: (k[0], -keys.index(k[1])))
+    key = f"{at[1]:g}" if isinstance(at[1], float) else str(at[1])
+    effect = (f"log-odds of attention on the distinct token at loss {at[0]:g}, {what}{key}: "
+              + "; ".join(f"{name} {c[0].text(percent=False)}" for name, c in cells[at].items()))
+    reason = "; ".join(f"loss {lv:g}, {what}{(f'{k:g}' if isinstance(k, float) else k)}: {s}"
+                       for (lv, k), s in sorted(status.items(), key=lambda kv: (-kv[0][0], keys.index(kv[0][1]))))
+    return Verdict(v, rule, reason, region=region, effect=effect)
+
+
+S3_RULE = ("decided at matched training loss, on every level of the matched-loss ladder, against the lowest ratio, "
+           "paired by seed. A cell (a loss level and a higher ratio) holds when, for every parameterization, the 95 % "
+           "seed interval of the change of the log-odds of the attention on the distinct token, log(a / (1 - a)), "
+           f"lies at or above {_t('SHARPER_LOGIT')}, and those of the test-loss and accuracy changes lie inside "
+           f"±{_t('SAME_LOSS')} and ±{_t('SAME_ACC')}; it fails when one of these intervals lies wholly on the wrong "
+           "side. Reproduced: every cell holds. Holds where: some cells hold (named by ratio and loss). Not "
+           "reproduced: every cell fails. Inconclusive: otherwise (intervals straddle, or one seed). Not tested: no "
+           "higher ratio reached a loss level")
+
+
+def s3_ratio_sharpens(cells: MatchedCells, ratio_lo: float | None = None,
+                      effect_at: tuple[float, float] | None = None, unstable: Sequence[float] = ()) -> Verdict:
+    """S3 from the paired changes at matched training loss: ``cells`` maps (loss level, ratio) to,
+    per parameterization, (log-odds change, test-loss change, accuracy change) from the lowest
+    ratio (``ratio_lo``, named in the texts) to that ratio (:class:`Change` values over the seeds
+    that reached the level at both). ``unstable``: ratios at which gradient descent was past its
+    stable range (the region says so; the rule reads them all the same)."""
+    return _cells_verdict(S3_RULE, cells, "ratio " if ratio_lo is None else f"ratio {ratio_lo:g} -> ", effect_at,
+                          {float(r): "gradient descent unstable there" for r in unstable})
+
+
+S3_ROBUST_RULE = ("S3's rule applied to each robustness variant at its matched training loss; reproduced: every "
+                  "variant reproduces S3; holds where: some variants reproduce it or hold somewhere (named); not "
+                  "reproduced: every tested variant is 'not reproduced'; inconclusive: otherwise; not tested: no "
+                  "variant could be tested (a minibatch variant has no full-batch loss to match and is not tested)")
 
 
 def s3_robustness(per_variant: Mapping[str, Verdict]) -> Verdict:
     """The S3-robustness extension from the :func:`s3_ratio_sharpens` verdict of each variant."""
-    tested = {k: v.verdict for k, v in per_variant.items() if v.verdict != "not tested"}
+    tested = {k: v for k, v in per_variant.items() if v.verdict != "not tested"}
     if not tested:
-        return Verdict("not tested", S3_ROBUST_RULE, "no variant with two ratios")
-    n = {x: sum(v == x for v in tested.values()) for x in VERDICTS}
-    untested = len(per_variant) - len(tested)
-    v = ("reproduced" if n["reproduced"] == len(tested) and not untested else
-         "not reproduced" if n["not reproduced"] == len(tested) else "partly")
-    reason = ", ".join(f"{x} {n[x]}" for x in VERDICTS[:3] if n[x]) + (f", not tested {untested}" if untested else "")
-    return Verdict(v, S3_ROBUST_RULE, f"of {len(per_variant)} variants: {reason}")
+        return Verdict("not tested", S3_ROBUST_RULE, "no variant could be tested")
+    full = [k for k, v in tested.items() if v.verdict == "reproduced"]
+    some = [k for k, v in tested.items() if v.verdict == "holds where"]
+    v = ("reproduced" if len(full) == len(per_variant) else "holds where" if full or some else
+         "not reproduced" if all(x.verdict == "not reproduced" for x in tested.values()) else "inconclusive")
+    others = [f"{k} ({x.verdict})" for k, x in per_variant.items() if k not in full and k not in some]
+    region = ("in " + ", ".join(full + [f"{k} ({tested[k].region})" for k in some]) + "; not in " + ", ".join(others)
+              if v == "holds where" else "")
+    counts = ", ".join(f"{x} {sum(y.verdict == x for y in per_variant.values())}" for x in VERDICTS
+                       if any(y.verdict == x for y in per_variant.values()))
+    return Verdict(v, S3_ROBUST_RULE, f"of {len(per_variant)} variants: {counts}", region=region,
+                   effect="; ".join(f"{k}: {x.effect}" for k, x in tested.items() if x.effect))
+
+
+R3_SYNTHETIC_RULE = ("decided at matched training loss, on every level of the matched-loss ladder, from the lowest to "
+                     "the highest ratio, paired by seed. A cell (a loss level and a parameterization) holds when the "
+                     "95 % seed interval of the change of the log-odds of the attention on the distinct token lies "
+                     f"at or above {_t('SHARPER_LOGIT')} while that of the test-accuracy change lies inside "
+                     f"±{_t('SAME_ACC')}: the same loss, sharper attention, the same accuracy. It fails when either "
+                     "interval lies wholly on the wrong side. Reproduced: every cell holds. Holds where: some cells "
+                     "hold (named by parameterization and loss). Not reproduced: every cell fails. Inconclusive: "
+                     "otherwise. Not tested: no parameterization reached a loss level at both ratios")
+
+
+def r3_synthetic(cells: Mapping[tuple[float, str], Sequence["Change | None"]],
+                 effect_level: float | None = None) -> Verdict:
+    """R3-synthetic from the paired changes at matched training loss from the lowest to the highest
+    ratio: ``cells`` maps (loss level, parameterization) to (log-odds change, accuracy change)."""
+    wrapped = {k: {k[1]: (c[0], None, c[1])} for k, c in cells.items()}
+    v = _cells_verdict(R3_SYNTHETIC_RULE, wrapped, "", None)
+    lv = effect_level if effect_level is not None else min((k[0] for k in wrapped), default=None)
+    at = {k[1]: c for k, c in cells.items() if k[0] == lv and c and c[0] is not None and math.isfinite(c[0].mean)}
+    effect = (f"log-odds change at loss {lv:g}: " + "; ".join(f"{p} {c[0].text(percent=False)}" for p, c in at.items())
+              if at else "")
+    return Verdict(v.verdict, v.rule, v.reason, region=v.region, effect=effect)
 
 
 # --- real data -----------------------------------------------------------------------------
@@ -515,11 +852,36 @@ def head_necessary(model: float, uniform: float, chance: float) -> bool | None:
 
 
 R1_RULE = ("each change is the mean over seeds of (ratio r minus ratio 1, same seed) over every model that "
-           "trained, not only those that beat chance, with its 95 % seed interval; reproduced: at every ratio above 1 "
-           f"the intervals of the accuracy and macro-F1 changes lie above -{_t('SAME_ACC')} (fraction) and come from "
-           f"at least {_t('MIN_SEEDS')} seeds; not reproduced: at the highest ratio compared the whole accuracy "
-           f"interval (and the macro-F1 one) lies below -{_t('SAME_ACC')}; partly: otherwise (an interval straddles "
-           "the band, or too few seeds); not tested: no ratio above 1 with a change")
+           "trained, with its 95 % seed interval; at a ratio the claim holds when the intervals of the accuracy and "
+           f"macro-F1 changes lie above -{_t('SAME_ACC')} (fraction) from at least {_t('MIN_SEEDS')} seeds, and is "
+           f"contradicted when a whole interval lies below -{_t('SAME_ACC')}; reproduced: it holds at every ratio "
+           "above 1; holds where: it holds at some ratios and is contradicted at others (the region names them); "
+           "not reproduced: contradicted at the highest ratio compared and nowhere holds; inconclusive: otherwise "
+           "(an interval straddles the band, or too few seeds); not tested: no ratio above 1 with a change")
+
+
+def _per_ratio(status: Sequence[str | None], ratios: Sequence[float] | None, k: int, rule: str, why: str,
+               effect: str, pending: str) -> Verdict:
+    """The verdict over ratios from each ratio's status (``"holds"``, ``"contradicted"``,
+    ``"undecided"`` or None: not compared), the shared reading of R1 and R3: every compared ratio
+    holds -> reproduced; some hold -> holds where (region: those ratios, and where it fails or is
+    undecided); none holds and the highest compared is contradicted -> not reproduced; otherwise
+    inconclusive (``pending`` says what it would take)."""
+    compared = [i for i, x in enumerate(status) if x is not None]
+    holds = [_at(i, ratios, k) for i in compared if status[i] == "holds"]
+    fails = [_at(i, ratios, k) for i in compared if status[i] == "contradicted"]
+    open_ = [_at(i, ratios, k) for i in compared if status[i] == "undecided"]
+    missing = [_at(i, ratios, k) for i, x in enumerate(status) if x is None]
+    if len(holds) == len(status):
+        return Verdict("reproduced", rule, why, effect=effect)
+    if holds:
+        region = "at " + ", ".join(h.removeprefix("ratio ") if j else h for j, h in enumerate(holds))
+        region += "".join(f"; {w} at " + ", ".join(xs) for w, xs in
+                          (("not", fails), ("undecided", open_), ("not compared", missing)) if xs)
+        return Verdict("holds where", rule, why, region=region, effect=effect)
+    if compared and status[compared[-1]] == "contradicted":
+        return Verdict("not reproduced", rule, why, effect=effect)
+    return Verdict("inconclusive", rule, f"{why}; {pending}", effect=effect)
 
 
 def r1_performance_stable(d_accuracy: Sequence[Change | None], d_f1: Sequence[Change | None],
@@ -527,44 +889,39 @@ def r1_performance_stable(d_accuracy: Sequence[Change | None], d_f1: Sequence[Ch
     """R1 from the paired changes of test accuracy and macro-F1 (fractions), one :class:`Change`
     per ratio above 1 in increasing ratio order (None where nothing could be compared; ``d_f1``
     may be empty when macro-F1 was not measured). ``ratios``, if given, names the ratios in the
-    reason."""
+    reason and region."""
     acc, f1 = list(d_accuracy), list(d_f1)
     with_f1 = any(_has(c) for c in f1)
     per = [[("accuracy", a)] + ([("macro-F1", f1[i] if i < len(f1) else None)] if with_f1 else [])
            for i, a in enumerate(acc)]
-    compared = [i for i, cs in enumerate(per) if _has(cs[0][1])]
-    if not compared:
+    if not any(_has(cs[0][1]) for cs in per):
         return Verdict("not tested", R1_RULE, "no higher ratio with a change")
     k = len(per)
     changes = [(i, name, c) for i, cs in enumerate(per) for name, c in cs if _has(c)]
     i_w, name_w, worst = min(changes, key=lambda t: t[2].mean)
     why = f"largest drop {worst.text()} ({name_w}, {_at(i_w, ratios, k)})"
-    complete = len(changes) == sum(len(cs) for cs in per)
+
+    def status(cs) -> str | None:
+        got = [c for _, c in cs if _has(c)]
+        if len(got) < len(cs):
+            return None
+        if any(c.hi < -SAME_ACC for c in got):
+            return "contradicted"
+        ok = all(c.lo >= -SAME_ACC for c in got) and min(c.n for c in got) >= MIN_SEEDS
+        return "holds" if ok else "undecided"
+
     n_min = min(c.n for _, _, c in changes)
-    if complete and all(c.lo >= -SAME_ACC for _, _, c in changes) and n_min >= MIN_SEEDS:
-        return Verdict("reproduced", R1_RULE, why)
-    top = [c for _, c in per[compared[-1]] if _has(c)]
-    if all(c.hi < -SAME_ACC for c in top):
-        return Verdict("not reproduced", R1_RULE, f"{why}; at {_at(compared[-1], ratios, k)} the whole interval "
-                                                  f"is a drop beyond -{_t('SAME_ACC')}")
-    causes = []
-    if not complete:
-        causes.append("no change at " + ", ".join(_at(i, ratios, k) for i, cs in enumerate(per)
-                                                   if not all(_has(c) for _, c in cs)))
-    if n_min < MIN_SEEDS:
-        causes.append(f"too few seeds ({n_min} < {_t('MIN_SEEDS')})")
-    elif any(c.lo < -SAME_ACC <= c.hi for _, _, c in changes):
-        causes.append("undecided: interval straddles the band")
-    if not causes:
-        causes.append("a drop beyond the band below the highest ratio, or in only one of the two metrics")
-    return Verdict("partly", R1_RULE, f"{why}; " + "; ".join(causes))
+    pending = (f"needs {_t('MIN_SEEDS')} trained seed pairs (has {n_min})" if n_min < MIN_SEEDS else
+               f"an interval straddles -{_t('SAME_ACC')}")
+    return _per_ratio([status(cs) for cs in per], ratios, k, R1_RULE, why, f"{name_w} {worst.text()}", pending)
 
 
 R2_RULE = (f"changes at the highest ratio with a trained run, against ratio 1, paired by seed; a metric improves "
-           f"when its whole 95 % seed interval clears its margin: AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 "
-           f"by ≥ {_t('MIN_GAIN_ACMC')}, sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')} (an interval needs at least "
-           f"2 seeds); reproduced: all three improve, from at least {_t('MIN_SEEDS')} seeds; partly: one or two "
-           "improve, or all three with too few seeds; not reproduced: none improves; not tested: nothing measured")
+           f"when its whole 95 % seed interval clears its margin (AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 "
+           f"by ≥ {_t('MIN_GAIN_ACMC')}, sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')}) and fails when the whole "
+           f"interval stays short of it; reproduced: all three improve, from at least {_t('MIN_SEEDS')} seeds; holds "
+           "where: some improve (the region names them); not reproduced: every measured metric fails; inconclusive: "
+           "no metric improves and some straddle their margin, or too few seeds; not tested: nothing measured")
 
 
 def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> Verdict:
@@ -577,109 +934,148 @@ def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficienc
     if not measured:
         return Verdict("not tested", R2_RULE, "nothing measured at a higher ratio")
     up = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean - c.half_width >= gain]
+    down = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean + c.half_width < gain]
     n_min = min(c.n for _, c, _, _ in measured)
-    v = "reproduced" if len(up) == 3 and n_min >= MIN_SEEDS else "partly" if up else "not reproduced"
     each = ", ".join(f"{name} {c.text(percent=False)}" for name, c, _, _ in measured)
+    why = f"{len(up)}/{len(measured)} improved beyond their margin ({each})"
+    if n_min < MIN_SEEDS:
+        return Verdict("inconclusive", R2_RULE, f"{why}; needs {_t('MIN_SEEDS')} trained seed pairs (has {n_min})",
+                       effect=each)
+    if len(up) == 3:
+        return Verdict("reproduced", R2_RULE, why, effect=each)
+    if up:
+        rest = [n for n, *_ in measured if n not in up]
+        return Verdict("holds where", R2_RULE, why, region=_region(up, rest), effect=each)
+    if len(down) == len(measured):
+        return Verdict("not reproduced", R2_RULE, why, effect=each)
+    return Verdict("inconclusive", R2_RULE, f"{why}; an interval straddles its margin", effect=each)
 
-    tail = f"; too few seeds ({n_min} < {_t('MIN_SEEDS')})" if len(up) == 3 and v == "partly" else ""
-    return Verdict(v, R2_RULE, f"{len(up)}/{len(measured)} improved beyond their margin ({each}){tail}")
 
-
-R3_RULE = (f"read at the highest ratio with a change, against ratio 1, paired by seed, with 95 % seed intervals; "
-           f"reproduced: the attention interval lies above {_t('SHARPER')} and the accuracy interval inside "
-           f"±{_t('SAME_ACC')}, from at least {_t('MIN_SEEDS')} seeds; not reproduced: the whole attention interval "
-           f"lies below {_t('SHARPER')} (no rise); partly: otherwise (a rise with an accuracy change, an interval "
-           "that straddles its threshold, or too few seeds); not tested: no ratio above 1 with a change, or the "
-           f"prediction does not need the head's attention (uniform attention loses less than {_t('NECESSITY_SHARE')} "
-           "of the above-chance accuracy)")
+R3_RULE = ("per ratio above 1, against ratio 1, paired by seed, with 95 % seed intervals; at a ratio the claim "
+           f"holds when the attention interval lies above {_t('SHARPER')} and the accuracy interval inside "
+           f"±{_t('SAME_ACC')}, from at least {_t('MIN_SEEDS')} seeds, and is contradicted when the whole attention "
+           f"interval lies below {_t('SHARPER')} (no rise) or attention rises together with an accuracy change "
+           f"beyond ±{_t('SAME_ACC')}; reproduced: it holds at every ratio compared; holds where: at some (the region "
+           "names them); not reproduced: contradicted at the highest ratio compared and nowhere holds; inconclusive: "
+           "otherwise; not tested: no ratio above 1 with a change, or the prediction does not need the head's "
+           f"attention (uniform attention loses less than {_t('NECESSITY_SHARE')} of the above-chance accuracy)")
 
 
 def r3_decoupled(d_attention: Sequence[Change | None], d_accuracy: Sequence[Change | None],
                  necessary: bool | None = None, ratios: Sequence[float] | None = None) -> Verdict:
     """R3 from the paired changes of mean attention on the relevant tokens and of accuracy
     (fractions), one :class:`Change` per ratio above 1 in increasing ratio order (None where
-    nothing was compared), read at the highest ratio where both have a change. ``necessary``:
-    :func:`head_necessary` (False: not tested; None: unknown). ``ratios`` names the ratios in
-    the reason."""
+    nothing was compared). ``necessary``: :func:`head_necessary` (False: not tested; None:
+    unknown). ``ratios`` names the ratios in the reason and region."""
     if necessary is False:
         return Verdict("not tested", R3_RULE, "the prediction does not need the head's attention")
     att, acc = list(d_attention), list(d_accuracy)
+    k = len(att)
     both = [i for i in range(min(len(att), len(acc))) if _has(att[i]) and _has(acc[i])]
     if not both:
         return Verdict("not tested", R3_RULE, "no higher ratio with a change")
+
+    def status(i: int) -> str | None:
+        if i not in both:
+            return None
+        a, c = att[i], acc[i]
+        if a.hi < SHARPER or (a.lo >= SHARPER and (c.hi < -SAME_ACC or c.lo > SAME_ACC)):
+            return "contradicted"
+        ok = a.lo >= SHARPER and c.lo >= -SAME_ACC and c.hi <= SAME_ACC and min(a.n, c.n) >= MIN_SEEDS
+        return "holds" if ok else "undecided"
+
     i = both[-1]
     a, c = att[i], acc[i]
-    why = f"at {_at(i, ratios, len(att))}: attention {a.text(percent=False)}, accuracy {c.text()}"
-    n_min = min(a.n, c.n)
-    acc_same = c.lo >= -SAME_ACC and c.hi <= SAME_ACC
-    if a.lo >= SHARPER and acc_same and n_min >= MIN_SEEDS:
-        return Verdict("reproduced", R3_RULE, why)
-    if a.hi < SHARPER:
-        return Verdict("not reproduced", R3_RULE, f"{why}; no rise")
-    if n_min < MIN_SEEDS:
-        cause = f"too few seeds ({n_min} < {_t('MIN_SEEDS')})"
-    elif a.lo < SHARPER:
-        cause = "undecided: the attention interval straddles the threshold"
-    elif c.hi < -SAME_ACC or c.lo > SAME_ACC:
-        cause = "attention rises together with an accuracy change"
-    else:
-        cause = "undecided: the accuracy interval straddles the band"
-    return Verdict("partly", R3_RULE, f"{why}; {cause}")
+    why = f"at {_at(i, ratios, k)}: attention {a.text(percent=False)}, accuracy {c.text()}"
+    n_min = min(min(att[j].n, acc[j].n) for j in both)
+    pending = (f"needs {_t('MIN_SEEDS')} trained seed pairs (has {n_min})" if n_min < MIN_SEEDS else
+               "an interval straddles its threshold")
+    return _per_ratio([status(j) for j in range(k)], ratios, k, R3_RULE, why,
+                      f"attention {a.text(percent=False)}, accuracy {c.text()} at {_at(i, ratios, k)}", pending)
 
 
-HEADS_RULE = (f"reproduced: at the highest ratio the head-mean attention on the relevant tokens rises by ≥ "
-              f"{_t('HEAD_DELTA')} in every layer; partly: in some layers; not reproduced: in none; "
-              "not tested: one ratio")
+HEADS_RULE = (f"at the highest ratio a layer sharpens when its head-mean attention on the relevant tokens rises by ≥ "
+              f"{_t('HEAD_DELTA')}; reproduced: in every layer; holds where: in some layers (the region names them); "
+              "not reproduced: in none; not tested: one ratio")
 
 
-def heads_sharpen(layer_gains: Sequence[float]) -> Verdict:
+def heads_sharpen(layer_gains: Sequence[float] | Mapping[str, float]) -> Verdict:
     """Extension of R2 to a multi-layer encoder, from the change of each layer's head-mean
-    attention on the relevant tokens between the lowest and the highest ratio."""
-    g = _finite(layer_gains)
+    attention on the relevant tokens between the lowest and the highest ratio (a mapping names
+    the layers; a sequence numbers them from 0)."""
+    g = _named_finite(layer_gains, "layer", 0)
     if not g:
         return Verdict("not tested", HEADS_RULE, "one ratio")
-    k = sum(x >= HEAD_DELTA for x in g)
-    v = "reproduced" if k == len(g) else "partly" if k else "not reproduced"
-    return Verdict(v, HEADS_RULE, f"head-mean attention rose in {k}/{len(g)} layers (largest {max(g):+.3f})")
+    why = (f"head-mean attention rose in {sum(x >= HEAD_DELTA for x in g.values())}/{len(g)} layers "
+           f"(largest {max(g.values()):+.3f})")
+    return _where_counted(g, lambda x: x >= HEAD_DELTA, HEADS_RULE, why, ", ".join(f"{k} {x:+.3f}" for k, x in g.items()))
 
 
-TUNED_RULE = ("reproduced: the claim's rule gives 'reproduced' at the tuned base rate (best validation metric at "
-              "ratio 1) of every optimizer; not reproduced: at none of them; partly: at some; not tested: no tuned "
-              "base rate could be tested")
+TUNED_RULE = ("the claim's own rule at the tuned base rate (best validation metric at ratio 1) of each optimizer; "
+              "reproduced: 'reproduced' with every optimizer; holds where: it holds (reproduced or in a region) with "
+              "some optimizers and not with others (the region names them); not reproduced: 'not reproduced' with "
+              "every optimizer; inconclusive: otherwise; not tested: no tuned base rate could be tested")
 
 
-def tuned_region(at_tuned: Mapping[str, str]) -> Verdict:
+def tuned_region(at_tuned: Mapping[str, str], regions: Mapping[str, str] | None = None) -> Verdict:
     """A claim's verdict over the base-rate map, from its verdict (by its own rule) at the tuned
-    base rate of each optimizer, e.g. ``{"adamw": "reproduced", "sgd": "partly"}``."""
+    base rate of each optimizer, e.g. ``{"adamw": "reproduced", "sgd": "holds where"}``;
+    ``regions`` gives the region of each 'holds where'."""
+    regions = regions or {}
     tested = {o: v for o, v in at_tuned.items() if v != "not tested"}
+    why = "; ".join(f"{o}: {x}" + (f" {regions[o]}" if x == "holds where" and o in regions else "")
+                    for o, x in at_tuned.items())
     if not tested:
         return Verdict("not tested", TUNED_RULE, "no tuned base rate could be tested")
-    k = sum(v == "reproduced" for v in tested.values())
-    n_not = sum(v == "not reproduced" for v in tested.values())
-    v = "reproduced" if k == len(tested) else "not reproduced" if n_not == len(tested) else "partly"
-    return Verdict(v, TUNED_RULE, "; ".join(f"{o}: {x}" for o, x in at_tuned.items()))
+    if all(v == "reproduced" for v in tested.values()):
+        return Verdict("reproduced", TUNED_RULE, why)
+    if all(v == "not reproduced" for v in tested.values()):
+        return Verdict("not reproduced", TUNED_RULE, why)
+    hold = [o + (f" ({regions[o]})" if v == "holds where" and o in regions else "")
+            for o, v in tested.items() if v in ("reproduced", "holds where")]
+    if hold:
+        rest = [o for o, v in tested.items() if v not in ("reproduced", "holds where")]
+        return Verdict("holds where", TUNED_RULE, why, region=_region(hold, rest, "with "))
+    return Verdict("inconclusive", TUNED_RULE, why)
 
 
 RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,
              "S1": S1_RULE, "S2": S2_RULE, "S3": S3_RULE, "R1": R1_RULE, "R2": R2_RULE, "R3": R3_RULE}
 RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
-         "T6": t6_factorized_qk, "S1": s1_ladder, "S2": s2_ladder, "S3": s3_ratio_sharpens,
+         "T6": t6_factorized_qk, "S1": s1_ladder, "S2": s2_phase, "S3": s3_ratio_sharpens,
          "R1": r1_performance_stable, "R2": r2_interpretability, "R3": r3_decoupled}
 
 
-def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
-    """One verdict and its reason from several chapters' rows on a claim: ``not run`` when there
-    are none, ``not tested`` when nothing was tested, the common verdict when the tested ones
-    agree; when they disagree, ``partly``, and the reason names every chapter's verdict (and
-    reason), untested ones included, so that no chapter's negative is hidden."""
+def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
+    """One ``(verdict, reason, region)`` from several chapters' rows on a claim (each with
+    ``verdict``, ``chapter`` and optionally ``region`` and ``reason``): ``not run`` when there are
+    none, ``not tested`` when nothing was tested, the common verdict when the tested ones agree
+    (a shared 'holds where' keeps each chapter's region). When they disagree: ``holds where``
+    with the region naming where the claim holds and where not, if any chapter reproduces it or
+    names a region; else ``not reproduced`` if any chapter contradicts it; else ``inconclusive``.
+    The reason names every chapter's verdict, untested ones included, so that no chapter's
+    negative is hidden."""
     if not measurements:
-        return "not run", "no chapter in this build reported this claim"
+        return "not run", "no chapter in this build reported this claim", ""
     tested = [m for m in measurements if m.get("verdict") != "not tested"]
     if not tested:
-        return "not tested", "no chapter could make the comparison"
+        return "not tested", "no chapter could make the comparison", ""
+
+    def name(m: Mapping[str, Any]) -> str:
+        return str(m.get("chapter") or "?")
+
     verdicts = {m.get("verdict") for m in tested}
-    if len(verdicts) == 1:
-        return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree"
-    return "partly", "chapters disagree: " + " · ".join(
-        f"{m.get('chapter')}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "")
-        for m in measurements)
+    each = " · ".join(f"{name(m)}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "")
+                      for m in measurements)
+    holds = [name(m) + (f" {m['region']}" if m.get("verdict") == "holds where" and m.get("region") else "")
+             for m in tested if m.get("verdict") in ("reproduced", "holds where")]
+    if len(verdicts) == 1 and "holds where" not in verdicts:
+        return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree", ""
+    if len(tested) == 1:
+        return "holds where", "", str(tested[0].get("region", ""))
+    if holds:
+        fails = [name(m) + f" ({m.get('verdict')})" for m in tested if m.get("verdict") not in
+                 ("reproduced", "holds where")]
+        return "holds where", f"chapters differ: {each}", "in " + "; in ".join(holds) + (
+            "; not in " + ", ".join(fails) if fails else "")
+    return ("not reproduced" if "not reproduced" in verdicts else "inconclusive"), f"chapters differ: {each}", ""

@@ -326,8 +326,10 @@ def word_task(ds: TextDataset) -> TextDataset:
         report.update({f"{split}_word_task_{k}": v for k, v in counts.items()})
         keep = idx.tolist()
         out[split] = (b, {k: [col[i] for i in keep] for k, col in infos[split].items()})
-    notes = [*ds.notes, "Target: the answer's first word, scored over the paragraph's distinct words; kept: questions "
-             "whose answer-start word occurs once in the paragraph and not in the question."]
+    notes = [n for n in ds.notes if n != squad.POSITION_TARGET_NOTE]  # the word target below replaces it
+    notes.insert(0, "SQuAD v1.1 as a copy task over words (our reconstruction): input question <sep> context, query "
+                 "token = question wh-type. Target: the answer's first word, scored over the paragraph's distinct "
+                 "words; kept: questions whose answer-start word occurs once in the paragraph and not in the question.")
     return TextDataset(ds.name, out["train"][0], out["test"][0], list(ds.vocab), list(ds.class_names), report,
                        out["train"][1], out["test"][1], notes, ds.query_is_key)
 

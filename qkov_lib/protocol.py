@@ -375,7 +375,8 @@ def cell_verdicts(phase: pd.DataFrame,
             vs = {cid: claims.Verdict("not tested", v.rule, "no run trained at ratio 1 at this base rate: no model "
                                       "to compare the higher ratios with") for cid, v in vs.items()}
         for cid, v in vs.items():
-            rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "reason": v.reason})
+            rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "region": v.region,
+                         "reason": v.reason})
     return pd.DataFrame(rows)
 
 
@@ -385,12 +386,13 @@ def region_verdicts(cells: pd.DataFrame, selected: Mapping[str, float]) -> dict[
     reproduced, as text (``adamw: eta_ov 1e-3, 3e-3; sgd: none``)."""
     out = {}
     for cid, g in cells.groupby("claim", sort=True):
-        tuned = {opt: g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)]["verdict"].iloc[0]
-                 for opt, eta in selected.items() if len(g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)])}
+        at = {opt: g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)] for opt, eta in selected.items()}
+        tuned = {opt: h["verdict"].iloc[0] for opt, h in at.items() if len(h)}
+        where = {opt: str(h["region"].iloc[0]) for opt, h in at.items() if len(h) and "region" in h}
         holds = [f"{opt}: " + (", ".join(f"eta_ov {e:g}" for e in h["eta_ov"]) or "none")
                  for opt, h in ((o, g[(g["optimizer"] == o) & (g["verdict"] == "reproduced")])
                                 for o in dict.fromkeys(g["optimizer"]))]
-        out[cid] = (claims.tuned_region(tuned), "; ".join(holds))
+        out[cid] = (claims.tuned_region(tuned, where), "; ".join(holds))
     return out
 
 

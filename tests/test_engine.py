@@ -312,3 +312,17 @@ def test_a_grid_that_stops_early_finishes_its_progress_bar_saying_so(capsys):
     assert "early: stopped early at step 1" in err and "1/1" in err  # shown complete, not frozen at 1 of 50
     engine.train_batched([_model("CACO", 0)], data, [_cfg("gd", 1.0, 0, steps=5)], progress=True, desc="full")
     assert "stopped early" not in capsys.readouterr().err
+
+
+def test_loss_rises_count_steps_where_the_full_batch_loss_went_up():
+    """A cell known to pass through GD's unstable phase at eta_QK = 50 (FAFO, seed 4, ratio 100 of
+    the cpu profile) raises its full-batch loss at some steps; the same cell at the stable eta_QK
+    of the profile (eta_OV lowered, steps scaled to the same training time) never does."""
+    from qkov_lib.studies import synthetic_sweeps as S
+    from qkov_lib.profiles import resolve
+
+    cfg = resolve(S.PROFILES, "cpu", seeds=[4], parameterizations=["FAFO"], ratios=[100.0])
+    wild = S.run_grid(cfg, steps=300).runs[0].test
+    calm = S.run_grid(cfg, steps=300, eta_qk_max=cfg["eta_qk_stable"]).runs[0].test
+    assert wild["eta_qk"] == 50.0 and wild["loss_rises"] > 0
+    assert calm["eta_qk"] == cfg["eta_qk_stable"] and calm["steps"] == 3000 and calm["loss_rises"] == 0

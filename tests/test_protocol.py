@@ -230,20 +230,20 @@ def _column_verdicts(t, **kw):
 
 def test_four_seeds_with_a_tight_rise_reproduce_and_two_seeds_do_not():
     """Same mean changes (+0.1 attention, AC and ACMC +0.2, sufficiency -0.1, accuracy 0): with
-    four seeds the intervals decide; with two the rules say 'partly' (too few seeds)."""
+    four seeds the intervals decide; with two the rules say 'inconclusive' (too few seeds)."""
     four = _column_verdicts(_table(seeds=(0, 1, 2, 3), jitter=0.002))
     two = _column_verdicts(_table(seeds=(0, 1), jitter=0.002))
     for cid in ("R1", "R2", "R3"):
         assert four[("sgd", 0.1, cid)] == "reproduced", cid
-        assert two[("sgd", 0.1, cid)] == "partly", cid
+        assert two[("sgd", 0.1, cid)] == "inconclusive", cid
     reasons = P.cell_verdicts(P.phase_table(_table(seeds=(0, 1), jitter=0.002).assign(trained=True)))
-    assert reasons["reason"].str.contains("too few seeds").all()
+    assert reasons["reason"].str.contains("needs 3 trained seed pairs").all()
 
 
 def test_a_collapse_at_the_highest_ratio_is_a_negative_for_r1():
     """At ratio 100 no run trains (validation at chance) and the test accuracy falls to chance;
-    one run diverges. R1 sees every model, so it is 'not reproduced', although no trained run
-    could be compared there; a diverged run counts at chance only when ``chance`` is given."""
+    one run diverges. R1 sees every model, so it holds at ratio 10 and not at 100, although no
+    trained run could be compared there; a diverged run counts at chance only when ``chance`` is given."""
     rows = []
     for r in (1.0, 10.0, 100.0):
         for s in range(4):
@@ -260,9 +260,11 @@ def test_a_collapse_at_the_highest_ratio_is_a_negative_for_r1():
     assert ph.loc[100.0, "d_all_accuracy"] == pytest.approx(np.mean([-0.55, -0.549, -0.548, -0.547]), abs=1e-9)
     assert P.phase_table(t).set_index("ratio").loc[100.0, "d_all_accuracy_n"] == 3  # no chance: left out
     v = _column_verdicts(t, chance=0.25)
-    assert v[("sgd", 0.3, "R1")] == "not reproduced"
-    # R3 is read at ratio 10 (the highest with trained pairs): a rise at the same accuracy
-    assert v[("sgd", 0.3, "R3")] == "reproduced"
+    assert v[("sgd", 0.3, "R1")] == "holds where"
+    regions = P.cell_verdicts(P.phase_table(t, chance=0.25)).set_index("claim")["region"]
+    assert regions["R1"] == "at ratio 10; not at ratio 100"
+    # R3 holds at ratio 10 (a rise at the same accuracy); ratio 100 has no trained pair to compare
+    assert v[("sgd", 0.3, "R3")] == "holds where" and regions["R3"] == "at ratio 10; not compared at ratio 100"
     assert _column_verdicts(t, chance=0.25, necessary=False)[("sgd", 0.3, "R3")] == "not tested"
     per_column = _column_verdicts(t, chance=0.25, necessary={("sgd", 0.3): False, ("adamw", 1e-3): True})
     assert per_column[("sgd", 0.3, "R3")] == "not tested"

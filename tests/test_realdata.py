@@ -113,10 +113,13 @@ def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     assert all("[cpu profile, protocol map: 3 seed(s) per cell]" in o for o in sva["ours"])
     missing = table[table["dataset"] == "squad"]
     assert list(missing["verdict"]) == ["not run"] * 3 and "not run" in missing["ours"].iloc[0]
-    assert {k: v for k, (v, _) in scorecard.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",
-                                                                        "R3": "reproduced"}
+    assert {k: v[0] for k, v in scorecard.r_verdicts(table).items()} == {"R1": "reproduced", "R2": "reproduced",
+                                                                         "R3": "reproduced"}
     md = scorecard.r_table_myst(table)
-    assert md.splitlines()[0] == "| claim | paper | ours (means over seeds) | verdict | rule (thresholds) |"
+    assert md.splitlines()[0] == "| claim | dataset | verdict | where it holds | effect size |"
+    assert "rule" not in md and "[cpu profile" not in md  # rules and measurements fold out, once each
+    details = scorecard.r_details_myst(table)
+    assert details.count(":::{dropdown}") == 3 and details.count("[cpu profile, protocol map") == 3
     # a second R1 row (SVA's natural-prefix models) is a row of its own and enters the claim's verdict
     two = (*both, ("R1", "not reproduced"))
     results.save_results("sva", _map_params(), {"claims": _rows(two)}, path=tmp_path / "sva.json")
@@ -124,7 +127,7 @@ def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     r1 = t2[(t2["claim"] == "R1") & (t2["dataset"] == "sva")]
     assert len(t2) == 10 and list(r1["verdict"]) == ["reproduced", "not reproduced"]
     v = scorecard.r_verdicts(t2)
-    assert v["R1"][0] == "partly" and v["R2"][0] == "reproduced"
+    assert v["R1"][0] == "holds where" and v["R1"][2] == "in SVA; not in SVA (not reproduced)" and v["R2"][0] == "reproduced"
     assert scorecard.r_table_myst(t2).count("**not reproduced**") == 1
     # a chapter that wrote no row on a claim
     results.save_results("sva", _map_params(), {"claims": _rows(both[:1])}, path=tmp_path / "sva.json")

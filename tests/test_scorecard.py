@@ -24,7 +24,9 @@ def book(tmp_path: Path) -> Path:
 def _results(folder: Path) -> None:
     results.save_results("synthetic", {"profile": "test"}, {"claims": [
         claims.claim("S1", "heatmaps differ", "they differ | a lot", "reproduced", "01_synthetic"),
-        claims.claim("S3", "ratio sharpens", "4/4 sharper", "partly", "01_synthetic")]},
+        claims.claim("S3", "ratio sharpens", "4/4 sharper",
+                     claims.Verdict("holds where", "r", "3/4 up", region="for FAFO, CAFO, FACO; not CACO"),
+                     "01_synthetic")]},
         path=folder / "synthetic.json", wall_time_s=1.5, device="cpu")
     results.save_results("theory", {"profile": "cpu"}, {"claims": [
         claims.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
@@ -64,9 +66,10 @@ def test_combine_verdicts_names_disagreeing_chapters():
     def m(v, ch="a", reason=""):
         return {"verdict": v, "chapter": ch, "reason": reason}
     assert claims.combine([])[0] == "not run"
-    assert claims.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters agree")
-    v, why = claims.combine([m("reproduced", "01_synthetic", "4/4 up"), m("not reproduced", "04_sweep", "0/4 up")])
-    assert v == "partly" and "01_synthetic: reproduced (4/4 up)" in why and "04_sweep: not reproduced (0/4 up)" in why
+    assert claims.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters agree", "")
+    v, why, where = claims.combine([m("reproduced", "01_synthetic", "4/4 up"), m("not reproduced", "04_sweep", "0/4 up")])
+    assert v == "holds where" and where == "in 01_synthetic; not in 04_sweep (not reproduced)"
+    assert "01_synthetic: reproduced (4/4 up)" in why and "04_sweep: not reproduced (0/4 up)" in why
     assert claims.combine([m("not tested")])[0] == "not tested"
     assert claims.combine([m("not tested"), m("not reproduced")])[0] == "not reproduced"
 
@@ -84,14 +87,16 @@ def test_scorecard_from_results(tmp_path: Path, book: Path):
     assert card.loc["R3", "verdict"] == "not run"  # an extension never changes the paper's verdict
     assert card.loc["R3-multilayer", "verdict"] == "reproduced"
     assert card.loc["S1", "verdict"] == "reproduced"
-    assert card.loc["S3", "verdict"] == "partly"  # one chapter reproduced, one partly
-    assert "chapters disagree" in card.loc["S3", "reason"]
+    assert card.loc["S3", "verdict"] == "holds where"  # one chapter reproduced, one in a region
+    assert card.loc["S3", "region"] == "in 01_synthetic for FAFO, CAFO, FACO; not CACO; in theory"
+    assert "chapters differ" in card.loc["S3", "reason"]
     assert len(card.loc["S3", "measurements"]) == 2
     assert card.loc["T1", "verdict"] == "not run" and card.loc["R2", "verdict"] == "not run"
     assert not card.loc["T9", "known"]
     n = scorecard.counts(card.reset_index())
     assert sum(n.values()) == len(scorecard.CLAIMS)  # T9 is not counted
-    assert n == {"reproduced": 1, "partly": 1, "not reproduced": 0, "not tested": 0, "not run": 10}
+    assert n == {"reproduced": 1, "holds where": 1, "not reproduced": 0, "inconclusive": 0, "not tested": 0,
+                 "not run": 10}
     assert scorecard.counts(card.reset_index(), "extension")["reproduced"] == 1
     prov = scorecard.provenance(scorecard.load_results(tmp_path))
     assert list(prov["chapter"]) == ["removed", "synthetic", "theory"] and list(prov["claims"]) == [1, 2, 3]
@@ -120,12 +125,15 @@ def test_the_matrix_is_one_row_per_claim_with_links_and_the_details_fold_out(tmp
     card = scorecard.build(scorecard.claim_rows(scorecard.load_results(tmp_path), book_dir=book))
     text = scorecard.to_matrix(card)
     assert "{doc}`01_synthetic`" in text and "{doc}`03_theory`" in text
-    assert "{bdg-success}`reproduced`" in text and "{bdg-warning}`partly`" in text
-    # header + one row per claim of the paper + the extension and the unknown ID; four columns
-    assert _table_widths(text) == (1 + len(scorecard.CLAIMS) + 2, {4})
+    assert "{bdg-success}`reproduced`" in text and "{bdg-warning}`holds where`" in text
+    # header + one row per claim of the paper + the extension and the unknown ID; five columns
+    assert _table_widths(text) == (1 + len(scorecard.CLAIMS) + 2, {5})
     assert claims.R3_RULE.split(":")[0] not in text  # rules are in the details, not the matrix
     s3 = next(line for line in text.splitlines() if line.startswith("| **S3** |"))
     assert "{doc}`01_synthetic`, {doc}`03_theory`" in s3 and s3.count("bdg-") == 3  # combined + one per chapter
+    assert "in 01_synthetic for FAFO, CAFO, FACO; not CACO; in theory" in s3  # where it holds
+    found = scorecard.findings(card)
+    assert found.count("\n") == len(scorecard.CLAIMS) - 1 and "- **S3** {bdg-warning}`holds where` in 01_synthetic" in found
     details = scorecard.to_details(card)
     assert details.count(":::{dropdown}") == len(card) and "they differ \\| a lot" in details
     assert claims.R3_RULE.split(":")[0] in details
@@ -166,13 +174,14 @@ def _r1_rows(verdicts: dict[str, str], rule: str = claims.R1_RULE):
 
 
 def test_disagreeing_chapters_keep_every_verdict_visible():
-    three = {"05_squad": "reproduced", "06_hatexplain": "not reproduced", "07_sva": "partly"}
+    three = {"05_squad": "reproduced", "06_hatexplain": "not reproduced", "07_sva": "inconclusive"}
     card = scorecard.build(_r1_rows({**three, "08_other": "not tested"})).set_index("id")
-    assert card.loc["R1", "verdict"] == "partly"
+    assert card.loc["R1", "verdict"] == "holds where"
+    assert card.loc["R1", "region"] == "in SQuAD; not in HateXplain (not reproduced), SVA (inconclusive)"
     why = card.loc["R1", "reason"]
-    assert ("05_squad: reproduced (05_squad why) · 06_hatexplain: not reproduced (06_hatexplain why) · "
-            "07_sva: partly (07_sva why) · 08_other: not tested (08_other why)") in why
-    assert card.loc["R1", "per_dataset"] == ("SQuAD reproduced · HateXplain not reproduced · SVA partly · "
+    assert ("SQuAD: reproduced (05_squad why) · HateXplain: not reproduced (06_hatexplain why) · "
+            "SVA: inconclusive (07_sva why) · 08_other: not tested (08_other why)") in why
+    assert card.loc["R1", "per_dataset"] == ("SQuAD reproduced · HateXplain not reproduced · SVA inconclusive · "
                                              "08_other not tested")
     assert card.loc["T1", "per_dataset"] == ""
     assert [scorecard.dataset_name(c) for c in ("squad", "05_squad", "hatexplain", "sva", "01_synthetic")] == \
@@ -180,22 +189,21 @@ def test_disagreeing_chapters_keep_every_verdict_visible():
     # the claim's row shows each dataset's verdict as its own badge next to the combined one
     text = scorecard.to_matrix(scorecard.build(_r1_rows(three)))
     row = next(line for line in text.splitlines() if line.startswith("| **R1** |"))
-    assert ("{bdg-warning}`partly` SQuAD {bdg-success-line}`reproduced` HateXplain {bdg-danger-line}`not reproduced` "
-            "SVA {bdg-warning-line}`partly`") in row
-    assert "SQuAD: 05_squad why; HateXplain: 06_hatexplain why; SVA: 07_sva why" in row
+    assert ("{bdg-warning}`holds where` SQuAD {bdg-success-line}`reproduced` HateXplain "
+            "{bdg-danger-line}`not reproduced` SVA {bdg-info-line}`inconclusive`") in row
+    assert "05_squad why" not in row  # reasons fold out below; the row holds the region and effect
     plain = scorecard.to_matrix(scorecard.build(_r1_rows(three)), link=False)
-    assert "**partly** SQuAD reproduced HateXplain not reproduced SVA partly" in plain
+    assert "**holds where** SQuAD reproduced HateXplain not reproduced SVA inconclusive" in plain
 
 
 def test_a_claims_rule_is_shown_once():
-    text = scorecard.to_details(scorecard.build(_r1_rows({"05_squad": "reproduced", "06_hatexplain": "partly",
+    text = scorecard.to_details(scorecard.build(_r1_rows({"05_squad": "reproduced", "06_hatexplain": "inconclusive",
                                                           "07_sva": "not reproduced"})))
     assert text.count(scorecard.myst_cell(claims.R1_RULE)) == 1
     rows = [line for line in text.splitlines() if "numbers" in line]
-    assert len(rows) == 3 and scorecard.myst_cell(claims.R1_RULE) in rows[0]
-    assert all("*Rule:*" not in line for line in rows[1:])
+    assert len(rows) == 3 and all("*Rule:*" not in line for line in rows)  # the rule folds out once, after them
     # a measurement with a different rule still shows it
     import pandas as pd
 
-    other = pd.concat([_r1_rows({"05_squad": "reproduced"}), _r1_rows({"07_sva": "partly"}, rule="another rule")])
+    other = pd.concat([_r1_rows({"05_squad": "reproduced"}), _r1_rows({"07_sva": "inconclusive"}, rule="another rule")])
     assert "*Rule:* another rule" in scorecard.to_details(scorecard.build(other))

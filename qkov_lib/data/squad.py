@@ -59,6 +59,11 @@ there their they he she his her them than then into during about after before ov
 ' ` , . ? ! ; : ( ) [ ] - -- s""".split())
 
 
+# The loader's own casting; a model that scores words instead (head_model.word_task) replaces this note.
+POSITION_TARGET_NOTE = ("SQuAD v1.1 as a copy task over positions (our reconstruction): input question <sep> context, "
+                        "query token = question wh-type, target = distance of the answer's first token from the query.")
+
+
 def question_type(words: list[str]) -> str:
     """The first wh-word of a tokenised question (``how many``/``how much`` as one type), or ``other``."""
     for i, w in enumerate(words):
@@ -178,8 +183,7 @@ def load(data_dir: str | os.PathLike | None = None, max_len: int = 192, min_freq
     train = _examples(list(train_q), n_train, seed, dict(split="train", exact_spans=exact_spans, **args), report)
     test = _examples(list(test_q), n_test, seed + 1, dict(split="test", exact_spans=False, **args), report)
     class_names = [f"-{d}" for d in range(max_len)]
-    notes = ["SQuAD v1.1 as a copy task over positions (our reconstruction): input question <sep> context, "
-             "query token = question wh-type, target = distance of the answer's first token from the query.",
+    notes = [POSITION_TARGET_NOTE,
              "Train: questions whose answer occurs exactly once in the context (counted from the context)."]
     buckets: tuple[str, ...] = ()
     if oov_buckets:

@@ -302,12 +302,12 @@ def constant_scaling(table: pd.DataFrame) -> pd.Series:
     return pd.Series(out, dtype=float)
 
 
-def t3_inputs(table: pd.DataFrame, t3: pd.DataFrame) -> tuple[list[float], list[float], float]:
+def t3_inputs(table: pd.DataFrame, t3: pd.DataFrame) -> tuple[list[float], list[float], dict[str, float]]:
     """T3's numbers: the fitted OV exponents in log t (every parameterization and ratio), the fitted
-    exponents of q in log t (from :func:`t3_table`) and that of exp(q) for CACO (NaN without CACO)."""
+    exponents of q in log t (from :func:`t3_table`) and those of exp(q) per parameterization."""
     by = t3.set_index("parameterization")
-    caco = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else float("nan")
-    return [float(x) for x in table["OV exp. fitted"]], [float(x) for x in t3["exponent of q in log t"]], caco
+    exp_q = {p: float(by.loc[p, "exponent of exp(q) in log t"]) for p in by.index}
+    return [float(x) for x in table["OV exp. fitted"]], [float(x) for x in t3["exponent of q in log t"]], exp_q
 
 
 def t4_inputs(lines_single: pd.DataFrame, lines_mix: pd.DataFrame) -> tuple[float, float]:
@@ -315,35 +315,69 @@ def t4_inputs(lines_single: pd.DataFrame, lines_mix: pd.DataFrame) -> tuple[floa
     return float(lines_single["residual"].abs().max()), float(lines_mix["residual"].abs().max())
 
 
-def t5_inputs(runs: pd.DataFrame, full: pd.DataFrame) -> tuple[dict[str, list[float]], dict[str, float]]:
-    """T5's numbers: per parameterization, the ODE's common-token mass at the end at increasing
-    ratios, and the rise of the full-model attention on the distinct token (random inits, mean
-    over seeds) from the lowest to the highest full-model ratio (empty with one full-model ratio)."""
-    end = end_common(runs)
-    series = {p: [float(x) for x in end.loc[p].sort_index()] for p in PARAMS if p in end.index.get_level_values(0)}
-    fr = full_means(full)
-    fratios = sorted(set(fr.index.get_level_values(1)))
-    rise: dict[str, float] = {}
+T5_LOSSES = (0.3, 0.1, 0.03, 0.01)  # training losses at which the ODE's common-token mass is compared across ratios
+
+
+def ode_common_at_loss(runs: pd.DataFrame, levels: Sequence[float] = T5_LOSSES) -> pd.DataFrame:
+    """The ODE's attention mass on common tokens where its loss first reaches each of ``levels``
+    (interpolated in log loss along the trajectory), per (parameterization, ratio): rows
+    (parameterization, ratio), one column per level (NaN where a trajectory never reaches it)."""
+    rows = []
+    for (p, r), g in runs.groupby(["parameterization", "ratio"], sort=False):
+        g = g.sort_values("t")
+        x = -np.log(np.minimum.accumulate(g["loss"].to_numpy()))  # running minimum: increasing in t
+        y = g["common"].to_numpy()
+        x, idx = np.unique(x, return_index=True)
+        rows.append({"parameterization": p, "ratio": float(r),
+                     **{lv: float(np.interp(-math.log(lv), x, y[idx])) if x[0] <= -math.log(lv) <= x[-1] else np.nan
+                        for lv in levels}})
+    return pd.DataFrame(rows).set_index(["parameterization", "ratio"]).sort_index()
+
+
+def t5_inputs(runs: pd.DataFrame, full: pd.DataFrame
+              ) -> tuple[dict[str, list[list[float]]], dict[str, C.Change]]:
+    """T5's numbers: per parameterization, the ODE's common-token mass at increasing ratios, one
+    series per matched loss level of :data:`T5_LOSSES` reached at every ratio
+    (:func:`ode_common_at_loss`); and the full model's per-seed fall of the log common-token mass,
+    log c(lowest ratio) - log c(highest ratio) in nats, over the random-init seeds run at both (a
+    :class:`qkov_lib.claims.Change`; empty with one full-model ratio). The full-model runs end
+    after a fixed number of steps; the log keeps moving where the attention saturates."""
+    at = ode_common_at_loss(runs)
+    series = {}
+    for p in PARAMS:
+        if p in at.index.get_level_values(0):
+            sub = at.loc[p].sort_index()
+            series[p] = [sub[lv].tolist() for lv in sub.columns if sub[lv].notna().all()]
+    rand = full[full["init"] == "random"]
+    fratios = sorted(set(rand["ratio"]))
+    fall: dict[str, C.Change] = {}
     if len(fratios) >= 2:
         lo, hi = fratios[0], fratios[-1]
-        rise = {p: float(fr.get((p, hi), np.nan) - fr.get((p, lo), np.nan)) for p in PARAMS}
-    return series, rise
+        for p in PARAMS:
+            a = rand[(rand.parameterization == p) & (rand.ratio == lo)].set_index("seed")["common"]
+            b = rand[(rand.parameterization == p) & (rand.ratio == hi)].set_index("seed")["common"]
+            seeds = sorted(set(a.index) & set(b.index))
+            fall[p] = C.Change.of([math.log(max(a[s], 1e-300)) - math.log(max(b[s], 1e-300)) for s in seeds])
+    return series, fall
 
 
 T6_PAIRS = (("FACO", "CACO"), ("FAFO", "CAFO"))  # (factorized QK, collapsed QK) with the same OV circuit
 
 
-def t6_margins(hz: pd.DataFrame, full: pd.DataFrame) -> list[float]:
-    """T6's numbers, positive where factorized QK is sharper: at every ODE horizon of ``hz`` at
-    ratio 1, the collapsed-QK model's common mass minus the factorized-QK one's; in the full-model
-    runs at ratio 1 (random inits, mean over seeds), the factorized one's attention minus the
-    collapsed one's. NaN where a model or ratio 1 is missing."""
+def t6_margins(hz: pd.DataFrame, full: pd.DataFrame) -> dict[str, float]:
+    """T6's numbers by comparison, positive where factorized QK is sharper: at every ODE horizon of
+    ``hz`` at ratio 1, the collapsed-QK model's common mass minus the factorized-QK one's (``ODE
+    t=1e+04: FACO vs CACO``); in the full-model runs at ratio 1 (random inits, mean over seeds), the
+    factorized one's attention minus the collapsed one's (``full model: FACO vs CACO``). NaN where
+    a model or ratio 1 is missing."""
     nan = float("nan")
-    out = []
+    out = {}
     for _, row in hz[hz["ratio"] == 1.0].iterrows():
-        out += [float(row.get(f"common {ca}", nan) - row.get(f"common {fa}", nan)) for fa, ca in T6_PAIRS]
+        for fa, ca in T6_PAIRS:
+            out[f"ODE t={row['t']:.0e}: {fa} vs {ca}"] = float(row.get(f"common {ca}", nan) - row.get(f"common {fa}", nan))
     fr = full_means(full)
-    out += [float(fr.get((fa, 1.0), nan) - fr.get((ca, 1.0), nan)) for fa, ca in T6_PAIRS]
+    for fa, ca in T6_PAIRS:
+        out[f"full model: {fa} vs {ca}"] = float(fr.get((fa, 1.0), nan) - fr.get((ca, 1.0), nan))
     return out
 
 
@@ -369,8 +403,8 @@ def s2_inputs(full: pd.DataFrame) -> tuple[dict[str, float], str | None]:
 def asymptotics_verdicts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
                          lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame) -> dict[str, Verdict]:
     """T3, T4, T5 and T6 by the rules of :mod:`qkov_lib.claims`, from the chapter's tables. (The
-    chapter shows S2's ranking too; S2 itself is decided once, on the matched-loss ladder of
-    :mod:`qkov_lib.studies.synthetic_sweeps`.)"""
+    chapter shows S2's ranking at equal rates too; S2 itself is decided on the phase diagram of
+    :mod:`qkov_lib.studies.s2_phase`, which the chapter adds to these.)"""
     return {"T3": C.t3_growth(*t3_inputs(table, t3)), "T4": C.t4_line(*t4_inputs(lines_single, lines_mix)),
             "T5": C.t5_sharpening(*t5_inputs(runs, full)), "T6": C.t6_factorized_qk(t6_margins(hz, full))}
 
@@ -398,7 +432,7 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
     f.update(_t5_facts(runs, full, ratios))
     f.update(_t4_facts(lines_single, lines_mix))
     f.update(_ranking_facts(runs, hz, ml, full, cfg, eq))
-    margins = [m for m in t6_margins(hz, full) if np.isfinite(m)]
+    margins = [m for m in t6_margins(hz, full).values() if np.isfinite(m)]
     f["t6_k"], f["t6_n"] = str(sum(m > 0 for m in margins)), str(len(margins))
     f["t6_min_margin"] = f"{min(margins):+.3g}" if margins else "n/a"
     att, move = s2_inputs(full)
@@ -442,6 +476,13 @@ def _t3_facts(table: pd.DataFrame, t3: pd.DataFrame, eq: float) -> dict[str, Any
     caco_exp = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else float("nan")
     f["expq_ok"], f["caco_expq"] = bool(abs(caco_exp - 2) <= C.SLOPE_TOL), f"{caco_exp:.2f}"
     f["q_exp_max"] = f"{q_exps.max():.2f}"
+    by_law: dict[float, list[str]] = {}
+    for p in PARAMS:
+        if p in by.index:
+            by_law.setdefault(float(by.loc[p, "derived exponent of exp(q)"]), []).append(p)
+    f["t3_law"] = "; ".join(
+        f"exp(q) ~ log{'²' if k == 2 else '' if k == 1 else f'^{k:g}'} t for {', '.join(ps)} (fitted "
+        + ", ".join(f"{by.loc[p, 'exponent of exp(q) in log t']:.2f}" for p in ps) + ")" for k, ps in sorted(by_law.items()))
     f["expq_fits"] = ", ".join(f"{p} {by.loc[p, 'exponent of exp(q) in log t']:.2f} "
                                f"(derived {by.loc[p, 'derived exponent of exp(q)']:g}"
                                + (" × log log t" if p.startswith("FA") else "") + ")" for p in PARAMS if p in by.index)
@@ -450,7 +491,9 @@ def _t3_facts(table: pd.DataFrame, t3: pd.DataFrame, eq: float) -> dict[str, Any
 
 def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float]) -> dict[str, Any]:
     """T5: the ODE's attention on common tokens at the end (ratio x value product, whether it
-    falls with the ratio) and the full models' rise in attention from the lowest ratio."""
+    falls with the ratio) and at matched loss (the levels every trajectory reached, whether it
+    falls with the ratio there), and the full models' per-seed fall of the log common-token mass
+    from the lowest to the highest ratio."""
     r_lo, r_hi = ratios[0], ratios[-1]
     end = end_common(runs)
     falls = {p: bool(np.all(np.diff(end.loc[p].to_numpy()) < 0)) for p in PARAMS if p in end.index.get_level_values(0)}
@@ -462,13 +505,18 @@ def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float]) -
         f["t5_prod"] = ", ".join(f"{p} {v:.2f}" for p, v in prod.items())
         f["t5_mono"] = (f"falls strictly with the ratio for {sum(falls.values())} of {len(falls)} parameterizations"
                         + ("" if all(falls.values()) else f" (not for {_list([p for p, v in falls.items() if not v])})"))
-    _, rise = t5_inputs(runs, full)
+    series, fall = t5_inputs(runs, full)
     fratios = sorted(set(full_means(full).index.get_level_values(1)))
     f["full_r_lo"], f["full_r_hi"] = f"{fratios[0]:g}", f"{fratios[-1]:g}"
-    f["t5_full_tested"] = bool(rise)
-    f["t5_full"] = (f"rose by at least {C.threshold_text('SHARPER')} for "
-                    f"{sum(v >= C.SHARPER for v in rise.values())} of {len(rise)}" if rise else "not tested (one ratio)")
-    f["t5_full_changes"] = ", ".join(f"{p} {v:+.3f}" for p, v in rise.items())
+    f["t5_full_tested"] = bool(fall)
+    f["t5_full"] = (f"fell by a seed interval at or above {C.threshold_text('SHARPER_LOGIT')} in log for "
+                    f"{sum(C.interval_call(c, C.SHARPER_LOGIT) == 'holds' for c in fall.values())} of {len(fall)}"
+                    if fall else "not tested (one ratio)")
+    f["t5_full_changes"] = "; ".join(f"{p} {c.text(percent=False)}" for p, c in fall.items())
+    f["t5_loss_levels"] = ", ".join(f"{lv:g}" for lv in ode_common_at_loss(runs).dropna(axis=1).columns) or "none"
+    f["t5_ode_matched"] = (f"falls strictly with the ratio at every level for "
+                           f"{sum(all(all(b < a for a, b in zip(x, x[1:])) for x in v) for v in series.values())} of "
+                           f"{len(series)} parameterizations")
     return f
 
 
@@ -536,9 +584,9 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
               f"sequence has n = {f['single_n']} common tokens; with the mixture over n residual up to "
               f"{f['line_res_mix']} ({f['line_res_mix_worst']})", verdicts["T4"], ch),
         claim("T5", "faster QK learning puts more attention on relevant tokens; common-token mass shrinks faster with the ratio",
-              f"ODE: common mass at the end {f['t5_mono']}; (mass x ratio) at ratio {f['r_hi']} over ratio "
-              f"{f['r_lo']}: {f['t5_prod']}; full-model attention {f['t5_full']} from ratio {f['full_r_lo']} to "
-              f"{f['full_r_hi']}", verdicts["T5"], ch),
+              f"ODE at matched loss ({f['t5_loss_levels']}): common mass {f['t5_ode_matched']}; at the end it "
+              f"{f['t5_mono']}; full-model "
+              f"common-token mass {f['t5_full']} from ratio {f['full_r_lo']} to {f['full_r_hi']}", verdicts["T5"], ch),
         claim("T6", "at equal rates factorized and collapsed models differ; factorized QK gives sharper attention",
               f"factorized QK sharper than collapsed QK (FACO > CACO, FAFO > CAFO) in {f['t6_k']} of {f['t6_n']} "
               f"comparisons (ODE horizons and full-model runs at {f['full_steps']} steps)", verdicts["T6"], ch),

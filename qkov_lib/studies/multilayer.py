@@ -485,7 +485,7 @@ def chapter_verdicts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict) -> di
         # R3: the layer whose head-mean attention gained most at each ratio, its per-seed gains
         d_att = [paired(hm.xs(max(layers, key=lambda l: gain(r, l))), r) for r in higher]
         out[ds] = {"R1-multilayer": claims.r1_performance_stable(d_acc, d_f1, ratios=higher),
-                   "R2-multilayer": claims.heads_sharpen([gain(hi, l) for l in layers] if higher else []),
+                   "R2-multilayer": claims.heads_sharpen({f"layer {l}": gain(hi, l) for l in layers} if higher else {}),
                    "R3-multilayer": claims.r3_decoupled(d_att, d_acc, ratios=higher)}
     return out
 

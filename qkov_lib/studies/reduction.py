@@ -287,7 +287,8 @@ def perturbation_facts(pert: pd.DataFrame) -> dict[str, str]:
                              "factor-of-2 errors")}
 
 
-_OK_WORDS = {"reproduced": "hold", "partly": "hold only in part", "not reproduced": "do NOT hold",
+_OK_WORDS = {"reproduced": "hold", "holds where": "hold only in part", "not reproduced": "do NOT hold",
+             "inconclusive": "are undecided",
              "not tested": "were not run"}
 
 

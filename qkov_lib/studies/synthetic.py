@@ -13,7 +13,6 @@ import torch
 
 from qkov_lib.data import synthetic as syn
 from qkov_lib import claims, protocol
-from qkov_lib.claims import Verdict
 from qkov_lib.metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
                        seed_half_width, summarize)
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
@@ -128,6 +127,8 @@ def seed_summary(frame: pd.DataFrame, by: Sequence[str], metrics: Sequence[str],
         out["n_seeds"] = len(g)
         return pd.Series(out)
 
+    if frame.empty:  # e.g. no run reached a matched loss: the same columns, no rows
+        return pd.DataFrame(columns=[*by, *(c for m in metrics for c in (m, f"{m}_ci")), "n_seeds"])
     return frame.groupby(list(by), sort=False).apply(agg, include_groups=False).reset_index()
 
 
@@ -195,31 +196,18 @@ def fafo_toward(dtaps: Mapping[tuple[str, float], np.ndarray], lo: float, hi: fl
     return claims.s2_fafo_move(dist[lo], dist[hi], gap)
 
 
-def chapter_verdicts(summary: pd.DataFrame, cfg: dict) -> dict[str, Verdict]:
-    """S3 by the rule of :mod:`qkov_lib.claims`, from the change of the seed summary between the
-    lowest and the highest ratio. (S1 and S2 are decided before saturation, on the matched-loss
-    ladder of :mod:`qkov_lib.studies.synthetic_sweeps`; this chapter only shows them.)"""
-    lo, hi = min(cfg["ratios"]), max(cfg["ratios"])
-    params = list(dict.fromkeys(summary["parameterization"]))
-    by = summary.set_index(["parameterization", "ratio"])
-    d = {m: [float(by.loc[(p, hi), m] - by.loc[(p, lo), m]) for p in params] if hi != lo else []
-         for m in ("attn_relevant", "loss", "accuracy")}
-    return {"S3": claims.s3_ratio_sharpens(d["attn_relevant"], d["loss"], d["accuracy"])}
-
-
 def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.ndarray], cfg: dict,
                   seeds: Mapping[tuple[str, float], Sequence[np.ndarray]] | None = None) -> dict[str, str]:
     """The numbers and sentences the chapter's prose quotes, computed from the seed summary and
-    the heatmaps: the S3 verdict with its rule, and the rules by which S1 and S2 are decided
-    elsewhere (``rule_S1``, ``rule_S2``)."""
+    the heatmaps, and the rules by which S1 and S3 are decided in the sweep chapter, at matched
+    training loss (``rule_S1``, ``rule_S3``). This chapter decides no claim: its runs end after a
+    fixed number of steps, where most have saturated (S2 is decided by chapter 03's phase map)."""
     lo, hi = min(cfg["ratios"]), max(cfg["ratios"])
     params = list(dict.fromkeys(summary["parameterization"]))
     by = summary.set_index(["parameterization", "ratio"])
-    v = chapter_verdicts(summary, cfg)
     f = {"r_low": f"{lo:g}", "r_high": f"{hi:g}", "n_param": str(len(params)),
          "rank_low": " > ".join(ranking(summary, lo)), "rank_high": " > ".join(ranking(summary, hi)),
-         "rule_S1": claims.S1_RULE, "rule_S2": claims.S2_RULE}
-    f.update(claims.verdict_glue(v))
+         "rule_S1": claims.S1_RULE, "rule_S3": claims.S3_RULE}
     tv = pairwise_tv(dtaps, params, lo)
     if tv:
         (a, b), t = max(tv.items(), key=lambda kv: kv[1])
@@ -255,8 +243,3 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
                             f"change of test loss was {max(map(abs, d['loss'])):.3f} nats and of accuracy "
                             f"{max(map(abs, d['accuracy'])):.3f} (absolute).")
     return f
-
-
-def claims_rows(facts: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
-    """Scorecard row for S3 from :func:`chapter_verdicts` and :func:`chapter_facts`."""
-    return [claims.claim("S3", claims.CLAIMS["S3"], facts["s3_sentence"], verdicts["S3"], "01_synthetic")]

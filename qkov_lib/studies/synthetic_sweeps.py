@@ -30,6 +30,7 @@ from qkov_lib.metrics import circuit_scalars, dtap_distance, seed_half_width  # 
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig
+from qkov_lib.train.config import stable_rates
 from qkov_lib.studies import synthetic as base
 from qkov_lib.studies.asymptotics import equal_or_lowest as equal_rate  # 1 (equal rates) when run, else the lowest ratio
 
@@ -48,7 +49,7 @@ VARIANTS_CPU = [
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
 PROFILES: dict[str, dict] = {
-    "test": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1], steps=150, eta_ov=0.5,
+    "test": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1], steps=150, eta_ov=0.5, eta_qk_stable=5.0, rescale_steps=40,
                  init_scale=0.1, optimizer="gd", n_classes=3, n_common_vocab=2, n_common=[2, 4],
                  embedding="onehot", n_test=300, dtype="float64", n_logs=15, matched_loss=0.3, loss_ladder=[0.6, 0.3],
                  robustness=True,
@@ -59,12 +60,12 @@ PROFILES: dict[str, dict] = {
                             "n_train": 200},
                            {"name": "AdamW", "optimizer": "adamw", "eta_ov": 0.02}]),
     "cpu": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1, 2, 3, 4], steps=2000,
-                eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=4, n_common_vocab=3, n_common=[2, 4, 8, 12],
+                eta_ov=0.5, eta_qk_stable=5.0, rescale_steps=200, init_scale=0.1, optimizer="gd", n_classes=4, n_common_vocab=3, n_common=[2, 4, 8, 12],
                 embedding="onehot", n_test=4000, dtype="float64", n_logs=30, matched_loss=0.05, loss_ladder=[0.3, 0.1, 0.05],
                 robustness=True,
                 variant_ratios=RATIOS, variant_seeds=[0, 1, 2], variant_steps=1000, variants=VARIANTS_CPU),
     "full": dict(parameterizations=list(PARAMETERIZATIONS), ratios=[0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0],
-                 seeds=list(range(20)), steps=20000, eta_ov=0.5, init_scale=0.1, optimizer="gd", n_classes=8,
+                 seeds=list(range(20)), steps=20000, eta_ov=0.5, eta_qk_stable=5.0, rescale_steps=1000, init_scale=0.1, optimizer="gd", n_classes=8,
                  n_common_vocab=4, n_common=[2, 4, 8, 16], embedding="onehot", n_test=20000, dtype="float64",
                  n_logs=40, matched_loss=0.01, loss_ladder=[0.3, 0.1, 0.05, 0.01], robustness=True,
                  variant_ratios=RATIOS,
@@ -171,36 +172,52 @@ class Grid:
     matched: dict[float, list[base.Run]] = field(default_factory=dict)
 
 
-def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch.Tensor, stop: float) -> base.Run:
+def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch.Tensor, stop: float,
+         rates: tuple[float, int]) -> base.Run:
     dt = dt.numpy()
     test = {**row, "weak_attn_confident": weak_attention_confident(dt),
-            "diverged": float(h.diverged_step is not None), "stop_step": stop}
+            "diverged": float(h.diverged_step is not None), "stop_step": stop, "eta_ov": rates[0],
+            "eta_qk": rates[0] * r, "steps": float(rates[1]), "loss_rises": float(h.loss_rises)}
     return base.Run(p, r, s, h, test, dt)
 
 
 def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
              seeds: Sequence[int] | None = None, steps: int | None = None,
-             matched_loss: float | Sequence[float] | None = None, desc: str = "sweep") -> Grid:
+             matched_loss: float | Sequence[float] | None = None, desc: str = "sweep",
+             eta_qk_max: float | None = None) -> Grid:
     """Train every (parameterization, ratio, seed) with the batched engine and evaluate on each
     seed's test sample. Diverging runs are frozen, not fatal. Each run's ``test`` dict has the
-    metrics of :func:`qkov_lib.train.evaluate` plus ``weak_attn_confident`` and ``diverged``
-    (0/1). With ``matched_loss`` (one training loss or a ladder of them) the engine also
-    snapshots each run where its training loss first reaches each level (``Grid.matched``)."""
+    metrics of :func:`qkov_lib.train.evaluate` plus ``weak_attn_confident``, ``diverged`` (0/1),
+    its rates and steps (``eta_ov``, ``eta_qk``, ``steps``: the profile's, or with ``eta_qk_max``
+    those of :func:`qkov_lib.train.config.stable_rates`) and ``loss_rises`` (steps at which its full-batch training loss
+    rose: for gradient descent, the mark of an unstable rate). Runs with the same rates train
+    together in one stack. With ``matched_loss`` (one training loss or a ladder of them)
+    the engine also snapshots each run where its training loss first reaches each level
+    (``Grid.matched``)."""
     parameterizations = list(parameterizations or cfg["parameterizations"])
     ratios = [float(r) for r in (ratios or cfg["ratios"])]
     seeds = list(seeds or cfg["seeds"])
     steps = int(steps or cfg["steps"])
     b = _Builder(cfg)
     grid = list(itertools.product(parameterizations, ratios, seeds))
+    rate = {r: stable_rates(r, float(cfg["eta_ov"]), eta_qk_max, int(steps or cfg["steps"])) for r in ratios}
     models = [b.model(p, s) for p, _, s in grid]
     pop = b.population_or_none()
-    train_data = pop if pop is not None else [b.seed(s)[1] for _, _, s in grid]
-    cfgs = [TrainConfig.from_profile(cfg, ratio=r, steps=steps, seed=s, progress=False) for _, r, s in grid]
-    hists = engine.train_batched(models, train_data, cfgs, probe=scalar_probe(b.task), snapshot_loss=matched_loss,
-                                 on_nonfinite="freeze", progress=True, desc=f"{desc} ({len(grid)} runs)")
+    hists: list[engine.EngineHistory | None] = [None] * len(grid)
+    for (eta, n) in dict.fromkeys(rate.values()):
+        idx = [i for i, (_, r, _) in enumerate(grid) if rate[r] == (eta, n)]
+        data = pop if pop is not None else [b.seed(grid[i][2])[1] for i in idx]
+        cfgs = [TrainConfig.from_profile(cfg, ratio=grid[i][1], eta_ov=eta, steps=n, seed=grid[i][2], progress=False)
+                for i in idx]
+        label = desc if len(set(rate.values())) == 1 else f"{desc}, eta_OV {eta:g} x {n} steps"
+        for i, h in zip(idx, engine.train_batched([models[i] for i in idx], data, cfgs, probe=scalar_probe(b.task),
+                                                  snapshot_loss=matched_loss, on_nonfinite="freeze", progress=True,
+                                                  desc=f"{label} ({len(idx)} runs)")):
+            hists[i] = h
     tests = [b.seed(s)[3] for _, _, s in grid]
     rows, dtaps = engine.evaluate_models(models, tests, TAUS)
-    runs = [_run(p, r, s, h, row, dt, float("nan")) for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
+    runs = [_run(p, r, s, h, row, dt, float("nan"), rate[r])
+            for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
     levels = [] if matched_loss is None else sorted({float(x) for x in (
         matched_loss if isinstance(matched_loss, (list, tuple)) else [matched_loss])}, reverse=True)
     matched = {}
@@ -217,8 +234,34 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
             snap.append(ms)
         rows, dtaps = engine.evaluate_models(snap, tests, TAUS)
         matched[level] = [_run(p, r, s, h, row, dt, float(h.snapshots[level].step) if level in h.snapshots
-                               else float("nan")) for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
+                               else float("nan"), rate[r]) for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
     return Grid(runs, matched)
+
+
+RESCALING_COLUMNS = ["parameterization", "seed", "eta_QK", "steps", "loss rises", "eta_QK stable", "steps stable",
+                     "loss rises stable", "loss", "loss stable", "attention", "attention stable"]
+
+
+def rescaling_check(cfg: dict, ratio: float, steps: int) -> pd.DataFrame:
+    """The main grid's cells at ``ratio`` trained twice for the same training time: for ``steps``
+    steps at the profile's rates (eta_QK = ``ratio * eta_ov``), and at the stable QK rate
+    ``eta_qk_stable`` with eta_OV and the steps rescaled (:func:`qkov_lib.train.config.stable_rates`). One row per run
+    (:data:`RESCALING_COLUMNS`): the rates, steps, the steps at which the full-batch training loss
+    rose (which gradient descent at a stable rate never does on a smooth loss), and the final
+    training loss and attention on the distinct token (population, nats and fraction) of both. If
+    the theory's time rescaling holds, the two agree up to the discretisation of time."""
+    runs = {cap: {(r.parameterization, r.seed): r for r in run_grid(
+        cfg, ratios=[ratio], steps=steps, desc=f"rescaling check at ratio {ratio:g}", eta_qk_max=cap).runs}
+        for cap in (None, float(cfg["eta_qk_stable"]))}
+    fast, slow = runs[None], runs[float(cfg["eta_qk_stable"])]
+    rows = []
+    for k, a in fast.items():
+        b = slow[k]
+        rows.append(dict(zip(RESCALING_COLUMNS, [
+            *k, a.test["eta_qk"], int(a.test["steps"]), int(a.test["loss_rises"]), b.test["eta_qk"], int(b.test["steps"]),
+            int(b.test["loss_rises"]), a.history.final["loss"], b.history.final["loss"],
+            a.history.final["attn_relevant"], b.history.final["attn_relevant"]])))
+    return pd.DataFrame(rows, columns=RESCALING_COLUMNS)
 
 
 def throughput(cfg: dict, steps: int, n_loop: int | None = None,
@@ -466,18 +509,103 @@ def matched_summary(runs: Sequence[base.Run]) -> pd.DataFrame:
     return summarize_runs([r for r in runs if not math.isnan(r.test["stop_step"])])
 
 
-def robustness(cfg: dict, progress_desc: str = "robustness") -> pd.DataFrame:
-    """Train every robustness variant over (parameterization, variant ratio, variant seed) and
-    return the run table with a ``variant`` column."""
-    parts = []
+# --- S3 and R3-synthetic at matched training loss ----------------------------------------------
+def _reached_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a run table that reached the matched loss and did not diverge."""
+    return frame[frame["stop_step"].notna() & (frame["diverged"] == 0)]
+
+
+def _paired(lo: pd.DataFrame, hi: pd.DataFrame) -> tuple[C.Change, C.Change, C.Change]:
+    """Per-seed changes from ``lo`` to ``hi`` (one parameterization's runs at two ratios, same
+    loss level): log-odds of the attention on the distinct token, test loss, test accuracy."""
+    a, b = lo.set_index("seed"), hi.set_index("seed")
+    seeds = sorted(set(a.index) & set(b.index))
+    lo_ = [C.log_odds(a.loc[s, "attn_relevant"]) for s in seeds]
+    hi_ = [C.log_odds(b.loc[s, "attn_relevant"]) for s in seeds]
+    return (C.Change.of([y - x for x, y in zip(lo_, hi_)]),
+            C.Change.of([b.loc[s, "loss"] - a.loc[s, "loss"] for s in seeds]),
+            C.Change.of([b.loc[s, "accuracy"] - a.loc[s, "accuracy"] for s in seeds]))
+
+
+def _frames(ladder: Mapping[float, Any]) -> dict[float, pd.DataFrame]:
+    return {float(lv): runs if isinstance(runs, pd.DataFrame) else base.runs_frame(runs) for lv, runs in ladder.items()}
+
+
+def s3_cells(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]
+             ) -> tuple[dict[tuple[float, float], dict[str, tuple[C.Change, C.Change, C.Change]]], float]:
+    """S3's numbers at matched training loss: per (loss level, ratio above the lowest), per
+    parameterization, the paired changes (log-odds of attention on the distinct token, test loss,
+    accuracy) from the lowest ratio, over the seeds that reached the level at both and did not
+    diverge (:func:`_paired`). ``ladder``: loss level -> runs (or their table) at that level.
+    Returns the cells and the lowest ratio."""
+    frames = _frames(ladder)
+    ratios = sorted({float(r) for f in frames.values() for r in f["ratio"]})
+    if len(ratios) < 2:
+        return {}, ratios[0] if ratios else math.nan
+    lo, cells = ratios[0], {}
+    for lv, f in frames.items():
+        ok = _reached_frame(f)
+        for r in ratios[1:]:
+            cell = {}
+            for p in dict.fromkeys(f["parameterization"]):
+                a, b = ok[(ok.parameterization == p) & (ok.ratio == lo)], ok[(ok.parameterization == p) & (ok.ratio == r)]
+                if len(a) and len(b):
+                    cell[p] = _paired(a, b)
+            if cell:
+                cells[(lv, r)] = cell
+    return cells, lo
+
+
+def r3_cells(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]
+             ) -> dict[tuple[float, str], tuple[C.Change, C.Change]]:
+    """R3-synthetic's numbers at matched training loss: per (loss level, parameterization), the
+    paired changes of the log-odds of attention on the distinct token and of test accuracy from
+    the lowest to the highest ratio (:func:`s3_cells` at the highest ratio)."""
+    cells, _ = s3_cells(ladder)
+    hi = max((r for _, r in cells), default=None)
+    return {(lv, p): (c[0], c[2]) for (lv, r), d in cells.items() if r == hi for p, c in d.items()}
+
+
+def matched_change_table(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame], digits: int = 3) -> pd.DataFrame:
+    """:func:`s3_cells` as a table: one row per (loss level, ratio, parameterization) with the
+    mean attention on the distinct token at the lowest ratio and at that ratio (seeds that reached
+    the level at both), the log-odds change ± 95 % seed interval, the test-loss and accuracy
+    changes and :func:`qkov_lib.claims.matched_call`'s call."""
+    frames = _frames(ladder)
+    cells, lo = s3_cells(frames)
+    rows = []
+    for (lv, r), d in sorted(cells.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        ok = _reached_frame(frames[lv])
+        for p, (dl, dloss, dacc) in d.items():
+            pair = lambda x: ok[(ok.parameterization == p) & (ok.ratio == x)].set_index("seed")["attn_relevant"]  # noqa: E731
+            a, b = pair(lo), pair(r)
+            common = sorted(set(a.index) & set(b.index))
+            rows.append({"training loss": lv, "ratio": f"{lo:g} -> {r:g}", "parameterization": p,
+                         "attention": f"{a.loc[common].mean():.{digits}f} -> {b.loc[common].mean():.{digits}f}",
+                         "Δ log-odds": dl.text(percent=False), "Δ test loss": dloss.text(percent=False),
+                         "Δ accuracy": dacc.text(percent=False), "call": C.matched_call(dl, dloss, dacc)})
+    return pd.DataFrame(rows)
+
+
+def robustness(cfg: dict, progress_desc: str = "robustness") -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Train every robustness variant over (parameterization, variant ratio, variant seed) at
+    :func:`qkov_lib.train.config.stable_rates`; return the run table after the variant's steps and the table of the
+    same runs at the variant's matched training loss (``matched_loss``; only full-batch variants,
+    a minibatch variant has no full-batch loss to match), each with a ``variant`` column."""
+    parts, mparts = [], []
     for v in tqdm(cfg["variants"], desc=progress_desc):
         vc = variant_cfg(cfg, v)
-        runs = run_grid(vc, ratios=cfg["variant_ratios"], seeds=cfg["variant_seeds"], steps=vc["steps"],
-                        desc=v["name"]).runs
-        t = base.runs_frame(runs)
-        t.insert(0, "variant", v["name"])
-        parts.append(t)
-    return pd.concat(parts, ignore_index=True)
+        full_batch = vc.get("batch_size") is None
+        g = run_grid(vc, ratios=cfg["variant_ratios"], seeds=cfg["variant_seeds"], steps=vc["steps"], desc=v["name"],
+                     matched_loss=float(cfg["matched_loss"]) if full_batch else None)
+        for runs, out in ((g.runs, parts), (next(iter(g.matched.values()), []), mparts)):
+            t = base.runs_frame(runs)
+            t.insert(0, "variant", v["name"])
+            t["optimizer"] = vc["optimizer"]
+            if out is mparts:
+                t["matched_level"] = float(cfg["matched_loss"])
+            out.append(t)
+    return pd.concat(parts, ignore_index=True), pd.concat(mparts, ignore_index=True)
 
 
 def robustness_summary(table: pd.DataFrame, metrics: Sequence[str] = ("loss", "accuracy", "attn_relevant",
@@ -510,42 +638,46 @@ def ratio_changes(summary: pd.DataFrame, metrics: Sequence[str] = ("attn_relevan
     return {m: [_val(by, p, hi, m) - _val(by, p, lo, m) for p in params] for m in metrics}
 
 
-def robustness_s3(rob_summary: pd.DataFrame) -> dict[str, Verdict]:
-    """S3's rule (:func:`qkov_lib.claims.s3_ratio_sharpens`) for each robustness variant, from the
-    change of attention, test loss and accuracy between its lowest and highest ratio."""
+def robustness_s3(rob_matched: pd.DataFrame, variants: Sequence[str] = ()) -> dict[str, Verdict]:
+    """S3's rule (:func:`qkov_lib.claims.s3_ratio_sharpens`) for each robustness variant, at its
+    matched training loss (:func:`robustness`'s second table); a variant in ``variants`` without
+    matched runs (minibatch) is not tested."""
     out = {}
-    for v, sub in rob_summary.groupby("variant", sort=False):
-        d = ratio_changes(sub)
-        out[str(v)] = C.s3_ratio_sharpens(d["attn_relevant"], d["loss"], d["accuracy"])
+    for v in dict.fromkeys([*variants, *rob_matched.get("variant", pd.Series(dtype=str))]):
+        sub = rob_matched[rob_matched["variant"] == v] if len(rob_matched) else rob_matched
+        if sub.empty:
+            out[str(v)] = Verdict("not tested", C.S3_ROBUST_RULE, "minibatch training: no full-batch loss to match")
+            continue
+        level = float(sub["matched_level"].iloc[0]) if "matched_level" in sub else math.nan
+        cells, lo = s3_cells({level: sub})
+        gd = sub[sub["optimizer"] == "gd"] if "optimizer" in sub else sub.iloc[0:0]
+        out[str(v)] = C.s3_ratio_sharpens(cells, lo, unstable=sorted(set(gd.loc[gd["loss_rises"] > 0, "ratio"])))
     return out
 
 
-def robustness_verdicts(table: pd.DataFrame, ref_ratio: float = 1.0) -> pd.DataFrame:
-    """Per variant, from the robustness run table: the ranking at ``ref_ratio`` (the lowest ratio
-    if it was not run), which S2 summary its top two match, for how many parameterizations mean
-    attention rose by at least ``claims.SHARPER`` from the lowest to the highest ratio, the largest
-    changes of mean test loss and accuracy between them, how many runs at the highest ratio ended
-    with test accuracy below ``claims.STUCK_ACC`` or diverged ("stuck"), and S3's verdict for the
-    variant (:func:`robustness_s3`)."""
+def robustness_verdicts(table: pd.DataFrame, matched: pd.DataFrame, ref_ratio: float = 1.0) -> pd.DataFrame:
+    """Per variant: the ranking after the variant's steps at ``ref_ratio`` (the lowest ratio if
+    it was not run) and which S2 summary its top two match (evidence for chapter 03's map), the
+    highest ratio's eta_QK and, for full-batch gradient descent (the only optimizer whose loss never
+    rises at a stable rate), the runs there whose training loss rose; how many runs at the highest ratio ended with
+    test accuracy below ``claims.STUCK_ACC`` or diverged ("stuck"), and S3's verdict for the
+    variant at its matched training loss (:func:`robustness_s3`: the label and the effect)."""
     summary = robustness_summary(table)
-    s3 = robustness_s3(summary)
+    s3 = robustness_s3(matched, list(dict.fromkeys(table["variant"])))
     rows = []
     for v, sub in summary.groupby("variant", sort=False):
         ratios = sorted(sub["ratio"].unique())
         lo, hi = ratios[0], ratios[-1]
-        d = ratio_changes(sub)
         runs = table[(table["variant"] == v) & (table["ratio"] == hi)]
         order = order_at(sub, ref_ratio if ref_ratio in ratios else lo)
-        finite = lambda xs: [abs(x) for x in xs if np.isfinite(x)]  # noqa: E731
         rows.append({"variant": v, "ranking at equal rates": " > ".join(order),
                      "top two match": {"A": "summary A", "B": "summary B", "neither": "neither"}[s2_match(order[:2])],
-                     "ratios": f"{lo:g} -> {hi:g}",
-                     "attention up": sum(x >= C.SHARPER for x in d["attn_relevant"] if np.isfinite(x)),
-                     "parameterizations": int(sub["parameterization"].nunique()),
-                     "max |Δ test loss|": max(finite(d["loss"]), default=float("nan")),
-                     "max |Δ accuracy|": max(finite(d["accuracy"]), default=float("nan")),
+                     "ratios": f"{lo:g} -> {hi:g}", "eta_QK at highest ratio": float(runs["eta_qk"].max()),
+                     "GD runs whose loss rose": (int((runs["loss_rises"] > 0).sum())
+                                                 if (runs["optimizer"] == "gd").all() else math.nan),
                      "stuck or diverged": int((runs["accuracy"] < C.STUCK_ACC).sum() + runs["accuracy"].isna().sum()),
-                     "runs at highest ratio": len(runs), "S3 verdict": s3[str(v)].verdict})
+                     "runs at highest ratio": len(runs), "S3 verdict": s3[str(v)].label,
+                     "S3 effect": s3[str(v)].effect})
     return pd.DataFrame(rows).set_index("variant")
 
 
@@ -599,14 +731,18 @@ def plot_decoupling(table: pd.DataFrame, matched: pd.DataFrame | None = None, x:
     if x == "loss":
         ax.set_xscale("log")
     ax.set_title(f"fixed steps: test {x} vs {y}")
-    sns.move_legend(ax, "upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    if len(t):
+        sns.move_legend(ax, "upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
     if matched is not None:
         m = matched[matched["stop_step"].notna() & (matched["diverged"] == 0)]
         ax = axes[0, 1]
-        sns.lineplot(data=m, x="ratio", y=y, hue="parameterization", marker="o", errorbar=("se", 1.96), ax=ax)
-        ax.set_xscale("log")
         ax.set_title(f"at matched training loss: {y}")
-        sns.move_legend(ax, "upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+        if len(m):
+            sns.lineplot(data=m, x="ratio", y=y, hue="parameterization", marker="o", errorbar=("se", 1.96), ax=ax)
+            ax.set_xscale("log")
+            sns.move_legend(ax, "upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+        else:  # e.g. a dry run, capped before any run reached the loss: an empty panel that says so
+            ax.text(0.5, 0.5, "no run reached the matched loss", ha="center", va="center", transform=ax.transAxes)
     fig.tight_layout()
     return fig
 
@@ -638,38 +774,26 @@ def s1_inputs(dtaps: Mapping[tuple[str, float], np.ndarray], params: Sequence[st
     return base.pairwise_tv(dtaps, have, ratio)
 
 
-def r3_inputs(matched: pd.DataFrame) -> tuple[list[float], list[float]]:
-    """R3-synthetic's numbers at matched training loss: for every parameterization and every ratio
-    above the lowest, the change of mean attention on the distinct token and of test accuracy
-    against the lowest ratio (paired lists; NaN where a cell has no run that reached the loss)."""
-    ratios = sorted(matched["ratio"].unique())
-    by = matched.set_index(["parameterization", "ratio"])
-    att, acc = [], []
-    for p in dict.fromkeys(matched["parameterization"]):
-        for r in ratios[1:]:
-            att.append(_val(by, p, r, "attn_relevant") - _val(by, p, ratios[0], "attn_relevant"))
-            acc.append(_val(by, p, r, "accuracy") - _val(by, p, ratios[0], "accuracy"))
-    return att, acc
-
-
-def chapter_verdicts(summary: pd.DataFrame, matched: pd.DataFrame,
+def chapter_verdicts(ladder: Mapping[float, Sequence[base.Run]],
                      pairs: Mapping[float, Mapping[tuple[str, str], C.Change]],
-                     s2_calls: Mapping[float, tuple[str, str | None]], rob_summary: pd.DataFrame | None
-                     ) -> dict[str, Verdict]:
-    """The chapter's verdicts by the rules of :mod:`qkov_lib.claims`: S1 and S2 on the matched-loss
-    ladder (:func:`ladder_pairs`, :func:`ladder_s2`; the book's one verdict on each), S3 (changes
-    from the lowest to the highest ratio after the fixed steps), and the extensions R3-synthetic
-    (attention and accuracy changes at matched loss, :func:`r3_inputs`) and S3-robustness
-    (:func:`robustness_s3`, combined by :func:`qkov_lib.claims.s3_robustness`; not tested when the
-    variants were not run)."""
-    d = ratio_changes(summary)
-    rob = (C.s3_robustness(robustness_s3(rob_summary)) if rob_summary is not None and len(rob_summary) else
-           Verdict("not tested", C.S3_ROBUST_RULE, "robustness variants not run"))
-    return {"S1": C.s1_ladder(pairs), "S2": C.s2_ladder(s2_calls),
-            "S3": C.s3_ratio_sharpens(d["attn_relevant"], d["loss"], d["accuracy"]),
-            # r3_inputs gives mean changes only (no per-seed pairs): each counts as one unpaired change
-            "R3-synthetic": C.r3_decoupled(*([C.Change(x, math.nan, 1) for x in xs] for xs in r3_inputs(matched))),
-            "S3-robustness": rob}
+                     rob: tuple[pd.DataFrame, pd.DataFrame] | None) -> dict[str, Verdict]:
+    """The chapter's verdicts by the rules of :mod:`qkov_lib.claims`, all at matched training loss
+    on the ladder (``ladder``: loss level -> runs there, ``Grid.matched``): S1
+    (:func:`ladder_pairs`), S3 (:func:`s3_cells`), the extensions R3-synthetic
+    (:func:`r3_cells`) and S3-robustness (:func:`robustness_s3` per variant, combined by
+    :func:`qkov_lib.claims.s3_robustness`; not tested when the variants were not run, ``rob``
+    None). S2 is decided by chapter 03's phase map, not here."""
+    cells, lo = s3_cells(ladder)
+    # ratios at which some run's full-batch loss rose: past gradient descent's stable range
+    unstable = sorted({r.ratio for runs in ladder.values() for r in runs if r.test.get("loss_rises", 0) > 0})
+    deepest = min(ladder) if ladder else math.nan
+    hi = max((r for _, r in cells), default=math.nan)
+    if rob is not None and len(rob[0]):
+        robv = C.s3_robustness(robustness_s3(rob[1], list(dict.fromkeys(rob[0]["variant"]))))
+    else:
+        robv = Verdict("not tested", C.S3_ROBUST_RULE, "robustness variants not run")
+    return {"S1": C.s1_ladder(pairs), "S3": C.s3_ratio_sharpens(cells, lo, effect_at=(deepest, hi), unstable=unstable),
+            "R3-synthetic": C.r3_synthetic(r3_cells(ladder), deepest), "S3-robustness": robv}
 
 
 def _counts(match: Mapping[float, str], n: int) -> str:
@@ -702,12 +826,50 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
     f["rob_tested"] = rob_verdicts is not None and len(rob_verdicts) > 0
     if f["rob_tested"]:
         rv = rob_verdicts
-        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].value_counts().items()),
-                 rob_n=str(len(rv)), rob_up=str(int((rv["attention up"] == rv["parameterizations"]).sum())),
-                 rob_dloss=_fmt(float(rv["max |Δ test loss|"].max())), rob_stuck=str(int(rv["stuck or diverged"].sum())),
+        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].map(
+                     lambda x: "holds where" if x.startswith("holds where") else x).value_counts().items()),
+                 rob_n=str(len(rv)), rob_stuck=str(int(rv["stuck or diverged"].sum())),
                  rob_hi_runs=str(int(rv["runs at highest ratio"].sum())),
+                 rob_rises=str(int(rv["GD runs whose loss rose"].sum())),
+                 rob_gd_runs=str(int(rv.loc[rv["GD runs whose loss rose"].notna(), "runs at highest ratio"].sum())),
                  rob_same_rank=str(int((rv["ranking at equal rates"] == " > ".join(order_at(summary, eq))).sum())),
                  rob_top2=", ".join(f"{k}: {n}" for k, n in rv["top two match"].value_counts().items()))
+    return f
+
+
+def stability_facts(table: pd.DataFrame, check: pd.DataFrame | None, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Where gradient descent stops being stable, and what the time rescaling says about the
+    runs past it: per ratio, the main grid's eta_QK and how many of its runs' full-batch training
+    loss rose at some step (the mark of an unstable rate); from :func:`rescaling_check`'s
+    ``check``, the same at the highest ratio and at the stable QK rate ``eta_qk_stable``, and the
+    largest gaps of final training loss and attention between the two, and how many of its runs
+    had not reached the top of the loss ladder at either rate (stuck at both)."""
+    by = table.groupby("ratio").agg(eta_qk=("eta_qk", "first"), rises=("loss_rises", lambda x: int((x > 0).sum())),
+                                    n=("loss_rises", "size"))
+    unstable = [float(r) for r, x in by.iterrows() if x.rises > 0]
+    f: dict[str, Any] = {
+        "rises_by_ratio": "; ".join(f"ratio {r:g} (eta_QK {x.eta_qk:g}): {int(x.rises)} of {int(x.n)}"
+                                    for r, x in by.iterrows()),
+        "first_unstable": f"{min(unstable):g}" if unstable else "none",
+        "stable_at": _listing([f"{r:g}" for r in by.index if not unstable or r < min(unstable)]),
+        "eta_qk_stable": f"{float(cfg['eta_qk_stable']):g}", "check_tested": check is not None and len(check) > 0}
+    if f["check_tested"]:
+        c = check
+        f.update(check_eta_qk=f"{float(c['eta_QK'].iloc[0]):g}", check_steps=str(int(c["steps"].iloc[0])),
+                 check_eta_ov_stable=f"{float(c['eta_QK stable'].iloc[0]) / float(c['eta_QK'].iloc[0]) * float(cfg['eta_ov']):g}",
+                 check_steps_stable=str(int(c["steps stable"].iloc[0])), check_n=str(len(c)),
+                 check_rises=str(int((c["loss rises"] > 0).sum())),
+                 check_rises_stable=str(int((c["loss rises stable"] > 0).sum())),
+                 check_dloss=f"{float((c['loss'] - c['loss stable']).abs().max()):.1e}",
+                 check_datt=f"{float((c['attention'] - c['attention stable']).abs().max()):.1e}",
+                 # the time rescaling holds when the two ends agree within the rules' own tolerances
+                 check_agrees=bool((c["loss"] - c["loss stable"]).abs().max() <= C.SAME_LOSS
+                                   and (c["attention"] - c["attention stable"]).abs().max() <= C.SHARPER),
+                 check_n_agree=str(int(((c["loss"] - c["loss stable"]).abs() <= C.SAME_LOSS)
+                                       .mul((c["attention"] - c["attention stable"]).abs() <= C.SHARPER).sum())),
+                 check_level=f"{max(ladder_levels(cfg)):g}",
+                 check_stuck_both=str(int(((c["loss"] > max(ladder_levels(cfg)))
+                                           & (c["loss stable"] > max(ladder_levels(cfg)))).sum())))
     return f
 
 
@@ -798,30 +960,17 @@ def _s2_facts(summary: pd.DataFrame, matched: pd.DataFrame, toward: pd.DataFrame
 
 def _s3_facts(summary: pd.DataFrame, table: pd.DataFrame, params: Sequence[str],
               ratios: Sequence[float]) -> dict[str, Any]:
-    """S3: failures at the highest ratio, and the changes lowest -> highest (the verdict's) and
-    lowest -> the ratio below the highest, monotonicity and peaks of the attention."""
-    lo, hi, by = ratios[0], ratios[-1], summary.set_index(["parameterization", "ratio"])
+    """S3 after the fixed steps (a view; the verdict is read at matched loss): the runs stuck at
+    the highest ratio and below it, the share of their test instances whose most-attended token
+    is a common one, and for how many parameterizations the mean attention rose from the lowest
+    to the highest ratio."""
+    hi = ratios[-1]
     top = table[(table["ratio"] == hi) & (table["diverged"] == 0)]
     n_fail_hi = int((top["accuracy"] < C.STUCK_ACC).sum())
     f: dict[str, Any] = {"n_fail_hi": str(n_fail_hi), "n_hi_runs": str(len(top)),
                          "n_fail_below": str(int(((table["ratio"] < hi) & (table["accuracy"] < C.STUCK_ACC)).sum()))}
-    if len(ratios) < 2:
-        return f
-    absmax = lambda xs: _fmt(max((abs(x) for x in xs if np.isfinite(x)), default=float("nan")))  # noqa: E731
-    d = ratio_changes(summary, ("attn_relevant", "loss", "accuracy", "AC@0.9"))
-    up = [p for p, x in zip(params, d["attn_relevant"]) if x >= C.SHARPER]
-    f.update(s3_n_up=str(len(up)), s3_up=_listing(up), s3_dloss=absmax(d["loss"]), s3_dacc=absmax(d["accuracy"]))
-    rmid = [r for r in ratios if r < hi][-1]
-    f["s3_mid_tested"], f["r_mid"] = bool(rmid > lo), f"{rmid:g}"
-    if rmid > lo:
-        dm = ratio_changes(summary[summary["ratio"].isin([lo, rmid])], ("attn_relevant", "loss", "accuracy", "AC@0.9"))
-        f.update(s3_mid_n_up=str(sum(x >= C.SHARPER for x in dm["attn_relevant"])),
-                 s3_mid_dac=_fmt(max((x for x in dm["AC@0.9"] if np.isfinite(x)), default=float("nan"))),
-                 s3_mid_dloss=absmax(dm["loss"]), s3_mid_dacc=absmax(dm["accuracy"]))
-    mono = [p for p in params if all(_val(by, p, x, "attn_relevant") <= _val(by, p, y, "attn_relevant")
-                                     for x, y in zip(ratios, ratios[1:]))]
-    peak = {p: max(ratios, key=lambda r: np.nan_to_num(_val(by, p, r, "attn_relevant"), nan=-1.0)) for p in params}
-    f.update(s3_n_mono=str(len(mono)), s3_mono=_listing(mono), s3_peaks=", ".join(f"{p} at {peak[p]:g}" for p in params))
+    if len(ratios) >= 2:
+        f["s3_n_up"] = str(sum(x >= C.SHARPER for x in ratio_changes(summary, ("attn_relevant",))["attn_relevant"]))
     if n_fail_hi:
         stuck = top[top["accuracy"] < C.STUCK_ACC]
         ff = float((stuck["FFPT"] + stuck["FFPF"]).mean()) if {"FFPT", "FFPF"} <= set(stuck) else float("nan")
@@ -831,18 +980,16 @@ def _s3_facts(summary: pd.DataFrame, table: pd.DataFrame, params: Sequence[str],
 
 def _r3_facts(matched: pd.DataFrame, mtable: pd.DataFrame, params: Sequence[str],
               ratios: Sequence[float]) -> dict[str, Any]:
-    """R3 on the synthetic task: the runs that reached the matched loss, the spread of their
-    attention over the ratios and its move from the lowest to the highest matched ratio."""
+    """R3 on the synthetic task: the runs that reached the matched loss and the move of their mean
+    attention from the lowest to the highest matched ratio."""
     reached = mtable[mtable["stop_step"].notna() & (mtable["diverged"] == 0)]
     f: dict[str, Any] = {"n_reached": str(len(reached)), "n_matched_runs": str(len(mtable))}
     if len(ratios) < 2:
         return f
     mratios = sorted(matched["ratio"].unique())
     mby = matched.set_index(["parameterization", "ratio"])
-    spread = {p: float(reached[reached.parameterization == p].groupby("ratio")["attn_relevant"].mean().pipe(
-        lambda x: x.max() - x.min() if len(x) else float("nan"))) for p in params}
     mlo, mhi = (mratios[0], mratios[-1]) if mratios else (ratios[0], ratios[-1])
-    f.update(r3_spread=", ".join(f"{p} {_fmt(v)}" for p, v in spread.items()), r3_lo=f"{mlo:g}", r3_hi=f"{mhi:g}",
+    f.update(r3_lo=f"{mlo:g}", r3_hi=f"{mhi:g}",
              r3_moves=", ".join(f"{p} {_fmt(_val(mby, p, mlo, 'attn_relevant'))} -> "
                                 f"{_fmt(_val(mby, p, mhi, 'attn_relevant'))}" for p in params))
     return f
@@ -856,29 +1003,24 @@ def s2_verdict(top_fixed: Sequence[str], top_matched: Sequence[str]) -> str:
 
 
 def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
-    """Scorecard rows for the paper's S1, S2, S3 and the extensions R3-synthetic and
-    S3-robustness: one line of measured numbers each, from :func:`chapter_facts`; verdicts (with
-    rule and reason) from :func:`chapter_verdicts`."""
+    """Scorecard rows for the paper's S1 and S3 and the extensions R3-synthetic and S3-robustness
+    (S2 is decided by chapter 03's phase map): one line of measured numbers each, from
+    :func:`chapter_facts`; verdicts (with rule, reason, region and effect) from
+    :func:`chapter_verdicts`."""
     f, ch = facts, "04_sweep"
     s1 = (f"total-variation distance between mean heatmaps at ratio {f['r_eq']}: {f['tv_range']} ({f['tv_n_differ']} of "
           f"{f['tv_n_pairs']} pairs at least {f['thr_dtap_tv']})" if f["s1_tested"] else "fewer than two parameterizations")
-    s3 = (f"ratio {f['r_lo']} -> {f['r_hi']}: attention up by at least {f['thr_sharper']} for {f['s3_n_up']} of "
-          f"{f['n_param']}; test loss changed by up to {f['s3_dloss']} nats, accuracy by up to {f['s3_dacc']}; "
-          f"{f['n_fail_hi']} of {f['n_hi_runs']} runs stuck at ratio {f['r_hi']}" if f["n_ratios_run"] > 1
-          else f"only ratio {f['r_lo']} run")
-    r3 = (f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss {f['matched_loss']}; attention on the distinct "
-          f"token there, ratio {f['r3_lo']} -> {f['r3_hi']}: {f['r3_moves']}" if f["n_ratios_run"] > 1
-          else f"only ratio {f['r_lo']} run")
-    rob = (f"per variant S3 gives {f['rob_counts']} (of {f['rob_n']}); attention up for every parameterization in "
-           f"{f['rob_up']} of {f['rob_n']} variants" if f["rob_tested"] else "robustness variants not run")
     return [
         claim("S1", "DTAP heatmaps differ between the four parameterizations",
               f"pairs of parameterizations whose per-seed heatmap distance at ratio {f['r_eq']} is at least "
               f"{f['thr_dtap_tv']} (95 % interval), by training loss: {f['s1_ladder_counts']}; after the fixed steps: "
               f"{s1}", verdicts["S1"], ch),
-        claim("S2", "summaries disagree: (CACO, FACO) or (CAFO, CACO) concentrate attention; FAFO moves toward "
-                    "FACO or CACO", verdicts["S2"].reason, verdicts["S2"], ch),
-        claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same", s3, verdicts["S3"], ch),
-        claim("R3-synthetic", C.statement("R3-synthetic"), r3, verdicts["R3-synthetic"], ch),
-        claim("S3-robustness", C.statement("S3-robustness"), rob, verdicts["S3-robustness"], ch),
+        claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same",
+              f"at matched training loss, {verdicts['S3'].effect or 'no change measured'}", verdicts["S3"], ch),
+        claim("R3-synthetic", C.statement("R3-synthetic"),
+              f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss {f['matched_loss']}; "
+              f"{verdicts['R3-synthetic'].effect or 'no change measured'}", verdicts["R3-synthetic"], ch),
+        claim("S3-robustness", C.statement("S3-robustness"),
+              f"per variant at matched loss S3 gives {f['rob_counts']} (of {f['rob_n']})" if f["rob_tested"]
+              else "robustness variants not run", verdicts["S3-robustness"], ch),
     ]

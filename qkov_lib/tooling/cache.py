@@ -196,7 +196,7 @@ def setup(app) -> dict[str, Any]:
     """Sphinx entry point (``extra_extensions: [qkov_lib.tooling.cache]``)."""
     app.add_config_value("qkov_cache_key", "", "env")
     app.add_config_value("qkov_library_dir", "", "env")
-    app.add_config_value("qkov_always_read", ["*scorecard*"], "env")
+    app.add_config_value("qkov_always_read", ["*scorecard*", "*intro*"], "env")
     app.add_config_value("qkov_cache_keep", 3, "")
     app.connect("config-inited", _config_inited, priority=400)
     app.connect("env-get-outdated", _always_read)

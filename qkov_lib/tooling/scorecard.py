@@ -24,8 +24,9 @@ from qkov_lib.studies.attention_analysis import CHAPTERS
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
 STATES = (*claims.VERDICTS, "not run")  # "not run": no chapter of this build reported the claim
-BADGES = {"reproduced": "bdg-success", "partly": "bdg-warning", "not reproduced": "bdg-danger",
-          "not tested": "bdg-muted", "not run": "bdg-muted-line"}  # sphinx-design roles
+BADGES = {"reproduced": "bdg-success", "holds where": "bdg-warning", "not reproduced": "bdg-danger",
+          "inconclusive": "bdg-info", "not tested": "bdg-muted", "not run": "bdg-muted-line"}  # sphinx-design roles
+MEANING = {**claims.VERDICT_MEANING, "not run": "no chapter of this build reported the claim"}
 
 
 def load_results(results_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
@@ -68,12 +69,13 @@ def find_doc(chapter: str, book_dir: str | os.PathLike, pages: Iterable[str] | N
 
 def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str | os.PathLike | None = None,
                pages: Iterable[str] | None = None) -> pd.DataFrame:
-    """One row per reported claim: id, paper, ours, verdict, rule, reason, doc (the chapter's page), chapter,
+    """One row per reported claim: id, paper, ours, verdict, region, effect, rule, reason, doc (the chapter's page), chapter,
     profile, git_commit, file. With ``book_dir``, results whose chapter has no page there (or
     none among ``pages``, the docnames of the build's table of contents) are dropped: they are
     stale files of chapters that are not part of this book."""
     pages = None if pages is None else list(pages)
-    cols = ["id", "paper", "ours", "verdict", "rule", "reason", "doc", "chapter", "profile", "git_commit", "file"]
+    cols = ["id", "paper", "ours", "verdict", "region", "effect", "rule", "reason", "doc", "chapter", "profile",
+            "git_commit", "file"]
     rows = []
     for path, doc in results:
         chapter = str(doc.get("chapter") or path.stem)
@@ -88,7 +90,8 @@ def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str 
                 if page is None:
                     continue
             rows.append({"id": str(c["id"]).strip(), "paper": str(c.get("paper", "")), "ours": str(c.get("ours", "")),
-                         "verdict": str(c.get("verdict", "not tested")), "rule": str(c.get("rule", "")),
+                         "verdict": str(c.get("verdict", "not tested")), "region": str(c.get("region", "")),
+                         "effect": str(c.get("effect", "")), "rule": str(c.get("rule", "")),
                          "reason": str(c.get("reason", "")), "doc": page, "chapter": where,
                          "profile": params.get("profile"), "git_commit": doc.get("git_commit"), "file": str(path)})
     return pd.DataFrame(rows, columns=cols)
@@ -115,19 +118,21 @@ def per_dataset(measurements: Sequence[Mapping[str, Any]]) -> str:
 def build(rows: pd.DataFrame) -> pd.DataFrame:
     """The scorecard: one row per claim ID -- the paper's claims in order, then our extensions,
     then any unknown IDs -- with its statement, ``kind`` (paper / extension / unknown), the list
-    of measurements (dicts with ours/verdict/rule/reason/doc/chapter), the combined verdict and
-    reason, and ``per_dataset`` (:func:`per_dataset`: each measurement's verdict by dataset)."""
+    of measurements (dicts with ours/verdict/region/effect/rule/reason/doc/chapter), the combined
+    verdict, reason and region (:func:`qkov_lib.claims.combine`, chapters named by
+    :func:`dataset_name`), and ``per_dataset`` (:func:`per_dataset`: each measurement's verdict by
+    dataset)."""
     seen = set(rows["id"]) if len(rows) else set()
     ids = list(CLAIMS) + [e for e in EXTENSIONS if e in seen] + sorted(seen - set(CLAIMS) - set(EXTENSIONS))
     out = []
     for cid in ids:
         sub = rows[rows["id"] == cid] if len(rows) else rows
         ms = sub.to_dict("records")
-        verdict, reason = claims.combine(ms)
+        verdict, reason, region = claims.combine([{**m, "chapter": dataset_name(m.get("chapter", ""))} for m in ms])
         kind = "paper" if cid in CLAIMS else "extension" if cid in EXTENSIONS else "unknown"
         text = CLAIMS.get(cid) or (EXTENSIONS[cid][1] if cid in EXTENSIONS else "(not a claim ID of the paper)")
         out.append({"id": cid, "claim": text, "kind": kind, "known": kind == "paper", "measurements": ms,
-                    "verdict": verdict, "reason": reason, "per_dataset": per_dataset(ms)})
+                    "verdict": verdict, "reason": reason, "region": region, "per_dataset": per_dataset(ms)})
     return pd.DataFrame(out)
 
 
@@ -157,27 +162,57 @@ def _where(m: Mapping[str, Any], link: bool) -> str:
 
 
 def to_matrix(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
-    """The scorecard at a glance, as a MyST table, one row per claim: claim ID | verdict | measured |
-    chapter. ``verdict``: the combined badge, then each measurement's small badge (named by dataset)
-    when several chapters report the claim; ``measured``: each measurement's reason (the rule's
-    one-line summary of the numbers it decided on), named by dataset when there are several.
-    Statements, full measurements and rules: :func:`to_details`."""
-    lines = ["| claim | verdict | measured | chapter |", "|---|---|---|---|"]
+    """The scorecard at a glance, as a MyST table, one row per claim: claim ID | verdict | where it
+    holds | effect size | chapter. ``verdict``: the combined badge, then each measurement's small
+    badge (named by dataset) when several chapters report the claim; ``where it holds``: the
+    combined region (empty unless the verdict is 'holds where'); ``effect size``: each
+    measurement's effect, named by dataset when there are several. Statements, reasons and rules:
+    :func:`to_details` (each rule once per claim)."""
+    lines = ["| claim | verdict | where it holds | effect size | chapter |", "|---|---|---|---|---|"]
     rows = card if kind is None else card[card["kind"] == kind]
     for _, r in rows.iterrows():
         ms = list(r["measurements"])
         if not ms:
-            lines.append(f"| **{r['id']}** | {_badge('not run', link)} | no chapter in this build reported it | |")
+            lines.append(f"| **{r['id']}** | {_badge('not run', link)} | | | |")
             continue
         named = len(ms) > 1
         verdict = _badge(r["verdict"], link) + ("" if not named else " " + " ".join(
             f"{myst_cell(dataset_name(m.get('chapter', '')))} "
             f"{_badge(str(m.get('verdict', 'not tested')), link, small=True)}" for m in ms))
-        measured = "; ".join((f"{myst_cell(dataset_name(m.get('chapter', '')))}: " if named else "")
-                             + myst_cell(m.get("reason", "") or m.get("ours", "")) for m in ms)
+        effect = "; ".join((f"{myst_cell(dataset_name(m.get('chapter', '')))}: " if named else "")
+                           + myst_cell(m.get("effect", "") or "-") for m in ms)
         where = ", ".join(dict.fromkeys(_where(m, link) for m in ms))
-        lines.append(f"| **{r['id']}** | {verdict} | {measured} | {where} |")
+        lines.append(f"| **{r['id']}** | {verdict} | {myst_cell(r.get('region', '') or '')} | {effect} | {where} |")
     return "\n".join(lines)
+
+
+def _short_link(m: Mapping[str, Any], link: bool) -> str:
+    """A measurement's chapter as a short link: its dataset (``SQuAD``) or ``chapter NN``."""
+    doc = str(m.get("doc") or "")
+    head, _, _ = Path(doc).stem.partition("_")
+    name = dataset_name(doc) if dataset_name(doc) != doc else f"chapter {head}" if head.isdigit() else doc
+    return f"{{doc}}`{name} <{doc}>`" if link and doc else name or myst_cell(m.get("chapter", ""))
+
+
+def findings(card: pd.DataFrame, link: bool = True, kind: str = "paper") -> str:
+    """What the book found, one MyST list line per claim: the ID, the verdict badge, where it
+    holds, the effect size and the chapters that decided it (the first page's summary)."""
+    out = []
+    for _, r in card[card["kind"] == kind].iterrows():
+        ms = list(r["measurements"])
+        where = ", ".join(dict.fromkeys(_short_link(m, link) for m in ms)) or "no chapter"
+        effect = "; ".join((f"{dataset_name(m.get('chapter', ''))}: " if len(ms) > 1 else "") + str(m.get("effect"))
+                           for m in ms if m.get("effect"))
+        region = f" {myst_cell(r['region'])}" if r.get("region") else ""
+        out.append(f"- **{r['id']}** {_badge(r['verdict'], link)}{region}"
+                   + (f"; effect: {myst_cell(effect)}" if effect else "") + f" ({where})")
+    return "\n".join(out)
+
+
+def meanings() -> pd.DataFrame:
+    """The verdict words and what each means (:data:`qkov_lib.claims.VERDICT_MEANING`, plus
+    'not run'), for the scorecard's legend."""
+    return pd.DataFrame([{"verdict": k, "meaning": v} for k, v in MEANING.items()]).set_index("verdict")
 
 
 def to_details(card: pd.DataFrame, link: bool = True, kind: str | None = None) -> str:
@@ -191,16 +226,16 @@ def to_details(card: pd.DataFrame, link: bool = True, kind: str | None = None) -
         body = [f"*The paper says:* {myst_cell(r['claim'])}", ""]
         if not ms:
             body.append("No chapter in this build reported this claim.")
-        shown: set[str] = set()
         for m in ms:
-            rule = myst_cell(m.get("rule", ""))
+            region = f" *Holds:* {myst_cell(m['region'])}." if m.get("region") else ""
             body += [f"- {_where(m, link)} ({_badge(str(m.get('verdict', 'not tested')), link, small=True)}): "
-                     f"{myst_cell(m.get('ours', ''))} *Decided by:* {myst_cell(m.get('reason', ''))}"
-                     + ("" if not rule or rule in shown else f" *Rule:* {rule}")]
-            shown.add(rule)
-        if len(ms) > 1:
+                     f"{myst_cell(m.get('ours', ''))}{region} *Decided by:* {myst_cell(m.get('reason', ''))}"]
+        rules = list(dict.fromkeys(myst_cell(m.get("rule", "")) for m in ms if m.get("rule")))
+        body += ["", *(f"*Rule:* {x}" for x in rules)]
+        if len(ms) > 1 and r["reason"]:
             body += ["", f"*Combined:* {myst_cell(r['reason'])}"]
-        title = f"{r['id']}: {r['verdict']}"
+        title = f"{r['id']}: {r['verdict']}" + (f" {' '.join(str(r.get('region', '')).split())}"
+                                                if r["verdict"] == "holds where" else "")
         out += ([f":::{{dropdown}} {title}", *body, ":::", ""] if link else [f"**{title}**", "", *body, ""])
     return "\n".join(out)
 
@@ -250,7 +285,7 @@ def r_table(results_dir: str | Path | None = None,
         for name in datasets:
             doc = read_results(name, results_dir)
             base = {"claim": cid, "dataset": name, "chapter": CHAPTERS[name], "paper": claims.CLAIMS[cid],
-                    "rule": "", "reason": ""}
+                    "rule": "", "reason": "", "region": "", "effect": ""}
             if doc is None:
                 rows.append({**base, "ours": f"not run: no results file for chapter {CHAPTERS[name]} in this build",
                              "verdict": "not run", "profile": None})
@@ -263,26 +298,41 @@ def r_table(results_dir: str | Path | None = None,
                 continue
             prof = f"{params.get('profile')} profile, protocol map: {len(params.get('map_seeds', []))} seed(s) per cell"
             rows += [{**base, "ours": f"{c['ours']} [{prof}]", "verdict": c["verdict"], "rule": c.get("rule", ""),
-                      "reason": c.get("reason", ""), "profile": params.get("profile")} for c in found]
+                      "reason": c.get("reason", ""), "region": c.get("region", ""), "effect": c.get("effect", ""),
+                      "profile": params.get("profile")} for c in found]
     return pd.DataFrame(rows)
 
 
-def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str]]:
-    """One ``(verdict, reason)`` per claim across datasets, by :func:`qkov_lib.claims.combine`
-    (disagreeing datasets are named with their reasons)."""
-    return {cid: claims.combine([r for r in g.to_dict("records") if r["verdict"] != "not run"])
+def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str, str]]:
+    """One ``(verdict, reason, region)`` per claim across datasets, by
+    :func:`qkov_lib.claims.combine` (datasets named; disagreeing ones with their reasons)."""
+    return {cid: claims.combine([{**r, "chapter": dataset_name(r["chapter"])} for r in g.to_dict("records")
+                                 if r["verdict"] != "not run"])
             for cid, g in table.groupby("claim", sort=True)}
 
 
 def r_table_myst(table: pd.DataFrame) -> str:
-    """The R1-R3 table as MyST markdown: claim | paper | ours | verdict | rule."""
-    lines = ["| claim | paper | ours (means over seeds) | verdict | rule (thresholds) |", "|---|---|---|---|---|"]
+    """The R1-R3 table as MyST markdown, one short row per claim and dataset: claim | dataset |
+    verdict | where it holds | effect size. What each chapter measured and the reasons:
+    :func:`r_details_myst`; the rules are stated once on the page."""
+    lines = ["| claim | dataset | verdict | where it holds | effect size |", "|---|---|---|---|---|"]
     for cid, g in table.groupby("claim", sort=True):
         for i, (_, r) in enumerate(g.iterrows()):
-            ours = myst_cell(r["ours"]) + (f" *Decided by:* {myst_cell(r['reason'])}" if r["reason"] else "")
-            lines.append(f"| {'**' + cid + '**' if i == 0 else ''} | {myst_cell(r['paper']) if i == 0 else ''} | "
-                         f"{ours} | **{r['verdict']}** | {myst_cell(r['rule'])} |")
+            lines.append(f"| {'**' + cid + '**' if i == 0 else ''} | {dataset_name(r['chapter'])} | "
+                         f"**{r['verdict']}** | {myst_cell(r.get('region', '') or '')} | "
+                         f"{myst_cell(r.get('effect', '') or '-')} |")
     return "\n".join(lines)
+
+
+def r_details_myst(table: pd.DataFrame) -> str:
+    """Per claim, a folded block (sphinx-design ``dropdown``) with what each dataset chapter
+    measured and the numbers its rule decided on, each once."""
+    out = []
+    for cid, g in table.groupby("claim", sort=True):
+        body = [f"- **{dataset_name(r['chapter'])}**: {myst_cell(r['ours'])}"
+                + (f" *Decided by:* {myst_cell(r['reason'])}" if r["reason"] else "") for _, r in g.iterrows()]
+        out += [f":::{{dropdown}} {cid}: what each dataset measured", *body, ":::", ""]
+    return "\n".join(out)
 
 
 def provenance_frame(results_dir: str | Path | None = None) -> pd.DataFrame:

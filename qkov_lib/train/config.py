@@ -24,6 +24,23 @@ from qkov_lib.models import check_rate
 OPTIMIZERS = ("gd", "sgd", "adamw")
 
 
+def stable_rates(ratio: float, eta_ov: float, eta_qk_max: float | None = None,
+                 steps: int | None = None) -> tuple[float, int | None]:
+    """``(eta_OV, steps)`` of a run at ``ratio = eta_QK / eta_OV`` whose QK rate must stay within
+    ``eta_qk_max`` (None: no limit): ``eta_ov`` and ``steps`` while ``ratio * eta_ov <= eta_qk_max``;
+    above it eta_OV is lowered to ``eta_qk_max / ratio`` and ``steps`` (if given) grows by the same
+    factor, so that the run covers the same training time ``eta_OV * steps``. The reduced
+    dynamics depend on the two rates only through their ratio and that time (gradient flow
+    rescales time), so the lowered run is the same run as far as the theory sees it, at a QK rate
+    inside gradient descent's stable range. ValueError for a rate or ratio that is not > 0."""
+    if not (ratio > 0 and eta_ov > 0 and (eta_qk_max is None or eta_qk_max > 0)):
+        raise ValueError(f"ratio, eta_ov and eta_qk_max must be > 0, got {ratio}, {eta_ov}, {eta_qk_max}")
+    if eta_qk_max is None or ratio * eta_ov <= float(eta_qk_max):
+        return float(eta_ov), steps
+    low = float(eta_qk_max) / ratio
+    return low, None if steps is None else int(math.ceil(steps * eta_ov / low))
+
+
 class NonFiniteError(RuntimeError):
     """A loss, gradient or parameter became NaN or infinite during training."""
 

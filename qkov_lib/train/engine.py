@@ -420,9 +420,14 @@ class Snapshot:
 class EngineHistory(History):
     """A :class:`~qkov_lib.train.History` (``stop_step``: the step at which the run's training
     loss first reached ``stop_loss``; ``diverged_step``) plus, with ``snapshot_loss``, one
-    :class:`Snapshot` per loss level the run reached (``snapshots``, keyed by level)."""
+    :class:`Snapshot` per loss level the run reached (``snapshots``, keyed by level) and, for
+    full-batch training, ``loss_rises``: the number of steps at which the training loss rose by
+    more than a relative 1e-9 over the previous step's. Gradient descent at a rate inside its
+    stable range never raises the full-batch loss of a smooth objective, so a rise is the mark of
+    an unstable rate (0 for minibatch runs, whose loss is noisy by construction)."""
 
     snapshots: dict[float, Snapshot] = field(default_factory=dict)
+    loss_rises: int = 0
 
 
 BatchedProbe = Callable[["Stack"], dict[str, Sequence[float]]]
@@ -541,6 +546,8 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
                 hists[b].records.append(rec)
 
     snapped = torch.zeros(B, len(levels), dtype=torch.bool, device=device)
+    rises = torch.zeros(B, dtype=torch.long, device=device)
+    prev: Tensor | None = None
     level_t = torch.tensor(levels, dtype=torch.float64, device=device)
 
     def fail(step: int, bad: Tensor, what: str, tensors: dict[str, Tensor] | None = None) -> None:
@@ -577,6 +584,11 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
             p.grad = None
         loss = stack.loss_backward(batch)
         finite = torch.isfinite(loss)
+        if bs == N:  # full batch: a rise of the training loss marks an unstable rate
+            cur = loss.detach()
+            if prev is not None:
+                rises += (active & finite & (cur > prev + 1e-9 * prev.abs())).long()
+            prev = cur
         if levels:
             new = (active & finite)[:, None] & ~snapped & (loss.detach()[:, None] <= level_t.to(loss.dtype))
             if bool(new.any()):
@@ -609,6 +621,8 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
         bar.update()
     finish_bar(bar, desc, step, c0.steps)
     stack.write_back(models)
+    for h, k in zip(hists, rises.tolist()):
+        h.loss_rises = int(k)
     return hists
 
 
