@@ -288,3 +288,14 @@ def test_the_decoupling_figure_draws_when_no_run_reached_the_matched_loss():
     matched = table.assign(stop_step=[None])
     fig = synthetic_sweeps.plot_decoupling(table, matched)
     assert "no run reached the matched loss" in [t.get_text() for t in fig.axes[1].texts]
+
+
+def test_the_ranking_of_a_grid_where_no_run_reached_the_loss_is_empty_not_an_error():
+    """The next stop of the dry full sweep: ranking the (empty) matched-loss summary."""
+    import pandas as pd
+
+    empty = pd.DataFrame(columns=["ratio", "parameterization", "attn_relevant", "attn_relevant_ci"])
+    assert synthetic_sweeps.ranking_table(empty).empty
+    one = pd.DataFrame({"ratio": [1.0, 1.0], "parameterization": ["FAFO", "CACO"], "attn_relevant": [0.4, float("nan")],
+                        "attn_relevant_ci": [0.01, float("nan")]})
+    assert synthetic_sweeps.ranking_table(one).loc[1.0].tolist() == ["FAFO 0.400 ± 0.010"]  # unreached runs left out

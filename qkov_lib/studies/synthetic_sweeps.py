@@ -325,13 +325,13 @@ def ranking_table(summary: pd.DataFrame, metric: str = "attn_relevant", digits: 
     ``mean ± CI``."""
     rows = []
     for r in sorted(summary["ratio"].unique()):
-        sub = summary[summary["ratio"] == r].sort_values(metric, ascending=False)
+        sub = summary[summary["ratio"] == r].dropna(subset=[metric]).sort_values(metric, ascending=False)
         row = {"ratio": r}
         for k, (_, x) in enumerate(sub.iterrows(), 1):
             ci = x[f"{metric}_ci"]
             row[f"#{k}"] = f"{x['parameterization']} {x[metric]:.{digits}f}" + ("" if np.isnan(ci) else f" ± {ci:.{digits}f}")
         rows.append(row)
-    return pd.DataFrame(rows).set_index("ratio")
+    return pd.DataFrame(rows, columns=["ratio"] if not rows else None).set_index("ratio")
 
 
 def order_at(summary: pd.DataFrame, ratio: float, metric: str = "attn_relevant") -> list[str]:
