@@ -456,3 +456,17 @@ def test_log_odds_keeps_moving_where_the_attention_saturates():
     assert C.interval_call(C.Change(0.05, 0.01, 5), 0.1) == "fails"
     assert C.interval_call(C.Change(0.12, 0.05, 5), 0.1) == "undecided"
     assert C.interval_call(C.Change(5.0, math.nan, 1), 0.1) == "undecided"  # one seed: no interval
+
+
+def test_t5_reads_the_full_model_at_matched_loss_on_a_hand_worked_history():
+    """Loss 1.0 -> 0.1 over two logged steps with common mass 0.5 -> 0.05: at loss 0.316 (half way
+    in log loss) the mass is 0.158 (half way in log mass); a level never reached is NaN."""
+    hist = pd.DataFrame({"loss": [1.0, 0.1], "attn_relevant": [0.5, 0.95]})
+    at = asymptotics.common_at_losses(hist, [10 ** -0.5, 0.01])
+    assert at[10 ** -0.5] == pytest.approx(10 ** -0.5 * 0.5, rel=1e-9) and math.isnan(at[0.01])
+    full = pd.DataFrame([{"init": "random", "parameterization": "FAFO", "ratio": r, "seed": s,
+                          "common@0.3": 0.1 / r, "common@0.1": 0.05 / r if r > 1 else float("nan"),
+                          "common@0.03": float("nan"), "common@0.01": float("nan")}
+                         for r in (1.0, 10.0) for s in (0, 1)])
+    assert asymptotics.t5_full_level(full) == 0.3  # 0.1 is not reached by the ratio-1 runs
+    assert asymptotics.t5_full_level(full[full["ratio"] == 1.0]) is None  # one ratio: nothing to compare

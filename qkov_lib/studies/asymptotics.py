@@ -204,7 +204,8 @@ def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
         fin = h.final
         return {"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
                 "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
-                "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"]}
+                "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"],
+                **{f"common@{lv:g}": c for lv, c in common_at_losses(h.frame(), T5_LOSSES).items()}}
 
     grid = itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]])
     return pd.DataFrame(protocol.run_each(grid, one, "full-model runs", progress))
@@ -334,14 +335,48 @@ def ode_common_at_loss(runs: pd.DataFrame, levels: Sequence[float] = T5_LOSSES) 
     return pd.DataFrame(rows).set_index(["parameterization", "ratio"]).sort_index()
 
 
+def common_at_losses(history: pd.DataFrame, levels: Sequence[float]) -> dict[float, float]:
+    """The common-token mass ``1 - attn_relevant`` of one logged run when its training loss first
+    reached each of ``levels`` (nats), interpolated linearly in (log loss, log mass) between the
+    two logged steps around the crossing; NaN for a level the run never reached."""
+    loss = history["loss"].to_numpy(dtype=float)
+    log_c = np.log(np.clip(1.0 - history["attn_relevant"].to_numpy(dtype=float), 1e-300, None))
+    out = {}
+    for lv in levels:
+        hit = np.flatnonzero(loss <= lv)
+        if not len(hit):
+            out[float(lv)] = float("nan")
+            continue
+        i = int(hit[0])
+        if i == 0 or loss[i - 1] == loss[i]:
+            out[float(lv)] = float(math.exp(log_c[i]))
+            continue
+        w = (math.log(loss[i - 1]) - math.log(lv)) / (math.log(loss[i - 1]) - math.log(loss[i]))
+        out[float(lv)] = float(math.exp(log_c[i - 1] + w * (log_c[i] - log_c[i - 1])))
+    return out
+
+
+def t5_full_level(full: pd.DataFrame) -> float | None:
+    """The deepest level of :data:`T5_LOSSES` that every random-init full-model run at the lowest
+    and the highest full-model ratio reached (None: none, or one ratio), where T5 compares them."""
+    rand = full[full["init"] == "random"]
+    ratios = sorted(set(rand["ratio"]))
+    if len(ratios) < 2:
+        return None
+    ends = rand[rand["ratio"].isin([ratios[0], ratios[-1]])]
+    reached = [lv for lv in T5_LOSSES if f"common@{lv:g}" in ends and ends[f"common@{lv:g}"].notna().all()]
+    return min(reached) if reached else None
+
+
 def t5_inputs(runs: pd.DataFrame, full: pd.DataFrame
               ) -> tuple[dict[str, list[list[float]]], dict[str, C.Change]]:
     """T5's numbers: per parameterization, the ODE's common-token mass at increasing ratios, one
     series per matched loss level of :data:`T5_LOSSES` reached at every ratio
     (:func:`ode_common_at_loss`); and the full model's per-seed fall of the log common-token mass,
-    log c(lowest ratio) - log c(highest ratio) in nats, over the random-init seeds run at both (a
-    :class:`qkov_lib.claims.Change`; empty with one full-model ratio). The full-model runs end
-    after a fixed number of steps; the log keeps moving where the attention saturates."""
+    log c(lowest ratio) - log c(highest ratio) in nats, over the random-init seeds run at both, at
+    the matched training loss :func:`t5_full_level` (a :class:`qkov_lib.claims.Change`; empty with
+    one full-model ratio or no level reached by every run). The log keeps moving where the
+    attention saturates."""
     at = ode_common_at_loss(runs)
     series = {}
     for p in PARAMS:
@@ -351,11 +386,13 @@ def t5_inputs(runs: pd.DataFrame, full: pd.DataFrame
     rand = full[full["init"] == "random"]
     fratios = sorted(set(rand["ratio"]))
     fall: dict[str, C.Change] = {}
-    if len(fratios) >= 2:
+    level = t5_full_level(full)
+    if level is not None:
         lo, hi = fratios[0], fratios[-1]
+        col = f"common@{level:g}"
         for p in PARAMS:
-            a = rand[(rand.parameterization == p) & (rand.ratio == lo)].set_index("seed")["common"]
-            b = rand[(rand.parameterization == p) & (rand.ratio == hi)].set_index("seed")["common"]
+            a = rand[(rand.parameterization == p) & (rand.ratio == lo)].set_index("seed")[col]
+            b = rand[(rand.parameterization == p) & (rand.ratio == hi)].set_index("seed")[col]
             seeds = sorted(set(a.index) & set(b.index))
             fall[p] = C.Change.of([math.log(max(a[s], 1e-300)) - math.log(max(b[s], 1e-300)) for s in seeds])
     return series, fall
@@ -509,9 +546,12 @@ def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float]) -
     fratios = sorted(set(full_means(full).index.get_level_values(1)))
     f["full_r_lo"], f["full_r_hi"] = f"{fratios[0]:g}", f"{fratios[-1]:g}"
     f["t5_full_tested"] = bool(fall)
+    level = t5_full_level(full)
+    f["t5_full_level"] = f"{level:g}" if level is not None else "none"
     f["t5_full"] = (f"fell by a seed interval at or above {C.threshold_text('SHARPER_LOGIT')} in log for "
                     f"{sum(C.interval_call(c, C.SHARPER_LOGIT) == 'holds' for c in fall.values())} of {len(fall)}"
-                    if fall else "not tested (one ratio)")
+                    if fall else "not tested (one ratio)" if len(fratios) < 2 else
+                    "not tested (no training loss level reached by every run)")
     f["t5_full_changes"] = "; ".join(f"{p} {c.text(percent=False)}" for p, c in fall.items())
     f["t5_loss_levels"] = ", ".join(f"{lv:g}" for lv in ode_common_at_loss(runs).dropna(axis=1).columns) or "none"
     f["t5_ode_matched"] = (f"falls strictly with the ratio at every level for "
