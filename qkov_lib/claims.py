@@ -1017,26 +1017,29 @@ TUNED_RULE = ("the claim's own rule at the tuned base rate (best validation metr
               "every optimizer; inconclusive: otherwise; not tested: no tuned base rate could be tested")
 
 
-def tuned_region(at_tuned: Mapping[str, str], regions: Mapping[str, str] | None = None) -> Verdict:
+def tuned_region(at_tuned: Mapping[str, str], regions: Mapping[str, str] | None = None,
+                 effects: Mapping[str, str] | None = None) -> Verdict:
     """A claim's verdict over the base-rate map, from its verdict (by its own rule) at the tuned
     base rate of each optimizer, e.g. ``{"adamw": "reproduced", "sgd": "holds where"}``;
-    ``regions`` gives the region of each 'holds where'."""
+    ``regions`` gives the region of each 'holds where', ``effects`` each optimizer's effect size
+    (named by optimizer in the verdict's effect)."""
     regions = regions or {}
+    effect = "; ".join(f"{o}: {e}" for o, e in (effects or {}).items() if e and o in at_tuned)
     tested = {o: v for o, v in at_tuned.items() if v != "not tested"}
     why = "; ".join(f"{o}: {x}" + (f" {regions[o]}" if x == "holds where" and o in regions else "")
                     for o, x in at_tuned.items())
     if not tested:
         return Verdict("not tested", TUNED_RULE, "no tuned base rate could be tested")
     if all(v == "reproduced" for v in tested.values()):
-        return Verdict("reproduced", TUNED_RULE, why)
+        return Verdict("reproduced", TUNED_RULE, why, effect=effect)
     if all(v == "not reproduced" for v in tested.values()):
-        return Verdict("not reproduced", TUNED_RULE, why)
+        return Verdict("not reproduced", TUNED_RULE, why, effect=effect)
     hold = [o + (f" ({regions[o]})" if v == "holds where" and o in regions else "")
             for o, v in tested.items() if v in ("reproduced", "holds where")]
     if hold:
         rest = [o for o, v in tested.items() if v not in ("reproduced", "holds where")]
-        return Verdict("holds where", TUNED_RULE, why, region=_region(hold, rest, "with "))
-    return Verdict("inconclusive", TUNED_RULE, why)
+        return Verdict("holds where", TUNED_RULE, why, region=_region(hold, rest, "with "), effect=effect)
+    return Verdict("inconclusive", TUNED_RULE, why, effect=effect)
 
 
 RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,

@@ -376,7 +376,7 @@ def cell_verdicts(phase: pd.DataFrame,
                                       "to compare the higher ratios with") for cid, v in vs.items()}
         for cid, v in vs.items():
             rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "region": v.region,
-                         "reason": v.reason})
+                         "effect": v.effect, "reason": v.reason})
     return pd.DataFrame(rows)
 
 
@@ -389,10 +389,11 @@ def region_verdicts(cells: pd.DataFrame, selected: Mapping[str, float]) -> dict[
         at = {opt: g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)] for opt, eta in selected.items()}
         tuned = {opt: h["verdict"].iloc[0] for opt, h in at.items() if len(h)}
         where = {opt: str(h["region"].iloc[0]) for opt, h in at.items() if len(h) and "region" in h}
+        effects = {opt: str(h["effect"].iloc[0]) for opt, h in at.items() if len(h) and "effect" in h}
         holds = [f"{opt}: " + (", ".join(f"eta_ov {e:g}" for e in h["eta_ov"]) or "none")
                  for opt, h in ((o, g[(g["optimizer"] == o) & (g["verdict"] == "reproduced")])
                                 for o in dict.fromkeys(g["optimizer"]))]
-        out[cid] = (claims.tuned_region(tuned, where), "; ".join(holds))
+        out[cid] = (claims.tuned_region(tuned, where, effects), "; ".join(holds))
     return out
 
 

@@ -43,6 +43,7 @@ def test_analyse_selects_on_validation_and_gives_region_verdicts():
     # AdamW loses 10 points (R1 fails there), SGD keeps accuracy: it holds with SGD, not with AdamW
     assert v["R1"] == "holds where" and "adamw: not reproduced" in res.regions["R1"][0].reason
     assert res.regions["R1"][0].region == "with sgd; not with adamw"
+    assert res.regions["R1"][0].effect.startswith("adamw: accuracy -10.0 %")  # the effect of each tuned rate
     assert v["R3"] == "holds where" and res.regions["R3"][1].startswith("adamw: none; sgd: eta_ov 0.1, eta_ov 0.3")
     # the same table without AdamW's accuracy loss: R1 holds at both tuned rates
     assert M.analyse(_table(d_acc_adamw=0.0), 0.5).regions["R1"][0].verdict == "reproduced"
