@@ -17,9 +17,8 @@ ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validat
    whether it is significant; for R1 also the change of accuracy and macro-F1 over every model,
    trained or not.
 5. :func:`cell_verdicts` applies the R1-R3 rules of :mod:`qkov_lib.claims` (decided on the seed
-   intervals) in every (optimizer, base rate) column of the map; :func:`region_verdicts` states
-   the verdict at the tuned base rates (:func:`qkov_lib.claims.tuned_region`) and the region in
-   which each claim holds.
+   intervals) in every (optimizer, base rate) column of the map; :mod:`qkov_lib.rate_plane`
+   reads the same runs as the (eta_QK, eta_OV) plane and decides each claim there.
 """
 
 from __future__ import annotations
@@ -107,7 +106,7 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
                measure: Callable[[nn.Module, Batch], Mapping[str, float]], max_stack: int = 64,
                desc: str = "map", models_out: dict[Cell, nn.Module] | None = None,
                threads: int | None = None, processes: int = 1,
-               histories_out: dict[Cell, History] | None = None) -> pd.DataFrame:
+               histories_out: dict[Cell, History] | None = None, taus: Sequence[float] = ()) -> pd.DataFrame:
     """Train every cell and measure it: one row per cell with its settings, ``diverged``,
     ``stop_step``, the validation metrics (``val_<metric>``) and the test metrics.
 
@@ -118,7 +117,8 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     models that share an optimizer. ``models_out`` and ``histories_out``, if given, receive every
     trained model that did not diverge and every run's :class:`~qkov_lib.train.History`, keyed by
     its cell (for later analyses); ``threads`` sets torch's intra-op threads while training and
-    measuring.
+    measuring; ``taus`` (thresholds in [0, 1]) add ``AC@tau``/``ACMC@tau`` to the logged records
+    (:func:`~qkov_lib.train.loop.train_stacked`).
 
     ``processes`` > 1 trains the stacks in that many spawned processes at once, each with one
     torch thread (:func:`_train_in_processes`; ``make_model``, ``config`` and ``measure`` must
@@ -129,9 +129,9 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
         raise ValueError(f"processes must be a positive integer, got {processes!r}")
     units = _stack_units(cells, max_stack)
     if processes > 1 and len(units) > 1:
-        done = _train_in_processes(units, make_model, train, val, test, config, measure, desc, processes)
+        done = _train_in_processes(units, make_model, train, val, test, config, measure, desc, processes, taus)
     else:
-        done = [_train_unit(u, make_model, train, val, test, config, measure, desc, threads) for u in units]
+        done = [_train_unit(u, make_model, train, val, test, config, measure, desc, threads, taus=taus) for u in units]
     rows = []
     for unit_rows, unit_models, unit_hists in done:
         rows += unit_rows
@@ -153,14 +153,15 @@ def _stack_units(cells: Sequence[Cell], max_stack: int) -> list[tuple[str, list[
 
 
 def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, config, measure, desc: str,
-                threads: int | None, on_step: Callable[[int], None] | None = None,
+                threads: int | None, on_step: Callable[[int], None] | None = None, taus: Sequence[float] = (),
                 ) -> tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]:
     """Train and measure one stack of :func:`_stack_units`: its rows, its non-diverged models and
     every run's history."""
     label, chunk = unit
     models = [make_model(c.seed) for c in chunk]
     hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
-                          desc=f"{desc} {label}", progress=on_step is None, threads=threads, on_step=on_step)
+                          desc=f"{desc} {label}", progress=on_step is None, threads=threads, on_step=on_step,
+                          taus=taus)
     rows, kept = [], {}
     with torch_threads(threads):  # measured on the threads it trained on: the same numbers in a worker
         for c, m, h in zip(chunk, models, hists):
@@ -177,7 +178,7 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
 _STEP_REPORT = 20  # a worker reports its progress every this many optimizer steps
 
 
-def _worker(units, make_model, train, val, test, config, measure, desc, queue) -> None:
+def _worker(units, make_model, train, val, test, config, measure, desc, queue, taus=()) -> None:
     """One process of :func:`_train_in_processes`: train ``units`` (``(index, unit)`` pairs) on one
     torch thread; send ``("step", n)`` progress, ``("unit", index, payload)`` per finished stack
     (rows and models through :func:`torch.save`) or ``("error", text)``."""
@@ -191,7 +192,7 @@ def _worker(units, make_model, train, val, test, config, measure, desc, queue) -
                 if (step + 1) % _STEP_REPORT == 0:
                     queue.put(("step", _STEP_REPORT))
 
-            got = _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=report)
+            got = _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=report, taus=taus)
             buf = io.BytesIO()
             torch.save(got, buf)
             queue.put(("unit", index, buf.getvalue()))
@@ -200,6 +201,7 @@ def _worker(units, make_model, train, val, test, config, measure, desc, queue) -
 
 
 def _train_in_processes(units, make_model, train, val, test, config, measure, desc: str, processes: int,
+                        taus: Sequence[float] = (),
                         ) -> list[tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]]:
     """:func:`_train_unit` of every unit, spread round-robin over ``processes`` spawned one-thread
     processes (spawn, not fork: a process forked after torch ran with two threads can hang in the
@@ -213,7 +215,7 @@ def _train_in_processes(units, make_model, train, val, test, config, measure, de
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     shares = [[(i, u) for i, u in enumerate(units) if i % processes == w] for w in range(processes)]
-    procs = [ctx.Process(target=_worker, args=(share, make_model, train, val, test, config, measure, desc, q),
+    procs = [ctx.Process(target=_worker, args=(share, make_model, train, val, test, config, measure, desc, q, taus),
                          daemon=True) for share in shares if share]
     totals = [config(u[1][0]).steps for u in units]  # a stack runs at most its first config's steps
     out: dict[int, tuple] = {}
@@ -281,16 +283,16 @@ def select_base_rates(table: pd.DataFrame, metric: str = "val_accuracy", tie: st
 R1_METRICS = ("accuracy", "macro_f1")  # R1 compares every model, trained or not, on these (``d_all_<m>``)
 
 
-def phase_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, chance: float | None = None
-                ) -> pd.DataFrame:
+def phase_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, chance: float | None = None,
+                all_metrics: Sequence[str] = R1_METRICS) -> pd.DataFrame:
     """Per (optimizer, eta_ov, ratio): runs, trained runs, the failure rate, the mean of each
     metric over trained runs, and its change against ratio 1 paired by seed (``d_<metric>``, only
     seeds whose both runs trained) with the 95% half-width ``d_<metric>_ci``, the number of seed
     pairs ``d_<metric>_n`` and ``d_<metric>_sig`` (the interval excludes 0; with one seed, never).
 
     For R1, which must see every model, ``d_all_<m>`` / ``d_all_<m>_ci`` / ``d_all_<m>_n`` give
-    the same paired change of accuracy and macro-F1 over every seed whose runs did not diverge,
-    trained or not. With ``chance`` (a fraction, e.g. the test split's majority-class rate) a
+    the same paired change of each of ``all_metrics`` (default accuracy and macro-F1) over every
+    seed whose runs did not diverge, trained or not. With ``chance`` (a fraction, e.g. the test split's majority-class rate) a
     diverged run counts with accuracy ``chance`` instead of being left out (its macro-F1 is
     still left out)."""
     if chance is not None and not (math.isfinite(float(chance)) and 0.0 <= float(chance) <= 1.0):
@@ -298,7 +300,7 @@ def phase_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, chanc
     metrics = phase_metrics() if metrics is None else metrics
     everyone = table.copy()
     diverged = everyone["diverged"].astype(bool) if "diverged" in everyone else pd.Series(False, everyone.index)
-    for m in R1_METRICS:
+    for m in all_metrics:
         if m in everyone:
             everyone[m] = everyone[m].astype(float).where(~diverged, chance if m == "accuracy" and chance is not None
                                                           else math.nan)
@@ -324,7 +326,7 @@ def phase_table(table: pd.DataFrame, metrics: Sequence[str] | None = None, chanc
                 row[f"d_{m}_sig"] = bool(c.bounded and abs(c.mean) > c.half_width)
             cur = everyone.loc[h.index].set_index("seed")
             pairs = cur.index.intersection(ref_all.index)
-            for m in R1_METRICS:
+            for m in all_metrics:
                 if m in g:
                     put(row, f"d_all_{m}", claims.Change.of(cur.loc[pairs, m].to_numpy(dtype=float)
                                                             - ref_all.loc[pairs, m].to_numpy(dtype=float)))
@@ -378,23 +380,6 @@ def cell_verdicts(phase: pd.DataFrame,
             rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "region": v.region,
                          "effect": v.effect, "reason": v.reason})
     return pd.DataFrame(rows)
-
-
-def region_verdicts(cells: pd.DataFrame, selected: Mapping[str, float]) -> dict[str, tuple[claims.Verdict, str]]:
-    """Per claim: the verdict at the tuned base rate of every optimizer
-    (:func:`qkov_lib.claims.tuned_region`) and the region of the map where the claim is
-    reproduced, as text (``adamw: eta_ov 1e-3, 3e-3; sgd: none``)."""
-    out = {}
-    for cid, g in cells.groupby("claim", sort=True):
-        at = {opt: g[(g["optimizer"] == opt) & (g["eta_ov"] == eta)] for opt, eta in selected.items()}
-        tuned = {opt: h["verdict"].iloc[0] for opt, h in at.items() if len(h)}
-        where = {opt: str(h["region"].iloc[0]) for opt, h in at.items() if len(h) and "region" in h}
-        effects = {opt: str(h["effect"].iloc[0]) for opt, h in at.items() if len(h) and "effect" in h}
-        holds = [f"{opt}: " + (", ".join(f"eta_ov {e:g}" for e in h["eta_ov"]) or "none")
-                 for opt, h in ((o, g[(g["optimizer"] == o) & (g["verdict"] == "reproduced")])
-                                for o in dict.fromkeys(g["optimizer"]))]
-        out[cid] = (claims.tuned_region(tuned, where, effects), "; ".join(holds))
-    return out
 
 
 PHASE_LABEL_CHARS = 5  # the longest cell label of :func:`plot_phase` ("+.12*")
@@ -509,4 +494,4 @@ def synthetic_demo(n: int = 600, T: int = 8, vocab: int = 12, seed: int = 0) -> 
 
 
 __all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table", "cell_verdicts",
-           "region_verdicts", "plot_phase", "phase_label", "PHASE_LABEL_CHARS", "PHASE_COLS", "PHASE_SCALE_BELOW", "failures", "synthetic_demo", "phase_metrics", "MAP_TAU", "R1_METRICS"]
+           "plot_phase", "phase_label", "PHASE_LABEL_CHARS", "PHASE_COLS", "PHASE_SCALE_BELOW", "failures", "synthetic_demo", "phase_metrics", "MAP_TAU", "R1_METRICS"]

@@ -9,6 +9,7 @@ import torch
 
 from qkov_lib import claims as C
 from qkov_lib import protocol as P
+from qkov_lib import rate_plane
 from qkov_lib.models import TokenModel
 from qkov_lib.train import TrainConfig, evaluate
 
@@ -69,16 +70,14 @@ def test_phase_table_counts_seed_pairs_and_rejects_a_bad_chance():
         P.cell_verdicts(P.phase_table(t), necessary="yes")
 
 
-def test_region_verdicts_flip_with_the_effect():
+def test_tuned_line_flips_with_the_effect():
     for d_attn, want in ((0.1, "reproduced"), (-0.1, "not reproduced")):
         t = _table(d_attn=d_attn)
         t["trained"] = P.trained(t, chance=0.5)
         cells = P.cell_verdicts(P.phase_table(t))
-        out = P.region_verdicts(cells, P.select_base_rates(t))
-        assert out["R3"][0].verdict == want and out["R2"][0].verdict == want
-        assert out["R1"][0].verdict == "reproduced"
-    assert "adamw: eta_ov 0.001, eta_ov 0.01" in P.region_verdicts(
-        P.cell_verdicts(P.phase_table(t.assign(trained=True))), {"adamw": 1e-3})["R1"][1]
+        out = rate_plane.tuned_line(cells, {o: [e] for o, e in P.select_base_rates(t).items()})
+        assert out["R3"].verdict == want and out["R2"].verdict == want
+        assert out["R1"].verdict == "reproduced"
 
 
 def test_equal_validation_accuracy_is_broken_by_validation_loss():
@@ -139,8 +138,8 @@ def test_a_column_that_never_trains_at_ratio_one_is_not_tested():
 def test_one_ratio_is_not_tested():
     t = _table()
     t = t[t.ratio == 1.0].assign(trained=True)
-    out = P.region_verdicts(P.cell_verdicts(P.phase_table(t)), P.select_base_rates(t))
-    assert {k: v.verdict for k, (v, _) in out.items()} == {"R1": "not tested", "R2": "not tested", "R3": "not tested"}
+    out = rate_plane.tuned_line(P.cell_verdicts(P.phase_table(t)), {o: [e] for o, e in P.select_base_rates(t).items()})
+    assert {k: v.verdict for k, v in out.items()} == {"R1": "not tested", "R2": "not tested", "R3": "not tested"}
 
 
 def _tiny_model(seed):

@@ -21,6 +21,7 @@ from qkov_lib import protocol
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig, train
+from qkov_lib.studies.trajectory import at_levels
 from qkov_lib.studies.reduction import PARAMS, _fig, _probe, sizes_of, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
 
 # Chapter 03 (asymptotics): long ODE integrations, fits, S2 runs.
@@ -339,21 +340,9 @@ def common_at_losses(history: pd.DataFrame, levels: Sequence[float]) -> dict[flo
     """The common-token mass ``1 - attn_relevant`` of one logged run when its training loss first
     reached each of ``levels`` (nats), interpolated linearly in (log loss, log mass) between the
     two logged steps around the crossing; NaN for a level the run never reached."""
-    loss = history["loss"].to_numpy(dtype=float)
     log_c = np.log(np.clip(1.0 - history["attn_relevant"].to_numpy(dtype=float), 1e-300, None))
-    out = {}
-    for lv in levels:
-        hit = np.flatnonzero(loss <= lv)
-        if not len(hit):
-            out[float(lv)] = float("nan")
-            continue
-        i = int(hit[0])
-        if i == 0 or loss[i - 1] == loss[i]:
-            out[float(lv)] = float(math.exp(log_c[i]))
-            continue
-        w = (math.log(loss[i - 1]) - math.log(lv)) / (math.log(loss[i - 1]) - math.log(loss[i]))
-        out[float(lv)] = float(math.exp(log_c[i - 1] + w * (log_c[i] - log_c[i - 1])))
-    return out
+    at = np.exp(at_levels(history["loss"].to_numpy(dtype=float), log_c, levels))
+    return {float(lv): float(c) for lv, c in zip(levels, at)}
 
 
 def t5_full_level(full: pd.DataFrame) -> float | None:

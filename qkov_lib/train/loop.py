@@ -308,7 +308,7 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
                   groups: GroupsFn = default_groups, batches: BatchesFn = default_batches,
                   prepare: Callable[[Batch], Batch] | None = None, desc: str = "stacked",
                   progress: bool | None = None, threads: int | None = None,
-                  on_step: Callable[[int], None] | None = None) -> list[History]:
+                  on_step: Callable[[int], None] | None = None, taus: Sequence[float] = ()) -> list[History]:
     """Train ``models`` (one architecture; forward ``(tokens, key_mask) -> (logits, attention)``)
     on ``data`` together, each with its config (one, or one per model; they may differ in
     ``eta_ov``, ``ratio``, ``eta_other``, ``weight_decay``, ``momentum``, ``seed``,
@@ -322,7 +322,14 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
     minibatch before the forward pass (``B = 1`` only, e.g. trimming padding);
     ``on_nonfinite`` is ``"raise"`` or ``"freeze"``; ``threads`` sets torch's intra-op threads
     while training (None: unchanged); ``on_step(step)``, if given, is called after every
-    optimizer step (e.g. to report progress from another process)."""
+    optimizer step (e.g. to report progress from another process); ``taus`` are the thresholds
+    in [0, 1] at which the log records also carry ``AC@tau`` / ``ACMC@tau`` (``val_AC@0.5`` for
+    ``taus=(0.5,)``; none by default).
+
+    The attention metrics of a log record (every key of :func:`qkov_lib.metrics.summarize` but
+    ``loss`` and ``accuracy``) are means over the evaluated rows that have a relevant token when
+    only some of them have one (HateXplain's "normal" posts carry no rationale), as
+    :func:`qkov_lib.studies.realmap.measure` reports them; loss and accuracy are over every row."""
     models = list(models)
     cfgs = [cfgs] * len(models) if isinstance(cfgs, TrainConfig) else list(cfgs)
     if len(cfgs) != len(models):
@@ -336,17 +343,19 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
     c0 = check_configs(cfgs)
     if val is None and any(c.patience is not None for c in cfgs):
         raise ValueError("patience (early stopping on validation loss) needs validation data: pass val=")
+    taus = tuple(float(t) for t in taus)  # one outside [0, 1] fails at the first log step (step 0)
     retain_freed_memory()
     with torch_threads(threads):
-        return _Trainer(models, data, cfgs, c0, probe, val, on_nonfinite, groups, batches, prepare).run(
+        return _Trainer(models, data, cfgs, c0, probe, val, on_nonfinite, groups, batches, prepare, taus).run(
             desc, c0.progress if progress is None else progress, on_step)
 
 
 class _Trainer:
     """The state of one :func:`train_stacked` call; ``rows[i]`` is the model index of stack row i."""
 
-    def __init__(self, models, data, cfgs, c0, probe, val, on_nonfinite, groups, batches, prepare) -> None:
-        self.models, self.cfgs, self.c0 = models, cfgs, c0
+    def __init__(self, models, data, cfgs, c0, probe, val, on_nonfinite, groups, batches, prepare,
+                 taus: tuple[float, ...] = ()) -> None:
+        self.models, self.cfgs, self.c0, self.taus = models, cfgs, c0, taus
         self.probe, self.on_nonfinite, self.batches, self.prepare = probe, on_nonfinite, batches, prepare
         self.stack = ModelStack(models)
         dev = self.stack.device
@@ -415,8 +424,21 @@ class _Trainer:
 
     # --- logging --------------------------------------------------------------------------
     def _metrics(self, data: Batch) -> list[dict[str, float]]:
+        """:func:`~qkov_lib.metrics.summarize` of every stacked model on ``data``; where only some
+        rows have a relevant token, the attention metrics are over those rows (see
+        :func:`train_stacked`)."""
         attn, probs = self.stack.predict(data)
-        return [summarize(attn[i], probs[i], data.relevant, data.y, (), data.weight) for i in range(self.stack.B)]
+        out = [summarize(attn[i], probs[i], data.relevant, data.y, self.taus, data.weight) for i in range(self.stack.B)]
+        has = data.relevant.any(1)
+        if bool(has.any()) and not bool(has.all()):
+            # rows without a relevant token have relevant mass 0 by definition and would dilute the
+            # attention metrics; subset once for all models, then only the per-model summaries
+            rel, y, w = data.relevant[has], data.y[has], None if data.weight is None else data.weight[has]
+            attn, probs = attn[:, has], probs[:, has]
+            for i, rec in enumerate(out):
+                s = summarize(attn[i], probs[i], rel, y, self.taus, w)  # summarize renormalises w
+                rec.update({k: v for k, v in s.items() if k not in ("loss", "accuracy")})
+        return out
 
     def _log(self, step: int) -> None:
         recs = [{"step": step} for _ in self.rows]

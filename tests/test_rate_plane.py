@@ -1,0 +1,154 @@
+"""The rate plane: both routes' pairing, cell outcomes, the stable ceiling, tied rates and the
+plane's verdicts, on hand-made run tables whose answers are worked out by hand."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qkov_lib import claims, rate_plane
+from qkov_lib.protocol import phase_metrics
+
+SEEDS = [0, 1, 2, 3]
+
+
+def _table(value, trained=lambda o, e, r, s: True, diverged=lambda o, e, r, s: False, rates=(1e-4, 1e-3, 1e-2),
+           ratios=(1.0, 10.0, 100.0)) -> pd.DataFrame:
+    """One run per (rate, ratio, seed) of AdamW; every phase metric = ``value(eta_ov, ratio, seed)``,
+    validation accuracy too; ``trained``/``diverged`` flag runs."""
+    rows = []
+    for e in rates:
+        for r in ratios:
+            for s in SEEDS:
+                v = value(e, r, s)
+                rows.append({"optimizer": "adamw", "eta_ov": e, "ratio": r, "seed": s,
+                             "diverged": diverged("adamw", e, r, s), "trained": trained("adamw", e, r, s),
+                             "val_accuracy": v, **{m: v for m in phase_metrics()}})
+    return pd.DataFrame(rows)
+
+
+def test_routes_pair_each_cell_with_its_own_reference():
+    # metric = log10(eta_QK) + seed/100: along qk_up the change is log10(ratio) exactly; along ov_down
+    # (fixed eta_QK) it is 0
+    t = _table(lambda e, r, s: math.log10(e * r) + s / 100)
+    p = rate_plane.plane_phase(t)
+    up = p[(p["route"] == "qk_up") & (p["ratio"] == 10.0)]
+    assert np.allclose(up["d_accuracy"], 1.0) and (up["d_accuracy_n"] == 4).all()
+    down = p[p["route"] == "ov_down"]
+    # fixed eta_QK lines with a ratio-1 run and a higher ratio: 1e-3 (ratio 10 at 1e-4) and 1e-2 (10, 100)
+    assert sorted(zip(down["eta_qk"], down["ratio"])) == [(1e-3, 10.0), (1e-2, 10.0), (1e-2, 100.0)]
+    assert np.allclose(down["d_accuracy"], 0.0)
+    assert set(down["ref_eta_ov"]) == {1e-3, 1e-2} and (down["eta_ov"] * down["ratio"]).map(rate_plane.rate).equals(
+        down["eta_qk"])
+    # the all-runs view is there for attention too
+    assert np.allclose(up["d_all_AC@0.5"], 1.0)
+
+
+def test_float_rates_meet():
+    assert rate_plane.rate(1e-4 * 100) == rate_plane.rate(1e-2) == 0.01
+
+
+def test_rescued_and_thin_references():
+    # at eta 1e-4 nothing trains at ratio 1 but everything at ratio 10 and 100 (rescued); at 1e-3 two of
+    # four seeds train at ratio 1 (a thin reference: inconclusive)
+    def trained(o, e, r, s):
+        if e == 1e-4 and r == 1.0:
+            return False
+        if e == 1e-3 and r == 1.0:
+            return s < 2
+        return True
+
+    t = _table(lambda e, r, s: 0.5 + s / 100, trained=trained)
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    r1 = out[(out["claim"] == "R1") & (out["route"] == "qk_up")]
+    assert set(r1[r1["eta_ov"] == 1e-4]["outcome"]) == {"rescued"}
+    assert set(r1[r1["eta_ov"] == 1e-4]["verdict"]) == {"not tested"}
+    # 2 of 4 at ratio 1 and 4 of 4 above: training rescued too
+    assert set(r1[r1["eta_ov"] == 1e-3]["outcome"]) == {"rescued"}
+    assert "2 seed(s) trained at ratio 1, 4 at ratio 10" in r1[(r1["eta_ov"] == 1e-3) & (r1["ratio"] == 10)]["reason"].iloc[0]
+    # a thin reference whose cell trains no better stays inconclusive
+    thin = _table(lambda e, r, s: 0.5 + s / 100, trained=lambda o, e, r, s: s < 2 or e != 1e-3)
+    out2 = rate_plane.cell_outcomes(rate_plane.plane_phase(thin))
+    c = out2[(out2["claim"] == "R1") & (out2["route"] == "qk_up") & (out2["eta_ov"] == 1e-3)]
+    assert set(c["verdict"]) == {"inconclusive"} and "2 seed(s) trained at ratio 1" in c["reason"].iloc[0]
+    # eta 1e-2: unchanged accuracy with 4 seeds -> R1 reproduced
+    assert set(r1[r1["eta_ov"] == 1e-2]["verdict"]) == {"reproduced"}
+
+
+def test_ceiling_and_edge():
+    # one ratio-1 run diverges at 1e-2: the ceiling is 1e-3; cells with eta_QK above it are not read
+    t = _table(lambda e, r, s: 0.5 + s / 100, diverged=lambda o, e, r, s: e == 1e-2 and r == 1.0 and s == 0,
+               trained=lambda o, e, r, s: not (e == 1e-2 and r == 1.0 and s == 0))
+    ceiling = rate_plane.qk_ceiling(t)
+    assert ceiling == {"adamw": 1e-3}
+    # slow runs that did not train are no instability: the ceiling stays at the top rate
+    slow = _table(lambda e, r, s: 0.5, trained=lambda o, e, r, s: e != 1e-4)
+    assert rate_plane.qk_ceiling(slow) == {"adamw": 1e-2}
+    # divergence at the smallest rate: no stable rate
+    assert math.isnan(rate_plane.qk_ceiling(_table(lambda e, r, s: 0.5, diverged=lambda o, e, r, s: True))["adamw"])
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    v = rate_plane.plane_verdicts(out, ceiling)["R1"]
+    # read: the point (1e-4, 1e-3) by both routes (from (1e-4, 1e-4) and from (1e-3, 1e-3));
+    # everything else has eta_QK >= 1e-2
+    assert v.verdict == "reproduced"
+    assert v.reason.startswith("2 cells within the stable range: 2 reproduced")
+    assert "past the edge" in v.reason
+
+
+def test_plane_verdict_region_names_cells():
+    # accuracy falls by 0.1 at ratio 100 and is unchanged at ratio 10 (every route and rate)
+    t = _table(lambda e, r, s: 0.8 - (0.1 if r == 100.0 else 0.0) + s / 1000)
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    v = rate_plane.plane_verdicts(out, {"adamw": 1.0})["R1"]
+    assert v.verdict == "holds where"
+    assert "adamw (0.0001, 0.001)↑" in v.region and "not at" in v.region and "(0.0001, 0.01)↑" in v.region
+    assert v.effect.startswith("Δ accuracy from -0.100")
+    # a plane where the claim holds nowhere, read where stable
+    t2 = _table(lambda e, r, s: 0.8 - (0.1 if r > 1 else 0.0) + s / 1000)
+    out2 = rate_plane.cell_outcomes(rate_plane.plane_phase(t2))
+    assert rate_plane.plane_verdicts(out2, {"adamw": 1.0})["R1"].verdict == "not reproduced"
+    # an empty reading is 'not tested'
+    assert rate_plane.plane_verdicts(out2, {"adamw": 1e-9})["R1"].verdict == "not tested"
+
+
+def test_tied_rates_and_tuned_line():
+    # val accuracy: 1e-3 best (0.80 ± spread), 1e-2 within its interval, 1e-4 far below
+    spread = {0: -0.01, 1: 0.01, 2: -0.005, 3: 0.005}
+    means = {1e-4: 0.5, 1e-3: 0.80, 1e-2: 0.795}
+    t = _table(lambda e, r, s: means[e] + spread[s])
+    tied = rate_plane.tied_rates(t, {"adamw": 1e-3})
+    assert tied == {"adamw": [1e-3, 1e-2]}
+    cols = pd.DataFrame([{"optimizer": "adamw", "eta_ov": 1e-3, "claim": "R2", "verdict": "reproduced", "region": "",
+                          "effect": "AC +0.1"},
+                         {"optimizer": "adamw", "eta_ov": 1e-2, "claim": "R2", "verdict": "not reproduced",
+                          "region": "", "effect": "AC -0.1"}])
+    line = rate_plane.tuned_line(cols, tied)["R2"]
+    assert line.verdict == "inconclusive" and "0.01: not reproduced" in line.effect
+    agree = rate_plane.tuned_line(cols.assign(verdict="reproduced"), tied)["R2"]
+    assert agree.verdict == "reproduced"
+
+
+def test_region_table_and_plot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    t = _table(lambda e, r, s: 0.8 - (0.1 if r == 100.0 else 0.0) + s / 1000)
+    p = rate_plane.plane_phase(t)
+    out = rate_plane.cell_outcomes(p)
+    tab = rate_plane.region_table(out, {"adamw": 1e-2})
+    assert set(tab.columns) >= {"R1", "R2", "R3", "trained", "ref_trained", "past the edge"}
+    assert tab["past the edge"].sum() == len(tab[tab["eta_qk"] > 1e-2])
+    fig = rate_plane.plot_plane(p, "accuracy", {"adamw": 1e-2})
+    assert len(fig.axes) == 4  # two route panels and their colour bars
+    with pytest.raises(ValueError, match="no column"):
+        rate_plane.plot_plane(p, "nonsense")
+
+
+def test_mean_of_paired_change_is_paired():
+    # seeds differ a lot, the change per seed is exactly +0.05: the interval is zero-width
+    t = _table(lambda e, r, s: s / 10 + (0.05 if r > 1 else 0.0))
+    p = rate_plane.plane_phase(t)
+    row = p[(p["route"] == "qk_up") & (p["ratio"] == 10.0)].iloc[0]
+    assert row["d_accuracy"] == pytest.approx(0.05) and row["d_accuracy_ci"] == pytest.approx(0.0, abs=1e-12)
+    assert claims.MIN_SEEDS <= row["d_accuracy_n"]
