@@ -30,10 +30,13 @@ The head's parameters are the ``qk`` (``W_QK`` or ``W_Q``, ``W_K``) and ``ov`` (
 start). ``forward(tokens, key_mask)`` returns ``(logits (B, C), attention (B, T))`` like every
 model of the project, so :func:`qkov_lib.train.loop.train_stacked` trains stacks of it (``bigru``:
 one model per stack, as ``torch.func.vmap`` has no rule for ``aten::gru``); ``forward(...,
-attention=A)`` replaces the softmax row by a given (B, T) row, for :func:`necessity`.
+attention=A)`` replaces the softmax row by a given (B, T) row, for :func:`necessity` and
+:func:`graded_intervention`.
 
 :func:`word_task` casts a SQuAD :class:`~qkov_lib.data.text.TextDataset` for the ``words``
-readout; :func:`necessity` measures how much of the accuracy the head's attention carries.
+readout; :func:`necessity` measures how much of the accuracy the head's attention carries, and
+:func:`graded_intervention` (per model of a grid: :func:`intervention_frame`) the accuracy along
+the way from the model's own row to the oracle.
 Token-local values make the prediction a function of the attended tokens' identities; with
 context in the keys, *which* token is attended can still carry information of its own, so the
 oracle column of :func:`necessity` (all mass on the relevant tokens) says whether attending
@@ -43,8 +46,13 @@ them is how the model predicts.
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -342,6 +350,46 @@ def tie_accuracy(logits: Tensor, y: Tensor) -> Tensor:
     return top.gather(1, y[:, None])[:, 0].double() / top.sum(-1).double()
 
 
+def _relevant_rows(model: HeadModel, data: Batch, what: str) -> tuple[Tensor, int]:
+    """``(idx, n_without)``: the indices of the rows of ``data`` that have a relevant key among
+    their attendable keys (the only rows on which the oracle row is defined) and the count of the
+    others; TypeError/ValueError naming ``what`` (the calling function) on bad input."""
+    if not isinstance(model, HeadModel):
+        raise TypeError(f"{what} needs a HeadModel (it replaces the head's attention), got {type(model).__name__}")
+    if not isinstance(data, Batch):
+        raise TypeError(f"data must be a Batch, got {type(data).__name__}")
+    has = (data.relevant.bool() & data.key_mask.bool()).any(1)
+    if not bool(has.any()):
+        raise ValueError("no row of data has a relevant key: the oracle attention is undefined")
+    return has.nonzero()[:, 0], int((~has).sum())
+
+
+def _reference_rows(data: Batch, idx: Tensor, chunk: int, dtype: torch.dtype) -> Iterator[tuple[Batch, Tensor, Tensor]]:
+    """``(rows, uniform, oracle)`` per chunk of at most ``chunk`` of the rows ``idx``: the
+    sub-batch and two (n, T) attention rows in ``dtype``, uniform over the attendable keys and the
+    oracle, all mass spread evenly over the relevant keys (both built in float64, then cast)."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    for s in range(0, len(idx), chunk):
+        b = data.index(idx[s:s + chunk])
+        k = b.key_mask.bool()
+        r = b.relevant.bool() & k
+        uniform = k.double() / k.sum(1, keepdim=True)
+        oracle = r.double() / r.sum(1, keepdim=True)
+        yield b, uniform.to(dtype), oracle.to(dtype)
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside the block, its own mode restored after (also on an error)."""
+    was = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was)
+
+
 @torch.no_grad()
 def necessity(model: HeadModel, data: Batch, chunk: int = 1024) -> dict[str, float]:
     """Accuracy of ``model`` on ``data`` with three attention rows at the head: its own
@@ -350,29 +398,124 @@ def necessity(model: HeadModel, data: Batch, chunk: int = 1024) -> dict[str, flo
     guess among the candidate classes, those with a finite logit). Measured on the ``n`` rows
     that have a relevant key (``n_without_relevant`` rows have none and are left out). Ties
     between top logits count ``1/k`` (:func:`tie_accuracy`). Fractions in [0, 1]."""
-    if not isinstance(model, HeadModel):
-        raise TypeError(f"necessity needs a HeadModel (it replaces the head's attention), got {type(model).__name__}")
-    if not isinstance(data, Batch):
-        raise TypeError(f"data must be a Batch, got {type(data).__name__}")
-    km = data.key_mask.bool()
-    rel = data.relevant.bool() & km
-    has = rel.any(1)
-    if not bool(has.any()):
-        raise ValueError("no row of data has a relevant key: the oracle attention is undefined")
-    was = model.training
-    model.eval()
+    idx, n_without = _relevant_rows(model, data, "necessity")
     sums = {"model": 0.0, "uniform": 0.0, "oracle": 0.0, "chance": 0.0}
-    idx = has.nonzero()[:, 0]
-    for s in range(0, len(idx), chunk):
-        b = data.index(idx[s:s + chunk])
-        k, r = b.key_mask.bool(), (b.relevant.bool() & b.key_mask.bool())
-        uniform = k.double() / k.sum(1, keepdim=True)
-        oracle = r.double() / r.sum(1, keepdim=True)
-        dtype = model.embed.weight.dtype
-        for name, attn in (("model", None), ("uniform", uniform.to(dtype)), ("oracle", oracle.to(dtype))):
-            logits, _ = model(b.tokens, b.key_mask, attn)
-            sums[name] += float(tie_accuracy(logits, b.y).sum())
-        sums["chance"] += float((1.0 / torch.isfinite(logits).sum(-1).double()).sum())
-    model.train(was)
+    with _eval_mode(model):
+        for b, uniform, oracle in _reference_rows(data, idx, chunk, model.embed.weight.dtype):
+            for name, attn in (("model", None), ("uniform", uniform), ("oracle", oracle)):
+                logits, _ = model(b.tokens, b.key_mask, attn)
+                sums[name] += float(tie_accuracy(logits, b.y).sum())
+            sums["chance"] += float((1.0 / torch.isfinite(logits).sum(-1).double()).sum())
     n = len(idx)
-    return {**{k: v / n for k, v in sums.items()}, "n": n, "n_without_relevant": int((~has).sum())}
+    return {**{k: v / n for k, v in sums.items()}, "n": n, "n_without_relevant": n_without}
+
+
+# --- from the model's own attention to the oracle, in steps ---------------------------------
+ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def check_alphas(alphas: Sequence[float]) -> list[float]:
+    """``alphas`` as sorted floats after checking that they are a non-empty sequence of distinct
+    finite real numbers in [0, 1] (TypeError/ValueError otherwise)."""
+    if isinstance(alphas, (str, bytes)) or not isinstance(alphas, (Sequence, np.ndarray)):
+        raise TypeError(f"alphas must be a sequence of numbers in [0, 1], got {type(alphas).__name__}")
+    out = []
+    for a in alphas:
+        if isinstance(a, bool) or not isinstance(a, numbers.Real):
+            raise TypeError(f"every alpha must be a real number, got {a!r} ({type(a).__name__})")
+        if not math.isfinite(a) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"every alpha must be finite and in [0, 1] (0: the model's row, 1: the oracle), got {a!r}")
+        out.append(float(a))
+    if not out:
+        raise ValueError("alphas is empty: give at least one mixing weight in [0, 1]")
+    if len(set(out)) != len(out):
+        raise ValueError(f"alphas must be distinct, got {list(alphas)}")
+    return sorted(out)
+
+
+@torch.no_grad()
+def graded_intervention(model: HeadModel, data: Batch, alphas: Sequence[float] = ALPHAS,
+                        chunk: int = 1024) -> pd.DataFrame:
+    """Accuracy of ``model`` on ``data`` when the head's attention row is replaced by
+    ``(1 - alpha) * own + alpha * oracle``: ``own`` the row the model computes itself, ``oracle``
+    all mass spread evenly over the relevant keys. One row per alpha (sorted): ``alpha``,
+    ``accuracy`` (tie-aware, :func:`tie_accuracy`; a fraction in [0, 1]) and ``n``, the rows of
+    ``data`` that have a relevant key (the rows of :func:`necessity`). Alpha 0 gives exactly
+    :func:`necessity`'s ``model`` column and alpha 1 exactly its ``oracle`` column
+    (``1 * x + 0 * y = x`` in floating point). The accuracy between the ends says whether moving
+    the attention toward the annotations helps the model or costs it."""
+    alphas = check_alphas(alphas)
+    idx, _ = _relevant_rows(model, data, "graded_intervention")
+    sums = [0.0] * len(alphas)
+    with _eval_mode(model):
+        for b, _, oracle in _reference_rows(data, idx, chunk, model.embed.weight.dtype):
+            _, own = model(b.tokens, b.key_mask)
+            for i, a in enumerate(alphas):
+                logits, _ = model(b.tokens, b.key_mask, (1.0 - a) * own + a * oracle)
+                sums[i] += float(tie_accuracy(logits, b.y).sum())
+    n = len(idx)
+    return pd.DataFrame({"alpha": alphas, "accuracy": [s / n for s in sums], "n": n})
+
+
+def intervention_frame(models: Mapping[Any, HeadModel], data: Batch, alphas: Sequence[float] = ALPHAS,
+                       names: Sequence[str] | None = None, chunk: int = 1024) -> pd.DataFrame:
+    """:func:`graded_intervention` of every model on the same ``data``, one row per (model,
+    alpha): the model's key in the columns ``names`` (a key of ``len(names)`` values, e.g.
+    ``names=("ratio", "seed")`` for (ratio, seed) keys; a plain key with one name), then
+    ``alpha``, ``accuracy`` and ``n``. ``names=None``: the key as it is in one column ``key``."""
+    if not isinstance(models, Mapping) or not models:
+        raise ValueError("models must be a non-empty mapping {key: HeadModel}")
+    alphas = check_alphas(alphas)
+    plain = names is None
+    names = ["key"] if plain else list(names)
+    if not names or len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"names must be distinct column names, got {names!r}")
+    if set(names) & {"alpha", "accuracy", "n"}:
+        raise ValueError(f"names must not reuse the columns alpha, accuracy and n, got {names!r}")
+    frames = []
+    for key, model in models.items():
+        values = (key,) if plain or (len(names) == 1 and not isinstance(key, tuple)) else key
+        if not isinstance(values, tuple) or len(values) != len(names):
+            raise ValueError(f"key {key!r} does not have one value per name in {names}")
+        f = graded_intervention(model, data, alphas, chunk)
+        for n, v in reversed(list(zip(names, values))):
+            f.insert(0, n, [v] * len(f))
+        frames.append(f)
+    return pd.concat(frames, ignore_index=True)
+
+
+def endpoint_means(frame: pd.DataFrame, over: str | None = "seed") -> pd.DataFrame:
+    """The two ends of an :func:`intervention_frame`, averaged over the column ``over`` (the
+    seeds; None: no averaging) within each group of the other key columns: those columns, then
+    ``model`` (mean accuracy at alpha 0), ``oracle`` (at alpha 1), ``seeds`` (models averaged) and
+    ``oracle_below_model`` (``oracle < model``). Raises ValueError when alpha 0 or alpha 1 is
+    missing, when ``over`` is not a key column, or when a group has unequal counts at the ends."""
+    need = {"alpha", "accuracy"}
+    if not isinstance(frame, pd.DataFrame) or not need <= set(frame.columns):
+        raise ValueError("frame must be an intervention_frame (columns alpha and accuracy)")
+    keys = [c for c in frame.columns if c not in ("alpha", "accuracy", "n")]
+    if over is not None and over not in keys:
+        raise ValueError(f"over={over!r} is not a key column of the frame (key columns: {keys})")
+    groups = [c for c in keys if c != over]
+    ends = {}
+    for name, a in (("model", 0.0), ("oracle", 1.0)):
+        rows = frame[frame["alpha"] == a]
+        if rows.empty:
+            raise ValueError(f"the frame has no alpha = {a:g} ({name}); include 0 and 1 in alphas")
+        ends[name] = rows.groupby(groups, sort=True)["accuracy"].agg(["mean", "size"]) if groups else \
+            pd.DataFrame({"mean": [rows["accuracy"].mean()], "size": [len(rows)]})
+    if not ends["model"].index.equals(ends["oracle"].index) or not ends["model"]["size"].equals(ends["oracle"]["size"]):
+        raise ValueError("alpha 0 and alpha 1 must be measured on the same models in every group")
+    out = pd.DataFrame({"model": ends["model"]["mean"], "oracle": ends["oracle"]["mean"],
+                        "seeds": ends["model"]["size"]})
+    out["oracle_below_model"] = out["oracle"] < out["model"]
+    return out.reset_index(drop=not groups)
+
+
+def oracle_below_model(frame: pd.DataFrame, over: str | None = "seed") -> bool:
+    """Whether the oracle's accuracy (alpha 1) is below the model's own (alpha 0) on the means over
+    ``over`` (the seeds) in every group of the other key columns (:func:`endpoint_means`). When it
+    is, moving the head's attention onto the annotated tokens costs accuracy: the model predicts
+    from other tokens, and attention-annotation agreement measures agreement with the annotations,
+    not what the model uses."""
+    return bool(endpoint_means(frame, over)["oracle_below_model"].all())

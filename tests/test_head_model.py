@@ -2,10 +2,13 @@
 head, token-local values, the SQuAD readout over the paragraph's distinct words worked by hand,
 the relative readout, gradients against finite differences, a stack of two equal to two separate
 trainings, the optimizer groups, the SQuAD word casting and its drop counts, the necessity check
-on a case whose answer is known, and clear errors on bad input."""
+on a case whose answer is known, the graded intervention from the model's attention to the oracle
+(its ends equal the necessity check, a hand-worked curve, a flat curve when the attention already is
+the oracle, the per-model frame and its seed means), and clear errors on bad input."""
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 from torch.func import functional_call
@@ -274,6 +277,170 @@ def test_tie_accuracy_counts_a_tie_as_a_fraction():
     logits = torch.tensor([[0.0, 0.0, float("-inf")], [1.0, 2.0, 2.0], [3.0, 0.0, 0.0]])
     assert torch.allclose(hm.tie_accuracy(logits, torch.tensor([1, 0, 0])), torch.tensor([0.5, 0.0, 1.0], dtype=F64))
 
+
+
+# --- the graded intervention: the model's row -> the oracle --------------------------------
+def random_batch(readout: str, seed: int = 0) -> Batch:
+    """24 rows of the tiny layout with random context words; the relevant key of row i is the
+    tiny batch's; the last row has none (so it is left out). ``y``: the relevant word's first key
+    position counted back (words readout) or a random class of 3 (class readout)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.tensor(ROWS * 8)
+    tokens[:, 5:11] = torch.randint(5, V, (24, 6), generator=g)
+    b0 = tiny_batch()
+    key_mask, relevant = b0.key_mask.repeat(8, 1), b0.relevant.repeat(8, 1)
+    relevant[-1] = False
+    if readout == "words":
+        word = tokens[torch.arange(24), torch.tensor([9, 5, 7] * 8)]
+        y = T - 1 - ((tokens == word[:, None]) & key_mask).to(torch.int8).argmax(1)
+    else:
+        y = torch.randint(0, 3, (24,), generator=g)
+    return Batch(tokens, key_mask, relevant, y)
+
+
+@pytest.mark.parametrize("kw", [dict(readout="words"), dict(readout="class", relative=True),
+                                dict(readout="class", encoder="conv", layers=1, window=3, values="map")],
+                         ids=["words", "class-relative", "class-conv"])
+def test_graded_intervention_ends_are_the_necessity_check(kw):
+    """Alpha 0 is necessity's "model" column and alpha 1 its "oracle" column, exactly, on the same
+    rows (the one without a relevant key left out); small chunks give the same curve."""
+    m = model(seed=4, **kw)
+    data = random_batch(kw["readout"])
+    nec = hm.necessity(m, data)
+    f = hm.graded_intervention(m, data)
+    assert list(f.columns) == ["alpha", "accuracy", "n"] and f["alpha"].tolist() == [0.0, 0.25, 0.5, 0.75, 1.0]
+    assert f["accuracy"].iloc[0] == nec["model"] and f["accuracy"].iloc[-1] == nec["oracle"]
+    assert (f["n"] == nec["n"]).all() and nec["n"] == 23
+    small = hm.graded_intervention(m, data, chunk=5)
+    assert small["accuracy"].tolist() == pytest.approx(f["accuracy"].tolist(), abs=1e-12)
+
+
+def signal_model(w_qk: float) -> hm.HeadModel:
+    """Class = signal word (A = 5 -> 0, B = 6 -> 1), one-hot embeddings, the query token 4 last.
+    W_OV reads A for class 0 and both B and the distractor N = 7 for class 1; W_QK scores A and B
+    ``w_qk`` against the query and N zero (symmetric, so either orientation of the score)."""
+    A, B, N, Q = 5, 6, 7, 4
+    m = hm.HeadModel(V, V, 2, 5, readout="class", positions=(), dtype=F64, parameterization="CACO")
+    with torch.no_grad():
+        m.embed.weight.copy_(torch.eye(V, dtype=F64))
+    W_OV = torch.zeros(2, V, dtype=F64)
+    W_OV[0, A] = W_OV[1, B] = W_OV[1, N] = 1.0
+    W_QK = torch.zeros(V, V, dtype=F64)
+    for s in (A, B):
+        W_QK[s, Q] = W_QK[Q, s] = w_qk
+    m.head.set_effective(W_QK, W_OV)
+    return m
+
+
+def signal_batch(rows, relevant_cols, y) -> Batch:
+    tokens = torch.tensor(rows)
+    key_mask = (tokens != 0) & (torch.arange(5) < 4)
+    relevant = torch.zeros_like(key_mask)
+    for i, cols in enumerate(relevant_cols):
+        relevant[i, cols] = True
+    return Batch(tokens, key_mask, relevant, torch.tensor(y))
+
+
+def test_graded_intervention_hand_worked_curve():
+    """W_QK = 0: the model's own row is uniform over the three keys. Row "A N N" (y = 0): class 0
+    gets (1 - a) / 3 + a, class 1 (two N) 2 (1 - a) / 3, so it is right for a > 1/4; row "B N N"
+    (y = 1) is always right; the accuracy is 1/2 up to a = 1/4 and 1 above."""
+    A, B, N = 5, 6, 7
+    data = signal_batch([[0, A, N, N, 4], [0, B, N, N, 4]], [[1], [1]], [0, 1])
+    f = hm.graded_intervention(signal_model(0.0), data, alphas=[0.0, 0.2, 0.3, 0.6, 1.0])
+    assert f["accuracy"].tolist() == [0.5, 0.5, 1.0, 1.0, 1.0] and f["n"].tolist() == [2] * 5
+
+
+def test_graded_intervention_is_flat_when_the_attention_is_the_oracle():
+    """W_QK = 2000 on A and B: the softmax puts all mass on the signal words (exp(-2000) = 0 in
+    float64), split evenly where both occur -- exactly the oracle over relevant = the signal
+    words, so every mixture is the same row and the curve is flat (2 right, one tie: 5/6). The same
+    rows with W_QK = 0 (uniform attention) give a curve that is not flat."""
+    A, B, N = 5, 6, 7
+    data = signal_batch([[0, A, N, N, 4], [0, N, B, N, 4], [0, A, B, N, 4]], [[1], [2], [1, 2]], [0, 1, 0])
+    sharp = signal_model(2000.0)
+    own = sharp(data.tokens, data.key_mask)[1]
+    r = data.relevant.to(F64)
+    assert torch.equal(own, r / r.sum(1, keepdim=True))  # the precondition: the model's row is the oracle
+    f = hm.graded_intervention(sharp, data, alphas=[0.0, 0.1, 0.5, 0.9, 1.0])
+    assert f["accuracy"].tolist() == [5 / 6] * 5
+    flat = hm.graded_intervention(signal_model(0.0), data, alphas=[0.0, 1.0])["accuracy"].tolist()
+    assert flat[0] < flat[1] == 5 / 6
+
+
+def test_graded_intervention_is_deterministic_and_sorts_alphas():
+    data = random_batch("words", seed=2)
+    m = model(seed=5)
+    m.train()
+    a = hm.graded_intervention(m, data, alphas=(1.0, 0.5, 0.0))
+    b = hm.graded_intervention(model(seed=5), data, alphas=[0.0, 0.5, 1.0])
+    assert a["alpha"].tolist() == [0.0, 0.5, 1.0]
+    pd.testing.assert_frame_equal(a, b)
+    assert m.training  # the model's own mode is restored
+
+
+@pytest.mark.parametrize("alphas,err,match", [
+    ([], ValueError, "empty"), ([0.0, 1.5], ValueError, r"in \[0, 1\]"), ([-0.1], ValueError, r"in \[0, 1\]"),
+    ([float("nan")], ValueError, "finite"), ([0.0, float("inf")], ValueError, "finite"),
+    ([0.5, 0.5], ValueError, "distinct"), (0.5, TypeError, "sequence"), ("01", TypeError, "sequence"),
+    ([True, 0.5], TypeError, "real number"), ([None], TypeError, "real number")])
+def test_graded_intervention_rejects_bad_alphas(alphas, err, match):
+    with pytest.raises(err, match=match):
+        hm.graded_intervention(model(), random_batch("words"), alphas=alphas)
+
+
+def test_graded_intervention_clear_errors():
+    b = random_batch("words")
+    with pytest.raises(ValueError, match="relevant key"):
+        hm.graded_intervention(model(), Batch(b.tokens, b.key_mask, torch.zeros_like(b.key_mask), b.y))
+    with pytest.raises(TypeError, match="graded_intervention needs a HeadModel"):
+        hm.graded_intervention(torch.nn.Linear(2, 2), b)
+    with pytest.raises(ValueError, match="chunk"):
+        hm.graded_intervention(model(), b, chunk=0)
+
+
+def test_intervention_frame_has_one_row_per_model_and_alpha():
+    data = random_batch("class")
+    models = {(1.0, 0): model(seed=0, readout="class"), (10.0, 1): model(seed=1, readout="class")}
+    f = hm.intervention_frame(models, data, alphas=(0.0, 1.0), names=("ratio", "seed"))
+    assert list(f.columns) == ["ratio", "seed", "alpha", "accuracy", "n"] and len(f) == 4
+    for (r, s), m in models.items():
+        got = f[(f["ratio"] == r) & (f["seed"] == s)].reset_index(drop=True)[["alpha", "accuracy", "n"]]
+        pd.testing.assert_frame_equal(got, hm.graded_intervention(m, data, alphas=(0.0, 1.0)))
+    plain = hm.intervention_frame({"a": models[(1.0, 0)]}, data, alphas=(0.0, 1.0))
+    assert list(plain.columns) == ["key", "alpha", "accuracy", "n"] and plain["key"].tolist() == ["a", "a"]
+    with pytest.raises(ValueError, match="one value per name"):
+        hm.intervention_frame(models, data, names=("ratio",))
+    with pytest.raises(ValueError, match="non-empty mapping"):
+        hm.intervention_frame({}, data)
+    with pytest.raises(ValueError, match="reuse"):
+        hm.intervention_frame(models, data, names=("ratio", "alpha"))
+
+
+def test_endpoint_means_and_oracle_below_model_by_hand():
+    """Ratio 1: model (0.6 + 0.8) / 2 = 0.7, oracle 0.9 -> not below; ratio 10: model (0.9 + 0.7) / 2
+    = 0.8, oracle (0.5 + 0.7) / 2 = 0.6 -> below (though seed 1 alone is a tie). Alpha 0.5 rows do
+    not enter."""
+    rows = []
+    for ratio, seed, model_acc, oracle_acc in ((1.0, 0, 0.6, 0.9), (1.0, 1, 0.8, 0.9), (10.0, 0, 0.9, 0.5),
+                                               (10.0, 1, 0.7, 0.7)):
+        for a, acc in ((0.0, model_acc), (0.5, 0.0), (1.0, oracle_acc)):
+            rows.append({"ratio": ratio, "seed": seed, "alpha": a, "accuracy": acc, "n": 10})
+    frame = pd.DataFrame(rows)
+    e = hm.endpoint_means(frame)
+    assert e["ratio"].tolist() == [1.0, 10.0] and e["seeds"].tolist() == [2, 2]
+    assert e["model"].tolist() == pytest.approx([0.7, 0.8]) and e["oracle"].tolist() == pytest.approx([0.9, 0.6])
+    assert e["oracle_below_model"].tolist() == [False, True]
+    assert not hm.oracle_below_model(frame)  # not at every ratio
+    assert hm.oracle_below_model(frame[frame["ratio"] == 10.0])
+    one = hm.endpoint_means(frame[frame["ratio"] == 10.0].drop(columns="ratio"))
+    assert len(one) == 1 and one["oracle"].iloc[0] == pytest.approx(0.6)
+    with pytest.raises(ValueError, match="not a key column"):
+        hm.endpoint_means(frame, over="run")
+    with pytest.raises(ValueError, match="alpha = 1"):
+        hm.endpoint_means(frame[frame["alpha"] < 1.0])
+    with pytest.raises(ValueError, match="same models"):
+        hm.endpoint_means(frame.drop(index=0))
 
 # --- bad input ----------------------------------------------------------------------------
 def test_clear_errors():
