@@ -16,13 +16,11 @@ The last line printed is ``speedup <ratio>x``. Results also go to ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 
 from qkov_lib import profiles, runtime
@@ -75,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  largest parameter difference loop vs batched: {tp['max_param_diff']:.1e}")
     print(f"  load average (1, 5, 15 min) after: {', '.join(f'{x:.1f}' for x in result['load_average_after'])}")
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+        path = runtime.write_json(args.json, result)
         print(f"  results: {path}")
     print(f"speedup {tp['speedup']:.1f}x")
     return 0

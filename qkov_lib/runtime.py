@@ -65,6 +65,17 @@ def versions() -> dict[str, str]:
     return out
 
 
+def write_json(path: str | Path, doc: dict) -> Path:
+    """Write ``doc`` as indented JSON to ``path`` (parent folders created); returns the path
+    (what the benchmark scripts record their measurements with)."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
 def git_commit() -> str:
     """The repository's HEAD commit, with ``+dirty`` when the tree has changes; ``unknown``
     outside a checkout."""
