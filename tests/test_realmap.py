@@ -8,17 +8,18 @@ import pandas as pd
 import pytest
 import torch
 
-from qkov_lib import claims, profiles
+from qkov_lib import claims, profiles, rate_plane
 from qkov_lib.data import registry
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.studies import realmap as M
 
 
-def _table(d_acc_adamw=-0.10, d_attn_sgd=0.2, fail=0):
+def _table(d_acc_adamw=-0.10, d_attn_sgd=0.2, fail=0, etas=(("adamw", (1e-3, 3e-3)), ("sgd", (0.1, 0.3)))):
     """A hand-made run table: AdamW loses accuracy with the ratio, SGD sharpens at equal accuracy;
-    ``fail`` SGD runs at ratio 10 stay at chance."""
+    ``fail`` SGD runs at ratio 10 stay at chance. The first base rate of each optimizer has the
+    better validation accuracy."""
     rows = []
-    for opt, etas in (("adamw", (1e-3, 3e-3)), ("sgd", (0.1, 0.3))):
+    for opt, etas in etas:
         for eta in etas:
             for r in (1.0, 10.0):
                 for s in (0, 1, 2):
@@ -27,7 +28,7 @@ def _table(d_acc_adamw=-0.10, d_attn_sgd=0.2, fail=0):
                     d_attn = d_attn_sgd if opt == "sgd" else -0.1
                     at_chance = opt == "sgd" and up and s < fail
                     rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r, "seed": s, "diverged": False,
-                                 "stop_step": 100, "val_accuracy": 0.5 if at_chance else 0.9 + 0.01 * (eta in (1e-3, 0.3)),
+                                 "stop_step": 100, "val_accuracy": 0.5 if at_chance else 0.9 + 0.01 * (eta in (1e-3, 0.3, 0.03)),
                                  "val_loss": 0.3, "val_macro_f1": 0.88,
                                  "accuracy": 0.85 + d_acc * up + 0.001 * s, "macro_f1": 0.84 + d_acc * up,
                                  "attn_relevant": 0.4 + d_attn * up + 0.001 * s,
@@ -36,17 +37,34 @@ def _table(d_acc_adamw=-0.10, d_attn_sgd=0.2, fail=0):
     return pd.DataFrame(rows)
 
 
-def test_analyse_selects_on_validation_and_gives_region_verdicts():
+def test_analyse_selects_on_validation_and_gives_the_tuned_line():
     res = M.analyse(_table(), chance_rate=0.5)
     assert res.selected == {"adamw": 1e-3, "sgd": 0.3}
-    v = {cid: r[0].verdict for cid, r in res.regions.items()}
+    v = {cid: t.verdict for cid, t in res.tuned.items()}
     # AdamW loses 10 points (R1 fails there), SGD keeps accuracy: it holds with SGD, not with AdamW
-    assert v["R1"] == "holds where" and "adamw: not reproduced" in res.regions["R1"][0].reason
-    assert res.regions["R1"][0].region == "with sgd; not with adamw"
-    assert res.regions["R1"][0].effect.startswith("adamw: accuracy -10.0 %")  # the effect of each tuned rate
-    assert v["R3"] == "holds where" and res.regions["R3"][1].startswith("adamw: none; sgd: eta_ov 0.1, eta_ov 0.3")
+    assert v["R1"] == "holds where" and "adamw: not reproduced" in res.tuned["R1"].reason
+    assert res.tuned["R1"].region == "with sgd; not with adamw"
+    assert res.tuned["R1"].effect.startswith("adamw: eta_ov 0.001: accuracy -10.0 %")  # each tuned rate's effect
+    assert v["R3"] == "holds where" and res.tied == {"adamw": [1e-3], "sgd": [0.3]}
     # the same table without AdamW's accuracy loss: R1 holds at both tuned rates
-    assert M.analyse(_table(d_acc_adamw=0.0), 0.5).regions["R1"][0].verdict == "reproduced"
+    assert M.analyse(_table(d_acc_adamw=0.0), 0.5).tuned["R1"].verdict == "reproduced"
+    # rates 0.1 and 0.3 at ratio 10 put eta_QK at 1 and 3, past the largest stable base rate: nothing is read
+    assert res.ceiling == {"adamw": 3e-3, "sgd": 0.3} and res.verdicts["R3"].verdict == "not tested"
+    assert "past the edge" in res.verdicts["R3"].reason
+
+
+def test_the_plane_decides_where_a_decade_grid_is_read():
+    # base rates a decade apart: (0.03, 0.3) is read by both routes, SGD sharpens at equal accuracy there,
+    # AdamW loses accuracy at (1e-3, 1e-2)
+    res = M.analyse(_table(etas=(("adamw", (1e-3, 1e-2)), ("sgd", (0.03, 0.3)))), 0.5)
+    r3 = res.verdicts["R3"]
+    assert r3.verdict == "holds where" and "sgd (0.03, 0.3)↑" in r3.region and "not at adamw (0.001, 0.01)↑" in r3.region
+    assert "sgd (0.03, 0.3)←" in r3.region  # the fixed-eta_QK route gives the same sharpening
+    r1 = res.verdicts["R1"]
+    assert r1.verdict == "holds where" and r1.effect.startswith("Δ accuracy from -0.100")
+    facts = M.map_facts(res)
+    assert facts["map_verdict_R3"] == r3.label and facts["map_sgd_ceiling"] == "0.3"
+    assert facts["map_rule_plane"] == rate_plane.PLANE_RULE
 
 
 def test_failures_are_counted_not_averaged():
@@ -69,7 +87,7 @@ def test_facts_rows_and_tables():
     facts = M.map_facts(res)
     assert facts["map_adamw_eta"] == "0.001" and facts["map_sgd_eta"] == "0.3"
     assert facts["map_adamw_test_accuracy"].startswith("85.1% ±")  # seeds 0.850, 0.851, 0.852
-    assert facts["map_rule_tuned"] == claims.TUNED_RULE
+    assert facts["map_rule_tuned"] == rate_plane.TUNED_LINE_RULE
     rows = M.claims_rows(res, "sva")
     assert [r["id"] for r in rows] == ["R1", "R2", "R3"] and rows[0]["chapter"] == "07_sva"
     assert "adamw (eta_ov 0.001): at ratio 10 vs 1, accuracy -10.0 points" in rows[0]["ours"]
@@ -80,7 +98,7 @@ def test_facts_rows_and_tables():
     assert len(M.tuned_runs(res, "adamw")) == 6 and M.plot_roles(res, {}, ["answer"]) is None
     sel = M.selection_table(res)
     assert sel[sel["chosen"]]["eta_ov"].tolist() == [1e-3, 0.3]
-    assert M.verdict_frame(res).loc["R1", "verdict"] == "holds where"
+    assert M.verdict_frame(res).loc["R1", "tuned-rate line"].startswith("holds where with sgd")
 
 
 def test_largest_gain_names_its_cell():
@@ -100,10 +118,10 @@ def test_anchor_gap_and_no_trained_run():
     assert M.anchor_gap(res, "adamw", 0.80, 0.84)["anchor_within"].startswith("not within")
     dead = M.analyse(_table().assign(val_accuracy=0.5), 0.5)  # nothing beats chance
     assert dead.selected == {} and M.map_facts(dead)["map_adamw_eta"].startswith("none")
-    assert all(v.verdict == "not tested" for v, _ in dead.regions.values())
+    assert all(v.verdict == "not tested" for v in dead.tuned.values())
+    assert all(v.verdict == "not tested" for v in dead.verdicts.values())
     assert M.anchor_gap(dead, "adamw", 0.8, 0.8)["anchor_within"].startswith("not tested")
-    assert "tuned base rates: no base rate trained at ratio 1. Map cells where the rule says reproduced: adamw: none" \
-        in M.claims_rows(dead, "squad")[0]["ours"]
+    assert "no base rate trained at ratio 1." in M.claims_rows(dead, "squad")[0]["ours"]
 
 
 def test_bad_settings_fail_clearly():
@@ -191,7 +209,9 @@ def test_tiny_sva_map_end_to_end_is_deterministic():
     cols = ["val_accuracy", "accuracy", "attn_relevant", "sufficiency"]
     assert len(a.table) == 2 * 2 * len(cfg["ratios"]) * len(cfg["map_seeds"])
     pd.testing.assert_frame_equal(a.table[cols], b.table[cols])
-    assert a.table["trained"].dtype == bool and set(a.regions) == {"R1", "R2", "R3"}
+    assert a.table["trained"].dtype == bool and set(a.verdicts) == set(a.tuned) == {"R1", "R2", "R3"}
+    # every run logged AC@0.5 on the validation split through training
+    assert a.histories and all("val_AC@0.5" in h.records[-1] for h in a.histories.values())
     runs = M.runs_at(a, "adamw")
     assert "adamw" in a.selected  # the tiny SVA map trains under AdamW (validation accuracy ~ 0.88)
     assert runs and all(math.isfinite(float(next(r.model.parameters()).detach().sum())) for r in runs)
@@ -279,7 +299,7 @@ def test_a_registered_dataset_runs_the_protocol_map_with_no_other_change():
     try:
         result, ds, cfg, facts = M.chapter_map("cue", "test")
         assert cfg["profile"] == "test" and ds.name == "cue" and len(result.table) == 2 * 2 * 2 * 2
-        assert set(result.selected) == {"adamw", "sgd"} and set(result.regions) == {"R1", "R2", "R3"}
+        assert set(result.selected) == {"adamw", "sgd"} and set(result.verdicts) == {"R1", "R2", "R3"}
         assert result.necessity is not None and len(result.necessity) >= 2
         tuned = M.tuned_runs(result, "adamw", ratio=1.0)
         assert (tuned["accuracy"] > 0.9).all()  # the cue task is learnt through the head

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from qkov_lib import claims, head_model
+from qkov_lib import claims, head_model, rate_plane
 from qkov_lib import faithfulness as fa
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.text import TextDataset
@@ -34,7 +34,7 @@ from qkov_lib.runtime import seed_everything
 from qkov_lib.metrics import prediction_metrics, seed_half_width, summarize
 from qkov_lib.profiles import profile_table
 from qkov_lib.train import TrainConfig, predict
-from qkov_lib.studies import rationales, attention_analysis
+from qkov_lib.studies import rationales, attention_analysis, trajectory
 from qkov_lib import protocol
 from qkov_lib.studies.agreement_roles import split_validation
 
@@ -56,22 +56,25 @@ COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
                eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
                encoder="conv", layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
-               relative=False, ov_init=0.0, adamw_rates=[1e-3, 3e-3, 1e-2], sgd_rates=[0.3, 1.0, 3.0], max_stack=64)
+               relative=False, ov_init=0.0, adamw_rates=[1e-4, 1e-3, 1e-2], sgd_rates=[0.03, 0.3, 3.0], max_stack=64)
 # every profile's map of the test profile: seconds (CI)
-_TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 3e-3], sgd_rates=[0.3, 1.0], adamw_steps=40,
+_TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 1e-2], sgd_rates=[0.1, 1.0], adamw_steps=40,
              sgd_steps=40, eval_every=10, n_eraser=50, threads=1, processes=1)
-# full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer
-_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1)
+# full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer a decade apart (both routes of the rate
+# plane at ratios 10 and 100)
+_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1, adamw_rates=[1e-5, 1e-4, 1e-3, 1e-2],
+             sgd_rates=[0.003, 0.03, 0.3, 3.0])
 
 # cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most:
-# 72 runs of up to 800 steps). Each grid brackets its validation-chosen rate (widened where an edge won).
+# 72 runs of up to 800 steps). Base rates a decade apart with ratios 1, 10, 100: every cell of the rate plane
+# is reached both ways (eta_QK raised at fixed eta_OV, eta_OV lowered at fixed eta_QK), and the lowest
+# AdamW rate keeps eta_QK at ratio 100 at 1e-2.
 _SVA_PROFILES = profile_table(
     dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2, adamw_steps=2000,
-         sgd_steps=2000, adamw_rates=[3e-4, 1e-3, 3e-3]),
+         sgd_steps=2000),
     dict(_TEST, n_train=400, n_test=200),
     dict(n_train=None, n_test=None),
-    dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2],
-         sgd_rates=[0.1, 0.3, 1.0, 3.0]),
+    dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None),
 )
 _HATEXPLAIN_PROFILES = profile_table(
     dict(COMMON, d_model=32, max_len=64, min_freq=2, adamw_steps=1000, sgd_steps=1000, eval_every=100,
@@ -79,18 +82,18 @@ _HATEXPLAIN_PROFILES = profile_table(
     dict(_TEST, d_model=16, n_train=300, n_test=100, n_val=100),
     dict(n_train=None, n_test=None, n_val=None),
     dict(_FULL, d_model=64, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
-         sgd_steps=4800, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2], sgd_rates=[0.1, 0.3, 1.0, 3.0]),
+         sgd_steps=4800),
 )
 _SQUAD_PROFILES = profile_table(
     dict(COMMON, readout="words", layers=2, window=5, match=True, head_query="question", relative=True,
          ov_init=1.0, d_model=32, max_len=128, min_freq=10, oov_buckets=1000, batch_size=32, adamw_steps=800,
-         sgd_steps=800, eval_every=100, patience=3, sgd_rates=[0.3, 1.0, 3.0]),
+         sgd_steps=800, eval_every=100, patience=3),
     dict(_TEST, adamw_steps=20, sgd_steps=20, n_train=300, n_test=100, layers=1),
     dict(n_train=20000, n_test=3100),
     # full: 16 models a stack, not 64: a stack evaluates on every validation question at once (about
     # 250 MB a model on SQuAD's 4,910 questions of 128 tokens; 64 would not fit in 24 GB)
-    dict(_FULL, d_model=64, layers=3, batch_size=64, n_train=None, n_test=None, adamw_rates=[3e-4, 1e-3, 3e-3, 1e-2],
-         sgd_rates=[0.03, 0.1, 0.3, 1.0], adamw_steps=8000, sgd_steps=8000, eval_every=500, max_stack=16),
+    dict(_FULL, d_model=64, layers=3, batch_size=64, n_train=None, n_test=None, adamw_steps=8000, sgd_steps=8000,
+         eval_every=500, max_stack=16),
 )
 
 
@@ -219,38 +222,60 @@ def chance(val: Batch) -> float:
 @dataclass
 class MapResult:
     """A trained protocol map: ``table`` (one row per run, with ``trained``), ``selected`` (validation-chosen
-    base rate per optimizer), ``phase`` (:func:`.protocol.phase_table`), ``cells`` (per-column verdicts),
-    ``regions`` (per claim: tuned-rate verdict and region), ``chance`` (validation majority rate), the trained
-    ``models`` keyed by cell, the validation split ``val`` they were stopped on and the ``necessity`` table."""
+    base rate per optimizer), ``phase`` (:func:`.protocol.phase_table`, eta_QK raised at fixed eta_OV), ``cells``
+    (per-column verdicts), ``chance`` (validation majority rate); the rate plane: ``plane``
+    (:func:`.rate_plane.plane_phase`, both routes), ``outcomes`` (:func:`.rate_plane.cell_outcomes`),
+    ``verdicts`` (per claim, :func:`.rate_plane.plane_verdicts`: the claim's word), ``ceiling``
+    (:func:`.rate_plane.qk_ceiling`), ``tied`` (:func:`.rate_plane.tied_rates`) and ``tuned`` (per claim, the
+    tuned-rate line, :func:`.rate_plane.tuned_line`); the trained ``models`` and every run's ``histories`` keyed
+    by cell, the validation split ``val`` they were stopped on, the ``necessity`` table and ``necessary`` (per
+    (optimizer, base rate) at ratio 1)."""
 
     table: pd.DataFrame
     selected: dict[str, float]
     phase: pd.DataFrame
     cells: pd.DataFrame
-    regions: dict[str, tuple[claims.Verdict, str]]
     chance: float
+    plane: pd.DataFrame = field(default_factory=pd.DataFrame)
+    outcomes: pd.DataFrame = field(default_factory=pd.DataFrame)
+    verdicts: dict[str, claims.Verdict] = field(default_factory=dict)
+    ceiling: dict[str, float] = field(default_factory=dict)
+    tied: dict[str, list[float]] = field(default_factory=dict)
+    tuned: dict[str, claims.Verdict] = field(default_factory=dict)
     models: dict[protocol.Cell, nn.Module] = field(repr=False, default_factory=dict)
+    histories: dict[protocol.Cell, Any] = field(repr=False, default_factory=dict)
     val: Batch | None = field(repr=False, default=None)
     necessity: pd.DataFrame | None = None
+    necessary: dict[tuple[str, float], bool | None] = field(default_factory=dict)
+    intervention: pd.DataFrame | None = None
 
 
 def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Cell, nn.Module] | None = None,
-            test: Batch | None = None) -> MapResult:
+            test: Batch | None = None, histories: Mapping[protocol.Cell, Any] | None = None) -> MapResult:
     """The protocol's analysis of a run table (:func:`.protocol.train_grid`): trained-run flag, validation-chosen
     base rates, phase table, the necessity check on ``test`` (:func:`necessity_table`, when ``models`` and
-    ``test`` are given), column verdicts (R3 untested where the head is not necessary) and region verdicts."""
-    table = table.assign(trained=protocol.trained(table, chance_rate))
+    ``test`` are given), column verdicts (R3 untested where the head is not necessary), and the rate plane: both
+    routes' changes, every cell's outcome, the stable ceiling, the claims' verdicts over the plane and the
+    tuned-rate line with its tied rates."""
+    table = table.assign(trained=protocol.trained(table, chance_rate), eta_qk=(table["eta_ov"] * table["ratio"]
+                                                                               ).map(rate_plane.rate))
     selected = protocol.select_base_rates(table)
     phase = protocol.phase_table(table, chance=chance_rate)
-    result = MapResult(table, selected, phase, pd.DataFrame(), {}, chance_rate, dict(models or {}))
-    necessary: dict[tuple[str, float], bool | None] = {}
+    result = MapResult(table, selected, phase, pd.DataFrame(), chance_rate, models=dict(models or {}),
+                       histories=dict(histories or {}))
     if models and test is not None:
         result.necessity = necessity_table(result, test)
-        for opt, g in result.necessity.groupby("optimizer"):
-            ref = g[g["ratio"] == 1.0]
-            necessary[(opt, float(g["eta_ov"].iloc[0]))] = bool(ref["necessary"].iloc[0]) if len(ref) else None
-    result.cells = protocol.cell_verdicts(phase, necessary=necessary)
-    result.regions = protocol.region_verdicts(result.cells, selected)
+        ref = result.necessity[result.necessity["ratio"] == 1.0]
+        result.necessary = {(o, rate_plane.rate(e)): (None if n is None or pd.isna(n) else bool(n))
+                            for o, e, n in zip(ref["optimizer"], ref["eta_ov"], ref["necessary"])}
+        result.intervention = intervention_frame(result, test)
+    result.cells = protocol.cell_verdicts(phase, necessary=result.necessary)
+    result.plane = rate_plane.plane_phase(table, chance=chance_rate)
+    result.outcomes = rate_plane.cell_outcomes(result.plane, result.necessary)
+    result.ceiling = rate_plane.qk_ceiling(table)
+    result.verdicts = rate_plane.plane_verdicts(result.outcomes, result.ceiling)
+    result.tied = rate_plane.tied_rates(table, selected)
+    result.tuned = rate_plane.tuned_line(result.cells, result.tied)
     return result
 
 
@@ -261,13 +286,15 @@ def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.d
     device = device or torch.device("cpu")
     cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
     models: dict[protocol.Cell, nn.Module] = {}
+    histories: dict[protocol.Cell, Any] = {}
     # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
     table = protocol.train_grid(
         cells, functools.partial(_cell_model, ds, cfg, device), ds.train.to(device), val.to(device),
         ds.test.to(device), functools.partial(cell_config, cfg), functools.partial(measure, n_eraser=cfg["n_eraser"]),
         desc=desc or ds.name, models_out=models, threads=cfg.get("threads"), max_stack=int(cfg.get("max_stack", 64)),
-        processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1)
-    result = analyse(table, chance(val), models, ds.test.to(device))
+        processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1, histories_out=histories,
+        taus=(protocol.MAP_TAU,))
+    result = analyse(table, chance(val), models, ds.test.to(device), histories)
     result.val = val
     return result
 
@@ -277,25 +304,113 @@ def _cell_model(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device, s
 
 
 def necessity_table(result: MapResult, test: Batch) -> pd.DataFrame:
-    """The necessity check (:func:`qkov_lib.head_model.necessity`) of the trained models at each
-    optimizer's tuned base rate, at ratio 1 and the highest trained ratio: per (optimizer, ratio)
-    the seed means of the test accuracy with the model's, uniform (same keys) and oracle (all mass
-    on the relevant tokens) attention, the chance rate, the seeds and whether the head is necessary
-    (:func:`qkov_lib.claims.head_necessary` on the seed means). Fractions in [0, 1]."""
+    """The necessity check (:func:`qkov_lib.head_model.necessity`) of the trained models at ratio 1 at every
+    base rate (what R3 needs in every column of the plane) and at the highest trained ratio at each
+    optimizer's tuned base rate: per (optimizer, base rate, ratio) the seed means of the test accuracy with the
+    model's, uniform (same keys) and oracle (all mass on the relevant tokens) attention, the chance rate, the
+    seeds and whether the head is necessary (:func:`qkov_lib.claims.head_necessary` on the seed means).
+    Fractions in [0, 1]."""
     rows = []
-    for opt, eta in result.selected.items():
-        runs = tuned_runs(result, opt)
-        ratios = sorted(set(runs["ratio"]))
-        for r in dict.fromkeys([1.0, ratios[-1]] if ratios else []):
-            cells = [protocol.Cell(opt, eta, r, int(s)) for s in runs[runs["ratio"] == r]["seed"]]
+    t = result.table
+    for (opt, eta), g in t[t["trained"]].groupby(["optimizer", "eta_ov"], sort=False):
+        ratios = sorted(set(g["ratio"]))
+        top = [ratios[-1]] if result.selected.get(opt) == eta and ratios else []
+        for r in dict.fromkeys([1.0, *top]):
+            cells = [protocol.Cell(opt, eta, r, int(s)) for s in g[g["ratio"] == r]["seed"]]
             got = [head_model.necessity(result.models[c], test) for c in cells if c in result.models]
             if not got:
                 continue
-            mean = {k: float(np.mean([g[k] for g in got])) for k in ("model", "uniform", "oracle", "chance")}
+            mean = {k: float(np.mean([x[k] for x in got])) for k in ("model", "uniform", "oracle", "chance")}
             rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r, "seeds": len(got), **mean,
                          "necessary": claims.head_necessary(mean["model"], mean["uniform"], mean["chance"])})
     return pd.DataFrame(rows, columns=["optimizer", "eta_ov", "ratio", "seeds", "model", "uniform", "oracle",
                                        "chance", "necessary"])
+
+
+def intervention_frame(result: MapResult, test: Batch) -> pd.DataFrame:
+    """The graded intervention (:func:`qkov_lib.head_model.intervention_frame`) of the trained models at each
+    optimizer's tuned base rate, at ratio 1 and the highest trained ratio: one row per (optimizer, ratio, seed,
+    alpha) with the test accuracy when the head's row is ``(1 - alpha) model + alpha oracle`` (fractions)."""
+    models = {}
+    for opt in result.selected:
+        runs = runs_at(result, opt)
+        top = max((r.ratio for r in runs), default=1.0)
+        models.update({(opt, r.ratio, r.seed): r.model for r in runs if r.ratio in (1.0, top)})
+    if not models:
+        return pd.DataFrame(columns=["optimizer", "ratio", "seed", "alpha", "accuracy", "n"])
+    return head_model.intervention_frame(models, test, names=("optimizer", "ratio", "seed"))
+
+
+def intervention_table(result: MapResult) -> pd.DataFrame:
+    """:func:`intervention_frame` as a table to read: seed-mean test accuracy (percent) per (optimizer, ratio)
+    row and alpha column (0 = the model's own attention, 1 = the oracle's)."""
+    f = result.intervention
+    if f is None or not len(f):
+        return pd.DataFrame()
+    t = (100 * f.groupby(["optimizer", "ratio", "alpha"])["accuracy"].mean()).unstack("alpha").round(1)
+    t.columns = [f"alpha {a:g}" for a in t.columns]
+    return t
+
+
+def uses_annotations(result: MapResult) -> bool | None:
+    """Whether the oracle row (all mass on the annotated tokens) predicts at least as well as the model's own
+    row at ratio 1 for every optimizer (seed means; :func:`qkov_lib.head_model.oracle_below_model`): when it
+    does not, AC and attention on the annotated tokens measure agreement with the annotations, not what the
+    model uses. None without tuned models."""
+    f = result.intervention
+    if f is None or not len(f):
+        return None
+    ref = f[f["ratio"] == 1.0].drop(columns="ratio")
+    return None if not len(ref) else not head_model.oracle_below_model(ref, over="seed")
+
+
+def trained_curves(result: MapResult) -> pd.DataFrame:
+    """:func:`.trajectory.curves` of the map's runs that trained (empty without histories)."""
+    if not result.histories:
+        return pd.DataFrame(columns=["optimizer", "eta_ov", "ratio", "seed", "step", *trajectory.CURVE_METRICS])
+    ok = result.table[result.table["trained"]]
+    keep = {protocol.Cell(o, e, r, s) for o, e, r, s in zip(ok["optimizer"], ok["eta_ov"], ok["ratio"], ok["seed"])}
+    return trajectory.curves({c: h for c, h in result.histories.items() if c in keep})
+
+
+def _pm_change(mean: float, hw: float, n: float, digits: int = 3) -> str:
+    """A paired change as a table cell: ``+0.051 ± 0.020 (4)``; the seed pairs in brackets."""
+    if not math.isfinite(mean):
+        return "n/a"
+    return f"{mean:+.{digits}f}" + (f" ± {hw:.{digits}f}" if math.isfinite(hw) else "") + f" ({int(n)})"
+
+
+def matched_loss_table(result: MapResult) -> pd.DataFrame:
+    """At each optimizer's tuned base rate, per ratio above 1: the change against ratio 1 (paired by seed over
+    the trained runs) of AC@0.5 and attention on the relevant tokens on the validation split at matched
+    validation loss (:func:`.trajectory.matched`, levels of :func:`.trajectory.loss_levels`, nats), and in the
+    last row of each ratio the change between the early-stopped endpoints on the test split (the phase table's).
+    Cells read ``mean ± 95% half-width (seed pairs)``."""
+    cur = trained_curves(result)
+    rows = []
+    for opt, eta in result.selected.items():
+        col = cur[(cur["optimizer"] == opt) & (cur["eta_ov"] == eta)] if len(cur) else cur
+        got = trajectory.matched(col) if len(col) and col["ratio"].nunique() > 1 else pd.DataFrame()
+        for _, r in got.iterrows():
+            rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r["ratio"], "at": f"val loss {r['level']:.3f}",
+                         "Δ AC@0.5": _pm_change(r["d_val_AC@0.5"], r["d_val_AC@0.5_ci"], r["d_val_AC@0.5_n"]),
+                         "Δ attention": _pm_change(r["d_val_attn_relevant"], r["d_val_attn_relevant_ci"],
+                                                   r["d_val_attn_relevant_n"])})
+        ph = result.phase[(result.phase["optimizer"] == opt) & (result.phase["eta_ov"] == eta)
+                          & (result.phase["ratio"] > 1.0)]
+        for _, r in ph.iterrows():
+            rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r["ratio"], "at": "early-stopped endpoint (test)",
+                         "Δ AC@0.5": _pm_change(r["d_AC@0.5"], r["d_AC@0.5_ci"], r["d_AC@0.5_n"]),
+                         "Δ attention": _pm_change(r["d_attn_relevant"], r["d_attn_relevant_ci"],
+                                                   r["d_attn_relevant_n"])})
+    if not rows:
+        return pd.DataFrame()
+    return pd.DataFrame(rows).sort_values(["optimizer", "ratio"], kind="stable").set_index(
+        ["optimizer", "eta_ov", "ratio", "at"])
+
+
+AGREEMENT_NOTE = ("oracle attention predicts worse than the model's own, so AC@0.5 and attention on the annotated "
+                  "tokens measure agreement with the annotations, not what the model uses")
 
 
 NECESSITY_RULE = (f"the head's attention is necessary when uniform attention over the same keys loses at least "
@@ -311,7 +426,7 @@ def necessity_facts(result: MapResult) -> dict[str, str]:
     f: dict[str, str] = {"nec_rule": NECESSITY_RULE}
     t = result.necessity if result.necessity is not None else pd.DataFrame(columns=["optimizer"])
     for opt in OPTIMIZERS:
-        g = t[t["optimizer"] == opt].sort_values("ratio") if len(t) else t
+        g = t[(t["optimizer"] == opt) & (t["eta_ov"] == result.selected.get(opt))].sort_values("ratio") if len(t) else t
         for at, row in (("lo", g.iloc[0] if len(g) else None), ("hi", g.iloc[-1] if len(g) else None)):
             for what in ("model", "uniform", "oracle", "chance"):
                 f[f"nec_{opt}_{what}_{at}"] = "n/a" if row is None else f"{100 * float(row[what]):.1f}%"
@@ -395,7 +510,13 @@ def map_record(result: MapResult) -> dict[str, Any]:
     nec = result.necessity if result.necessity is not None else pd.DataFrame()
     return {"map": result.table.to_dict("records"), "map_phase": result.phase.to_dict("records"),
             "map_selected": dict(result.selected), "map_cells": result.cells.to_dict("records"),
-            "necessity": nec.to_dict("records")}
+            "necessity": nec.to_dict("records"), "plane": result.plane.to_dict("records"),
+            "plane_outcomes": result.outcomes.to_dict("records"), "plane_ceiling": dict(result.ceiling),
+            "plane_tied": {o: list(v) for o, v in result.tied.items()},
+            "plane_verdicts": {cid: asdict(v) for cid, v in result.verdicts.items()},
+            "tuned_line": {cid: asdict(v) for cid, v in result.tuned.items()},
+            "curves": trajectory.curves(result.histories).to_dict("records") if result.histories else [],
+            "intervention": [] if result.intervention is None else result.intervention.to_dict("records")}
 
 
 def tuned_evaluations(result: MapResult, ds: TextDataset, cfg: Mapping[str, Any]
@@ -427,7 +548,7 @@ def run_chapter_map(name: str, cfg: Mapping[str, Any], data_dir=None, device: to
     check_dataset(name)
     ds, val = load_splits(name, cfg, data_dir)
     result = run_map(ds, val, cfg, device, desc=f"{name} map")
-    facts = map_facts(result) | {"map_n_val": f"{len(val):,}",
+    facts = map_facts(result) | {"map_n_val": f"{len(val):,}", "map_eval_every": str(cfg["eval_every"]),
                                  "trained_margin": claims.threshold_text("TRAINED_MARGIN")}
     return result, ds, facts
 
@@ -505,10 +626,25 @@ def map_facts(result: MapResult) -> dict[str, str]:
         for split, pre in (("val", "val_"), ("test", "")):
             for m in ("accuracy", "macro_f1"):
                 f[f"map_{opt}_{split}_{m}"] = _pm(list(ref[pre + m]))
-    for cid, (v, region) in result.regions.items():
-        f[f"map_verdict_{cid}"], f[f"map_reason_{cid}"], f[f"map_region_{cid}"] = v.label, v.reason, region
+    for cid, v in result.verdicts.items():
+        f[f"map_verdict_{cid}"], f[f"map_reason_{cid}"] = v.label, v.reason
+        f[f"map_effect_{cid}"] = v.effect or "-"
         f[f"map_rule_{cid}"] = claims.RULE_TEXT[cid]
-    f["map_rule_tuned"] = claims.TUNED_RULE
+    for cid, v in result.tuned.items():
+        f[f"map_tuned_{cid}"], f[f"map_tuned_reason_{cid}"] = v.label, v.reason
+    for opt in dict.fromkeys(t["optimizer"]):
+        c = result.ceiling.get(opt, math.nan)
+        f[f"map_{opt}_ceiling"] = f"{c:g}" if math.isfinite(c) else "none (no base rate trained stably at ratio 1)"
+        f[f"map_{opt}_tied"] = ", ".join(f"{e:g}" for e in result.tied.get(opt, [])) or "none"
+        f[f"map_{opt}_rescued"] = str(int(((result.outcomes["optimizer"] == opt) & (result.outcomes["claim"] == "R1")
+                                           & (result.outcomes["outcome"] == "rescued")).sum())
+                                      if len(result.outcomes) else 0)
+    use = uses_annotations(result)
+    f["map_annotations"] = {None: "not measured (no tuned model)", True: "the oracle row predicts at least as well as "
+                            "the model's own, so attention on the annotated tokens is attention the model can use",
+                            False: AGREEMENT_NOTE}[use]
+    f["map_rule_plane"] = rate_plane.PLANE_RULE
+    f["map_rule_tuned"] = rate_plane.TUNED_LINE_RULE
     return f
 
 
@@ -576,15 +712,17 @@ def _tuned_text(d: Mapping[str, float], cid: str) -> str:
 
 
 def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> list[dict[str, str]]:
-    """Scorecard rows R1-R3 of a dataset chapter: the verdict at the tuned base rates
-    (:func:`qkov_lib.claims.tuned_region`), the numbers that claim reads at those rates, the map
-    cells where the claim is reproduced, and (R3 only) the necessity check."""
+    """Scorecard rows R1-R3 of a dataset chapter: the verdict over the rate plane
+    (:func:`.rate_plane.plane_verdicts`, with its region and effect), then the tuned-rate line (the
+    verdict at the tuned base rates, which must hold at every tied rate) with the numbers that
+    claim reads there, and (R3 only) the necessity check."""
     ch = chapter or attention_analysis.CHAPTERS[dataset]
     rows = []
     for cid in ("R1", "R2", "R3"):
-        if cid not in result.regions:
+        if cid not in result.verdicts:
             continue
-        v, region = result.regions[cid]
+        v = result.verdicts[cid]
+        tuned = result.tuned.get(cid)
         parts = []
         for opt, eta in result.selected.items():
             d = tuned_changes(result, opt)
@@ -595,18 +733,22 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
             else:
                 what = _tuned_text(d, cid)
             parts.append(f"{opt} (eta_ov {eta:g}): {what}")
-        ours = (f"{dataset}, tuned base rates: " + ("; ".join(parts) or "no base rate trained at ratio 1")
-                + f". Map cells where the rule says reproduced: {region}."
-                + (" " + necessity_sentence(result) if cid == "R3" else ""))
+        ours = (f"{dataset}, over the rate plane: {v.reason}. Tuned-rate line: "
+                + (f"{tuned.label} ({tuned.reason}); " if tuned else "")
+                + ("; ".join(parts) or "no base rate trained at ratio 1") + "."
+                + (" " + necessity_sentence(result) if cid == "R3" else "")
+                + (f" Here {AGREEMENT_NOTE}." if cid == "R2" and uses_annotations(result) is False else ""))
         rows.append(claims.claim(cid, claims.CLAIMS[cid], ours, v, ch))
     return rows
 
 
 def verdict_frame(result: MapResult) -> pd.DataFrame:
-    """Per claim: the verdict at the tuned base rates, its reason and the region where it holds."""
-    return pd.DataFrame([{"claim": cid, "verdict": v.verdict, "at the tuned base rates": v.reason,
-                          "reproduced in (optimizer: base rates)": region}
-                         for cid, (v, region) in result.regions.items()]).set_index("claim")
+    """Per claim: the verdict over the rate plane with its region, effect and cell counts, and the
+    tuned-rate line."""
+    return pd.DataFrame([{"claim": cid, "verdict": v.label, "effect": v.effect or "-", "cells": v.reason,
+                          "tuned-rate line": (f"{result.tuned[cid].label}: {result.tuned[cid].reason}"
+                                              if cid in result.tuned else "-")}
+                         for cid, v in result.verdicts.items()]).set_index("claim")
 
 
 def runs_at(result: MapResult, optimizer: str) -> list[Any]:

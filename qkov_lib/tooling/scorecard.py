@@ -303,6 +303,35 @@ def r_table(results_dir: str | Path | None = None,
     return pd.DataFrame(rows)
 
 
+def knob_recipe(results_dir: str | Path | None = None,
+                datasets: Sequence[str] = ("squad", "hatexplain", "sva")) -> pd.DataFrame:
+    """:func:`qkov_lib.rate_plane.recipe` of every dataset chapter's rate plane (its results file's
+    ``plane`` and ``plane_ceiling``), one block of rows per dataset; datasets without a results file
+    or a plane are left out."""
+    from qkov_lib import rate_plane
+
+    frames = []
+    for name in datasets:
+        doc = read_results(name, results_dir)
+        m = (doc or {}).get("metrics", {})
+        if not m.get("plane"):
+            continue
+        frames.append(rate_plane.recipe(pd.DataFrame(m["plane"]), m.get("plane_ceiling", {})).assign(dataset=name))
+    if not frames:
+        return pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True)
+    return out[["dataset", *[c for c in out.columns if c != "dataset"]]]
+
+
+def frame_myst(frame: pd.DataFrame) -> str:
+    """A data frame as a MyST markdown table (header, one line per row; cells by :func:`myst_cell`)."""
+    cols = list(frame.columns)
+    lines = ["| " + " | ".join(myst_cell(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(myst_cell("" if pd.isna(v) else v) for v in row) + " |"
+              for row in frame.itertuples(index=False)]
+    return "\n".join(lines)
+
+
 def r_verdicts(table: pd.DataFrame) -> dict[str, tuple[str, str, str]]:
     """One ``(verdict, reason, region)`` per claim across datasets, by
     :func:`qkov_lib.claims.combine` (datasets named; disagreeing ones with their reasons)."""
