@@ -168,7 +168,10 @@ def _sweep(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
 
 def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: Any) -> list[Part]:
     per = len(cfg["ratios"]) * len(cfg["map_seeds"])
-    parts = [Part(f"map, {o}", len(cfg[f"{o}_rates"]) * per, int(cfg[f"{o}_steps"]), "map") for o in cfg["optimizers"]]
+    from qkov_lib.studies import realmap
+
+    parts = [Part(f"map, {o}, eta_ov {e:g}", per, realmap.run_steps(cfg, o, e), "map")
+             for o in cfg["optimizers"] for e in cfg[f"{o}_rates"]]
     if natural is not None and natural.get("linzen", True):
         parts.append(Part("natural prefixes", len(natural["ratios"]) * len(natural["seeds"]), int(natural["steps"]),
                           "map"))

@@ -103,7 +103,8 @@ def run_each(settings: Iterable[tuple], train_one: Callable[..., Any], desc: str
 
 def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], train: Batch, val: Batch | None,
                test: Batch, config: Callable[[Cell], TrainConfig],
-               measure: Callable[[nn.Module, Batch], Mapping[str, float]], max_stack: int = 64,
+               measure: Callable[[nn.Module, Batch], Mapping[str, float]] | tuple[Callable, Callable],
+               max_stack: int = 64,
                desc: str = "map", models_out: dict[Cell, nn.Module] | None = None,
                threads: int | None = None, processes: int = 1,
                histories_out: dict[Cell, History] | None = None, taus: Sequence[float] = ()) -> pd.DataFrame:
@@ -113,7 +114,8 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     ``make_model(seed)`` builds a fresh model (the same initialisation for every cell of a seed,
     so ratios are compared from the same start); ``config(cell)`` its training config;
     ``measure(model, batch)`` the metrics of a trained model on a split (``val`` None: no
-    validation split, no ``val_*`` metrics). Cells are trained in stacks of at most ``max_stack``
+    validation split, no ``val_*`` metrics), or a pair ``(measure on val, measure on test)``
+    when the validation split needs less (e.g. no faithfulness scores: it only chooses). Cells are trained in stacks of at most ``max_stack``
     models that share an optimizer. ``models_out`` and ``histories_out``, if given, receive every
     trained model that did not diverge and every run's :class:`~qkov_lib.train.History`, keyed by
     its cell (for later analyses); ``threads`` sets torch's intra-op threads while training and
@@ -127,7 +129,7 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     2-core machine two one-thread processes lose least when another job takes a core."""
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise ValueError(f"processes must be a positive integer, got {processes!r}")
-    units = _stack_units(cells, max_stack)
+    units = _stack_units(cells, max_stack, steps=lambda c: config(c).steps)
     if processes > 1 and len(units) > 1:
         done = _train_in_processes(units, make_model, train, val, test, config, measure, desc, processes, taus)
     else:
@@ -142,14 +144,18 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     return pd.DataFrame(rows)
 
 
-def _stack_units(cells: Sequence[Cell], max_stack: int) -> list[tuple[str, list[Cell]]]:
-    """The stacks of :func:`train_grid`: ``(label, cells)``, cells of one optimizer, at most
-    ``max_stack`` each, in the order of ``cells``."""
-    by_opt: dict[str, list[Cell]] = {}
+def _stack_units(cells: Sequence[Cell], max_stack: int, steps: Callable[[Cell], int] | None = None
+                 ) -> list[tuple[str, list[Cell]]]:
+    """The stacks of :func:`train_grid`: ``(label, cells)``, cells of one optimizer (and one step
+    budget, ``steps(cell)``, when budgets differ: a stack runs one step loop), at most ``max_stack``
+    each, in the order of ``cells``."""
+    groups: dict[tuple[str, int | None], list[Cell]] = {}
     for c in cells:
-        by_opt.setdefault(c.optimizer, []).append(c)
-    return [(f"{opt} {i // max_stack + 1}", group[i:i + max_stack])
-            for opt, group in by_opt.items() for i in range(0, len(group), max_stack)]
+        groups.setdefault((c.optimizer, None if steps is None else int(steps(c))), []).append(c)
+    budgets = {opt for opt, _ in groups}
+    many = {opt: sum(o == opt for o, _ in groups) > 1 for opt in budgets}
+    return [(f"{opt}{f' {n} steps' if many[opt] else ''} {i // max_stack + 1}", group[i:i + max_stack])
+            for (opt, n), group in groups.items() for i in range(0, len(group), max_stack)]
 
 
 def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, config, measure, desc: str,
@@ -163,13 +169,14 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
                           desc=f"{desc} {label}", progress=on_step is None, threads=threads, on_step=on_step,
                           taus=taus)
     rows, kept = [], {}
+    measure_val, measure_test = measure if isinstance(measure, tuple) else (measure, measure)
     with torch_threads(threads):  # measured on the threads it trained on: the same numbers in a worker
         for c, m, h in zip(chunk, models, hists):
             row = {**asdict(c), "diverged": h.diverged_step is not None, "stop_step": h.stop_step}
             if h.diverged_step is None:
                 if val is not None:
-                    row.update({f"val_{k}": v for k, v in measure(m, val).items()})
-                row.update(measure(m, test))
+                    row.update({f"val_{k}": v for k, v in measure_val(m, val).items()})
+                row.update(measure_test(m, test))
                 kept[c] = m
             rows.append(row)
     return rows, kept, dict(zip(chunk, hists))

@@ -89,14 +89,19 @@ def test_work_of_the_full_profiles_counted_by_hand():
     no_rob = cost.work("sweep", profiles.resolve(synthetic_sweeps.PROFILES, "full", robustness=False))
     assert [p.name for p in no_rob] == ["main grid"]
     squad = cost.work("squad", realmap.map_config("squad", "full"))
-    # per optimizer: 4 base rates x 5 ratios x 5 seeds, up to 8000 steps each
-    assert [(p.name, p.runs, p.steps) for p in squad] == [("map, adamw", 100, 8000), ("map, sgd", 100, 8000)]
+    # per optimizer and base rate: 5 ratios x 5 seeds, up to 8000 steps at the top rate, twice that a decade
+    # and more below it (step_growth 2, at most x2)
+    assert [(p.name, p.runs, p.steps) for p in squad] == [
+        (f"map, {o}, eta_ov {e:g}", 25, n) for o, rates in (("adamw", (1e-5, 1e-4, 1e-3, 1e-2)),
+                                                            ("sgd", (0.003, 0.03, 0.3, 3.0)))
+        for e, n in zip(rates, (16000, 16000, 16000, 8000))]
     sva = cost.work("sva", realmap.map_config("sva", "full"),
                     natural=profiles.resolve(agreement_roles.NATURAL_PROFILES, "full"))
-    assert [(p.runs, p.steps) for p in sva] == [(100, 6000), (100, 6000), (5 * 5, 8000)]
+    assert [(p.runs, p.steps) for p in sva] == [(25, 12000)] * 3 + [(25, 6000)] + [(25, 12000)] * 3 + [(25, 6000)] + [
+        (5 * 5, 8000)]
     no_nat = cost.work("sva", realmap.map_config("sva", "full"),
                        natural=profiles.resolve(agreement_roles.NATURAL_PROFILES, "full", linzen=False))
-    assert len(no_nat) == 2
+    assert len(no_nat) == 8
     red = cost.work("theory_reduction", profiles.resolve(reduction.PROFILES_REDUCTION, "full"))
     # 4 parameterizations x 3 ratios; 2 x 4 etas, the longest 10000 * 0.05 / 0.025 steps
     assert [(p.runs, p.steps) for p in red] == [(12, 10000), (8, 20000)]

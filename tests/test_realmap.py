@@ -363,3 +363,50 @@ def test_a_registered_metric_reaches_every_summary_map_and_phase_table():
         metrics.register_metric("attn_relevant", lambda a, c, ok: a)
     with pytest.raises(ValueError, match="already exists"):
         metrics.register_metric("AC@0.3", lambda a, c, ok: a)
+
+
+def test_matched_loss_table_reads_both_routes_at_the_tuned_rate():
+    from qkov_lib.protocol import Cell
+    from qkov_lib.train import History
+
+    etas = (("adamw", (1e-3, 1e-2)), ("sgd", (0.03, 0.3)))
+    t = _table(etas=etas)
+    hist = {}
+    for r in t.itertuples():
+        # every run's validation loss falls 1.0 -> 0.25 over 4 logs; AC@0.5 = 0.1 x ratio-step + loss-free offset:
+        # at ratio 10 AC is 0.2 above ratio 1 at every loss, so the matched change is exactly +0.2
+        up = 0.2 if r.ratio > 1 else 0.0
+        recs = [{"step": 100 * k, "val_loss": 1.0 / 2 ** k, "val_accuracy": 0.9, "val_attn_relevant": 0.3 + up,
+                 "val_AC@0.5": 0.1 * k + up} for k in range(3)]
+        hist[Cell(r.optimizer, r.eta_ov, r.ratio, r.seed)] = History(config={}, records=recs)
+    res = M.analyse(t, 0.5, histories=hist)
+    assert res.selected == {"adamw": 1e-3, "sgd": 0.03}
+    tab = M.matched_loss_table(res).reset_index()
+    sgd = tab[tab["optimizer"] == "sgd"]
+    # tuned SGD rate 0.03: ↑ ratio 10 at eta_OV 0.03; ← nothing (0.003 is not in the grid)
+    assert set(sgd["route"]) == {"↑"}
+    assert (sgd[sgd["at"].str.startswith("val loss")]["Δ AC@0.5"] == "+0.200 ± 0.000 (3)").all()
+    # tuned AdamW rate 1e-3: ← the cell (1e-4, 1e-3) is not in the grid either; the endpoint rows are there
+    assert any(a.startswith("early-stopped endpoint") for a in tab["at"])
+    # with the tuned rate at the top of the grid, the fixed-eta_QK route appears
+    res.selected["sgd"] = 0.3
+    tab2 = M.matched_loss_table(res).reset_index()
+    down = tab2[(tab2["optimizer"] == "sgd") & (tab2["route"] == "←")]
+    assert set(zip(down["eta_ov"], down["eta_qk"])) == {(0.03, 0.3)}
+    assert (down[down["at"].str.startswith("val loss")]["Δ AC@0.5"] == "+0.200 ± 0.000 (3)").all()
+
+
+def test_slower_base_rates_get_more_steps_where_the_profile_says_so():
+    cfg = {"adamw_steps": 100, "adamw_rates": [1e-4, 1e-3, 1e-2], "eval_every": 10, "step_growth": 2.0,
+           "max_step_scale": 3.0}
+    # a decade below the top: x2; two decades: x4 capped at x3
+    assert [M.run_steps(cfg, "adamw", e) for e in (1e-2, 1e-3, 1e-4)] == [100, 200, 300]
+    assert M.run_steps({**cfg, "step_growth": 1.0}, "adamw", 1e-4) == 100
+    with pytest.raises(ValueError, match="step_growth"):
+        M.run_steps({**cfg, "step_growth": 0.5}, "adamw", 1e-3)
+    # the stacks of a grid with two budgets: one step loop each
+    from qkov_lib import protocol
+    cells = protocol.grid(["adamw"], {"adamw": [1e-3, 1e-2]}, [1.0, 10.0], [0, 1])
+    units = protocol._stack_units(cells, 64, steps=lambda c: M.run_steps(cfg, "adamw", c.eta_ov))
+    assert [(label, len(u)) for label, u in units] == [("adamw 200 steps 1", 4), ("adamw 100 steps 1", 4)]
+    assert M.map_config("squad", "full")["step_growth"] > 1.0 and M.map_config("squad", "cpu")["step_growth"] == 1.0

@@ -56,14 +56,15 @@ COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
                eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
                encoder="conv", layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
-               relative=False, ov_init=0.0, adamw_rates=[1e-4, 1e-3, 1e-2], sgd_rates=[0.03, 0.3, 3.0], max_stack=64)
+               relative=False, ov_init=0.0, adamw_rates=[1e-4, 1e-3, 1e-2], sgd_rates=[0.03, 0.3, 3.0], max_stack=64,
+               step_growth=1.0, max_step_scale=1.0)
 # every profile's map of the test profile: seconds (CI)
 _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 1e-2], sgd_rates=[0.1, 1.0], adamw_steps=40,
              sgd_steps=40, eval_every=10, n_eraser=50, threads=1, processes=1)
 # full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer a decade apart (both routes of the rate
 # plane at ratios 10 and 100)
 _FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1, adamw_rates=[1e-5, 1e-4, 1e-3, 1e-2],
-             sgd_rates=[0.003, 0.03, 0.3, 3.0])
+             sgd_rates=[0.003, 0.03, 0.3, 3.0], step_growth=2.0, max_step_scale=2.0)
 
 # cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most:
 # 72 runs of up to 800 steps). Base rates a decade apart with ratios 1, 10, 100: every cell of the rate plane
@@ -189,11 +190,26 @@ def base_rates(cfg: Mapping[str, Any]) -> dict[str, list[float]]:
     return {o: [float(e) for e in cfg[f"{o}_rates"]] for o in cfg["optimizers"]}
 
 
+def run_steps(cfg: Mapping[str, Any], optimizer: str, eta_ov: float) -> int:
+    """The step budget of a run at base rate ``eta_ov``: ``<optimizer>_steps`` at the optimizer's highest base
+    rate, times ``step_growth`` per decade below it, at most ``max_step_scale`` times, rounded to whole
+    evaluations. A slower eta_OV gets more steps, so the fixed-eta_QK route of the rate plane (eta_OV lowered)
+    compares runs that can reach comparable loss; early stopping ends the fast ones anyway."""
+    base = int(cfg[f"{optimizer}_steps"])
+    growth, cap = float(cfg.get("step_growth", 1.0)), float(cfg.get("max_step_scale", 1.0))
+    if growth < 1.0 or cap < 1.0:
+        raise ValueError(f"step_growth and max_step_scale must be >= 1, got {growth} and {cap}")
+    decades = max(0.0, math.log10(max(float(e) for e in cfg[f"{optimizer}_rates"]) / float(eta_ov)))
+    scaled = base * min(cap, growth ** decades)
+    every = max(1, int(cfg.get("eval_every", 1)))
+    return max(base, int(round(scaled / every)) * every)
+
+
 def cell_config(cfg: Mapping[str, Any], cell: protocol.Cell) -> TrainConfig:
     """The :class:`TrainConfig` of one cell (optimizer, base rate, ratio, seed): validation every ``eval_every``
     steps, early stopping after ``patience`` evaluations without a lower validation loss (best weights restored)."""
     return TrainConfig.from_profile(cfg, optimizer=cell.optimizer, eta_ov=cell.eta_ov, ratio=cell.ratio, seed=cell.seed,
-                                    steps=int(cfg[f"{cell.optimizer}_steps"]), log_every=int(cfg["eval_every"]),
+                                    steps=run_steps(cfg, cell.optimizer, cell.eta_ov), log_every=int(cfg["eval_every"]),
                                     progress=False, log_subsample=0, restore_best=True)
 
 
@@ -290,7 +306,9 @@ def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.d
     # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
     table = protocol.train_grid(
         cells, functools.partial(_cell_model, ds, cfg, device), ds.train.to(device), val.to(device),
-        ds.test.to(device), functools.partial(cell_config, cfg), functools.partial(measure, n_eraser=cfg["n_eraser"]),
+        ds.test.to(device), functools.partial(cell_config, cfg),
+        # validation only chooses (rate, stopping step): no ERASER scores there
+        (functools.partial(measure, n_eraser=0), functools.partial(measure, n_eraser=cfg["n_eraser"])),
         desc=desc or ds.name, models_out=models, threads=cfg.get("threads"), max_stack=int(cfg.get("max_stack", 64)),
         processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1, histories_out=histories,
         taus=(protocol.MAP_TAU,))
@@ -381,32 +399,44 @@ def _pm_change(mean: float, hw: float, n: float, digits: int = 3) -> str:
 
 
 def matched_loss_table(result: MapResult) -> pd.DataFrame:
-    """At each optimizer's tuned base rate, per ratio above 1: the change against ratio 1 (paired by seed over
-    the trained runs) of AC@0.5 and attention on the relevant tokens on the validation split at matched
-    validation loss (:func:`.trajectory.matched`, levels of :func:`.trajectory.loss_levels`, nats), and in the
-    last row of each ratio the change between the early-stopped endpoints on the test split (the phase table's).
-    Cells read ``mean ± 95% half-width (seed pairs)``."""
+    """Ratios compared at matched validation loss around each optimizer's tuned base rate ``eta``, along
+    both routes of the plane: ↑ each ratio r at ``eta_OV = eta`` against ratio 1 there, and ← each cell
+    ``(eta / r, eta)`` (``eta_QK`` fixed at ``eta``) against the ratio-1 run at ``eta``. Per pair and level
+    (:func:`.trajectory.loss_levels` of the pair's runs, nats): the change of AC@0.5 and of attention on the
+    relevant tokens on the validation split, paired by seed over the trained runs that reached the level
+    (:func:`.trajectory.matched`); then the change between the early-stopped endpoints on the test split
+    (the plane's). Cells read ``mean ± 95% half-width (seed pairs)``."""
     cur = trained_curves(result)
+    plane = result.plane
     rows = []
+
+    def add(route: str, opt: str, eta_ov: float, ratio: float, at: str, d_ac, d_attn) -> None:
+        rows.append({"optimizer": opt, "route": rate_plane.ROUTE_MARK[route], "eta_ov": eta_ov,
+                     "eta_qk": rate_plane.rate(eta_ov * ratio), "ratio": ratio, "at": at,
+                     "Δ AC@0.5": _pm_change(*d_ac), "Δ attention": _pm_change(*d_attn)})
+
     for opt, eta in result.selected.items():
-        col = cur[(cur["optimizer"] == opt) & (cur["eta_ov"] == eta)] if len(cur) else cur
-        got = trajectory.matched(col) if len(col) and col["ratio"].nunique() > 1 else pd.DataFrame()
-        for _, r in got.iterrows():
-            rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r["ratio"], "at": f"val loss {r['level']:.3f}",
-                         "Δ AC@0.5": _pm_change(r["d_val_AC@0.5"], r["d_val_AC@0.5_ci"], r["d_val_AC@0.5_n"]),
-                         "Δ attention": _pm_change(r["d_val_attn_relevant"], r["d_val_attn_relevant_ci"],
-                                                   r["d_val_attn_relevant_n"])})
-        ph = result.phase[(result.phase["optimizer"] == opt) & (result.phase["eta_ov"] == eta)
-                          & (result.phase["ratio"] > 1.0)]
-        for _, r in ph.iterrows():
-            rows.append({"optimizer": opt, "eta_ov": eta, "ratio": r["ratio"], "at": "early-stopped endpoint (test)",
-                         "Δ AC@0.5": _pm_change(r["d_AC@0.5"], r["d_AC@0.5_ci"], r["d_AC@0.5_n"]),
-                         "Δ attention": _pm_change(r["d_attn_relevant"], r["d_attn_relevant_ci"],
-                                                   r["d_attn_relevant_n"])})
+        have = cur[cur["optimizer"] == opt] if len(cur) else cur
+        cells = {(rate_plane.rate(e), float(r)) for e, r in zip(have["eta_ov"], have["ratio"])} if len(have) else set()
+        ups = [((opt, eta, r), (opt, eta, 1.0)) for e, r in sorted(cells) if e == rate_plane.rate(eta) and r > 1.0]
+        downs = [((opt, e, r), (opt, eta, 1.0)) for e, r in sorted(cells)
+                 if r > 1.0 and rate_plane.rate(e * r) == rate_plane.rate(eta)]
+        for route, pairs in (("qk_up", ups), ("ov_down", downs)):
+            got = trajectory.matched(have, pairs=pairs) if pairs else pd.DataFrame()
+            for _, r in got.iterrows():
+                add(route, opt, r["eta_ov"], r["ratio"], f"val loss {r['level']:.3f}",
+                    (r["d_val_AC@0.5"], r["d_val_AC@0.5_ci"], r["d_val_AC@0.5_n"]),
+                    (r["d_val_attn_relevant"], r["d_val_attn_relevant_ci"], r["d_val_attn_relevant_n"]))
+            ph = plane[(plane["optimizer"] == opt) & (plane["route"] == route) & (plane["ratio"] > 1.0)
+                       & (plane["ref_eta_ov"] == rate_plane.rate(eta))] if len(plane) else plane
+            for _, r in ph.iterrows():
+                add(route, opt, r["eta_ov"], r["ratio"], "early-stopped endpoint (test)",
+                    (r["d_AC@0.5"], r["d_AC@0.5_ci"], r["d_AC@0.5_n"]),
+                    (r["d_attn_relevant"], r["d_attn_relevant_ci"], r["d_attn_relevant_n"]))
     if not rows:
         return pd.DataFrame()
-    return pd.DataFrame(rows).sort_values(["optimizer", "ratio"], kind="stable").set_index(
-        ["optimizer", "eta_ov", "ratio", "at"])
+    return pd.DataFrame(rows).sort_values(["optimizer", "route", "ratio"], kind="stable").set_index(
+        ["optimizer", "route", "eta_ov", "eta_qk", "ratio", "at"])
 
 
 AGREEMENT_NOTE = ("oracle attention predicts worse than the model's own, so AC@0.5 and attention on the annotated "
