@@ -86,7 +86,8 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
     cell has at least ``MIN_SEEDS`` and more than its reference). One row per (route,
     optimizer, eta_ov, eta_qk, ratio, claim) with ``verdict``, ``outcome`` (the verdict, or
     ``rescued``), ``effect`` (the claim's :data:`CLAIM_EFFECT` change, a fraction), its
-    half-width ``effect_ci``, ``reason``, ``trained`` and ``ref_trained``."""
+    half-width ``effect_ci``, ``reason``, ``trained``, ``ref_trained`` and the all-runs change of
+    AC@0.5 (every run, trained or not: ``all_AC``, ``all_AC_ci``)."""
     refs = _ref_trained(phase)
     rows = []
     for _, p in phase[phase["ratio"] > 1.0].iterrows():
@@ -116,7 +117,9 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
                          "eta_qk": rate(p["eta_qk"]), "ratio": float(p["ratio"]), "ref_eta_ov": key[1],
                          "claim": cid, "verdict": word, "outcome": outcome,
                          "effect": float(p.get(col, math.nan)), "effect_ci": float(p.get(f"{col}_ci", math.nan)),
-                         "reason": reason, "trained": n, "ref_trained": n_ref})
+                         "reason": reason, "trained": n, "ref_trained": n_ref,
+                         "all_AC": float(p.get("d_all_AC@0.5", math.nan)),
+                         "all_AC_ci": float(p.get("d_all_AC@0.5_ci", math.nan))})
     return pd.DataFrame(rows)
 
 
@@ -212,16 +215,16 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
 def region_table(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
     """The plane's cells as a table to read: one row per (optimizer, route, eta_OV, eta_QK,
     ratio), one column per claim with its outcome and effect (``reproduced (+0.051 ± 0.020)``),
-    the trained seeds at the cell and at its reference, and whether ``eta_QK`` lies past the
-    stable ceiling."""
+    the all-runs change of AC@0.5 beside R2's trained-pair one, the trained seeds at the cell and
+    at its reference, and whether ``eta_QK`` lies past the stable ceiling."""
     if not len(outcomes):
         return pd.DataFrame()
-    o = outcomes.assign(text=[f"{w}" + (f" ({e:+.3f}" + (f" ± {c:.3f}" if math.isfinite(c) else "") + ")"
-                                        if math.isfinite(e) else "")
-                              for w, e, c in zip(outcomes["outcome"], outcomes["effect"], outcomes["effect_ci"])])
+    o = outcomes.assign(text=[f"{w}" + (f" ({_fmt(e, c)})" if math.isfinite(e) else "")
+                              for w, e, c in zip(outcomes["outcome"], outcomes["effect"], outcomes["effect_ci"])],
+                        **{"Δ AC@0.5, all runs": [_fmt(e, c) for e, c in zip(outcomes["all_AC"], outcomes["all_AC_ci"])]})
     idx = ["optimizer", "route", "eta_ov", "eta_qk", "ratio"]
     t = o.pivot_table(index=idx, columns="claim", values="text", aggfunc="first")
-    seeds = o.groupby(idx)[["trained", "ref_trained"]].first()
+    seeds = o.groupby(idx)[["Δ AC@0.5, all runs", "trained", "ref_trained"]].first()
     t = t.join(seeds).reset_index()
     t["past the edge"] = t["eta_qk"] > t["optimizer"].map(lambda x: ceiling.get(x, math.nan)) * (1 + 1e-9)
     t["route"] = t["route"].map(lambda r: f"{ROUTE_MARK[r]} {ROUTES[r]}")
@@ -286,8 +289,9 @@ def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | 
     absolute plane: one panel per (optimizer, route), x = eta_OV and y = eta_QK on log axes, the
     iso-ratio diagonals ``eta_QK = r eta_OV`` dashed and labelled, ratio-1 runs as open circles,
     each higher-ratio cell a square coloured by its change (symmetric scale per optimizer) and
-    labelled with :func:`qkov_lib.protocol.phase_label` (``*``: the 95% seed interval excludes 0),
-    a thin arrow from its reference, and the stable ceiling (``ceiling``) as a dotted line."""
+    labelled with :func:`qkov_lib.protocol.phase_label` (``*``: the 95% seed interval excludes 0;
+    grey "n/a": no trained pair), a thin arrow from its reference, and the stable ceiling
+    (``ceiling``) as a dotted line above which cells are faded (shown, not read)."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
 
@@ -314,24 +318,34 @@ def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | 
             xs = np.geomspace(lo, hi, 2)
             for r in sorted(set(sub["ratio"])):
                 ax.plot(xs, r * xs, ls="--", lw=0.7, color="0.6", zorder=0)
-                ax.annotate(f"ratio {r:g}", (xs[0] * 1.3, r * xs[0] * 1.3 * 1.15), fontsize=7, color="0.4",
-                            rotation=35)
+                x_lab = min(hi, hi / r) / 2.2  # near where the diagonal leaves the panel, away from the cells
+                ax.annotate(f"ratio {r:g}", (x_lab, r * x_lab), fontsize=7, color="0.4", rotation=35,
+                            ha="right", va="bottom")
             ax.scatter(base["eta_ov"], base["eta_qk"], s=60, facecolors="none", edgecolors="black", zorder=3)
             cells = sub[(sub["route"] == route) & (sub["ratio"] > 1.0)]
             for _, c in cells.iterrows():
                 ref = (c["ref_eta_ov"], c["ref_eta_ov"])
                 ax.annotate("", (c["eta_ov"], c["eta_qk"]), ref, arrowprops=dict(arrowstyle="->", lw=0.6,
                                                                                    color="0.5"), zorder=1)
-            sc = ax.scatter(cells["eta_ov"], cells["eta_qk"], c=cells[col], cmap="RdBu", norm=norm, marker="s",
-                            s=180, edgecolors="black", linewidths=0.5, zorder=4)
+            past = cells["eta_qk"] > (ceiling or {}).get(opt, math.inf) * (1 + 1e-9)
+            blank = cells[~np.isfinite(cells[col].astype(float))]
+            ax.scatter(blank["eta_ov"], blank["eta_qk"], marker="s", s=180, facecolors="0.92", edgecolors="0.5",
+                       linewidths=0.5, zorder=4)  # no trained pair: nothing to colour
+            sc = None
+            for faded in (False, True):  # cells past the stable ceiling are drawn faded: shown, not read
+                part = cells[past == faded]
+                sc_part = ax.scatter(part["eta_ov"], part["eta_qk"], c=part[col], cmap="RdBu", norm=norm,
+                                     marker="s", s=180, edgecolors="black", linewidths=0.5, zorder=4,
+                                     alpha=0.4 if faded else 1.0)
+                sc = sc if faded and sc is not None else sc_part
             for _, c in cells.iterrows():
                 sig = bool(c.get(f"{col}_ci", np.nan) < abs(c[col])) if np.isfinite(c[col]) and \
                     c.get(f"{col}_n", 0) >= 2 else False
-                ax.annotate(protocol.phase_label(float(c[col]), sig), (c["eta_ov"], c["eta_qk"]),
+                ax.annotate(protocol.phase_label(float(c[col]), sig) or "n/a", (c["eta_ov"], c["eta_qk"]),
                             xytext=(8, -3), textcoords="offset points", fontsize=7, zorder=5)
             if ceiling and math.isfinite(ceiling.get(opt, math.nan)):
                 ax.axhline(ceiling[opt], ls=":", lw=1, color="tab:red")
-                ax.annotate("stable ceiling", (lo * 1.2, ceiling[opt] * 1.15), fontsize=7, color="tab:red")
+                ax.annotate("stable ceiling", (hi / 1.2, ceiling[opt] * 1.15), fontsize=7, color="tab:red", ha="right")
             ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi))
             ax.set_xlabel("eta_OV", fontsize=8)
             ax.set_ylabel("eta_QK" if j == 0 else "", fontsize=8)
