@@ -150,8 +150,9 @@ def cell_name(row: Mapping) -> str:
 PLANE_RULE = ("each cell above ratio 1 is compared with the ratio-1 run of its route (same eta_OV for ↑, same "
               "eta_QK for ←), paired by seed, by the claim's own rule; only cells whose eta_QK stays at or below the "
               "largest base rate at which ratio-1 training was stable count; reproduced: it holds in every cell "
-              "compared; holds where: in some (the region names them, as (eta_OV, eta_QK)); not reproduced: "
-              "contradicted where compared and nowhere holds; inconclusive: no cell decided; not tested: no cell "
+              "compared; holds where: in some (the region names them, as (eta_OV, eta_QK)); not reproduced: it holds "
+              "in no cell and is contradicted in some, or held only in part (some of its measures) where it was "
+              "decided; inconclusive: no cell decided; not tested: no cell "
               f"compared (a reference with fewer than {claims.MIN_SEEDS} trained seeds is inconclusive; a cell that "
               "trains where its reference never did is counted as rescued, not compared)")
 
@@ -188,9 +189,12 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
         fails = read[read["verdict"] == "not reproduced"]
         part = read[read["verdict"] == "holds where"]
         open_ = read[read["verdict"] == "inconclusive"]
-        rescued = read[read["outcome"] == "rescued"]
+        rescued = g[g["outcome"] == "rescued"]
         counts = ", ".join(f"{(read['outcome'] == o).sum()} {o}" for o in OUTCOMES if (read["outcome"] == o).any())
         why = f"{len(read)} cells within the stable range: {counts or 'none'}"
+        if len(part):  # a cell where only some of the claim's measures held: named, but the claim did not hold
+            why += "; in part at " + ", ".join(f"{r['optimizer']} {cell_name(r)} ({r['reason'].split(' (')[0]})"
+                                               for _, r in part.iterrows())
         if len(past):
             why += f"; past the edge (not read): {_cells(past)} ({', '.join(past['outcome'])})"
         if len(rescued):
@@ -201,11 +205,12 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
             out[cid] = claims.Verdict("not tested", PLANE_RULE, why)
         elif len(holds) == compared:
             out[cid] = claims.Verdict("reproduced", PLANE_RULE, why, effect=effect)
-        elif len(holds) or len(part):
-            region = "at " + _cells(pd.concat([holds, part]))
-            region += "".join(f"; {w} at {_cells(x)}" for w, x in (("not", fails), ("undecided", open_)) if len(x))
+        elif len(holds):
+            region = "at " + _cells(holds)
+            region += "".join(f"; {w} at {_cells(x)}" for w, x in (("in part", part), ("not", fails),
+                                                                    ("undecided", open_)) if len(x))
             out[cid] = claims.Verdict("holds where", PLANE_RULE, why, region=region, effect=effect)
-        elif len(fails):
+        elif len(fails) or (len(part) and not len(open_)):
             out[cid] = claims.Verdict("not reproduced", PLANE_RULE, why, effect=effect)
         else:
             out[cid] = claims.Verdict("inconclusive", PLANE_RULE, why, effect=effect)

@@ -152,3 +152,26 @@ def test_mean_of_paired_change_is_paired():
     row = p[(p["route"] == "qk_up") & (p["ratio"] == 10.0)].iloc[0]
     assert row["d_accuracy"] == pytest.approx(0.05) and row["d_accuracy_ci"] == pytest.approx(0.0, abs=1e-12)
     assert claims.MIN_SEEDS <= row["d_accuracy_n"]
+
+
+def test_a_claim_that_holds_only_in_part_is_not_a_region_where_it_holds():
+    # AC@0.5 and ACMC fall by 0.1 at every higher ratio, sufficiency improves (falls) by 0.1: R2 holds for
+    # sufficiency only in every cell, which is not the claim
+    t = _table(lambda e, r, s: 0.5 + s / 1000)
+    up = t["ratio"] > 1
+    for m in ("AC@0.5", "ACMC@0.5"):
+        t.loc[up, m] -= 0.1
+    t.loc[up, "sufficiency"] -= 0.1
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    assert set(out[out["claim"] == "R2"]["verdict"]) == {"holds where"}
+    v = rate_plane.plane_verdicts(out, {"adamw": 1.0})["R2"]
+    assert v.verdict == "not reproduced" and "in part at adamw (0.0001, 0.001)↑ (" in v.reason
+    # with one cell where all three improve, the claim holds there and the rest is named
+    t2 = t.copy()
+    cell = (t2["eta_ov"] == 1e-4) & (t2["ratio"] == 10.0)
+    for m in ("AC@0.5", "ACMC@0.5"):
+        t2.loc[cell, m] += 0.2
+    v2 = rate_plane.plane_verdicts(rate_plane.cell_outcomes(rate_plane.plane_phase(t2)), {"adamw": 1.0})["R2"]
+    # the point (1e-4, 1e-3) is reached both ways: from (1e-4, 1e-4) and from (1e-3, 1e-3)
+    assert v2.verdict == "holds where"
+    assert v2.region.startswith("at adamw (0.0001, 0.001)↑, adamw (0.0001, 0.001)←; in part at")
