@@ -410,3 +410,23 @@ def test_slower_base_rates_get_more_steps_where_the_profile_says_so():
     units = protocol._stack_units(cells, 64, steps=lambda c: M.run_steps(cfg, "adamw", c.eta_ov))
     assert [(label, len(u)) for label, u in units] == [("adamw 200 steps 1", 4), ("adamw 100 steps 1", 4)]
     assert M.map_config("squad", "full")["step_growth"] > 1.0 and M.map_config("squad", "cpu")["step_growth"] == 1.0
+
+
+def test_annotation_use_per_optimizer_from_the_intervention_ends():
+    res = M.analyse(_table(), 0.5)
+    rows = []
+    for opt, model, oracle in (("adamw", 0.54, 0.43), ("sgd", 0.45, 0.56)):
+        for seed in (0, 1):
+            for alpha, acc in ((0.0, model), (0.5, 0.5), (1.0, oracle)):
+                rows.append({"optimizer": opt, "ratio": 1.0, "seed": seed, "alpha": alpha, "accuracy": acc, "n": 10})
+    res.intervention = pd.DataFrame(rows)
+    use = M.annotation_use(res)
+    assert use["adamw"][0] is False and use["sgd"][0] is True
+    assert use["adamw"][1:] == pytest.approx((0.54, 0.43))
+    text = M.annotation_text(res)
+    assert "with adamw, model 54.0% vs oracle 43.0%: " + M.AGREEMENT_NOTE in text
+    assert "with sgd, model 45.0% vs oracle 56.0%: the annotated tokens are attention the model can use" in text
+    r2 = M.claims_rows(res, "hatexplain")[1]["ours"]
+    assert f"With adamw, {M.AGREEMENT_NOTE}." in r2 and "With sgd" not in r2
+    res.intervention = None
+    assert M.annotation_text(res).startswith("not measured")

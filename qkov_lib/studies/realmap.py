@@ -370,77 +370,31 @@ def intervention_table(result: MapResult) -> pd.DataFrame:
     return t
 
 
-def uses_annotations(result: MapResult) -> bool | None:
-    """Whether the oracle row (all mass on the annotated tokens) predicts at least as well as the model's own
-    row at ratio 1 for every optimizer (seed means; :func:`qkov_lib.head_model.oracle_below_model`): when it
-    does not, AC and attention on the annotated tokens measure agreement with the annotations, not what the
-    model uses. None without tuned models."""
+def annotation_use(result: MapResult) -> dict[str, tuple[bool, float, float]]:
+    """Per optimizer, at ratio 1 of its tuned base rate: whether the oracle row (all mass on the annotated
+    tokens) predicts at least as well as the model's own (seed means of the graded intervention's ends),
+    with the two test accuracies (fractions). Where it does not, AC@0.5 and attention on the annotated tokens
+    measure agreement with the annotations, not what the model uses. Empty without tuned models."""
     f = result.intervention
     if f is None or not len(f):
-        return None
-    ref = f[f["ratio"] == 1.0].drop(columns="ratio")
-    return None if not len(ref) else not head_model.oracle_below_model(ref, over="seed")
-
-
-def trained_curves(result: MapResult) -> pd.DataFrame:
-    """:func:`.trajectory.curves` of the map's runs that trained (empty without histories)."""
-    if not result.histories:
-        return pd.DataFrame(columns=["optimizer", "eta_ov", "ratio", "seed", "step", *trajectory.CURVE_METRICS])
-    ok = result.table[result.table["trained"]]
-    keep = {protocol.Cell(o, e, r, s) for o, e, r, s in zip(ok["optimizer"], ok["eta_ov"], ok["ratio"], ok["seed"])}
-    return trajectory.curves({c: h for c, h in result.histories.items() if c in keep})
-
-
-def _pm_change(mean: float, hw: float, n: float, digits: int = 3) -> str:
-    """A paired change as a table cell: ``+0.051 ± 0.020 (4)``; the seed pairs in brackets."""
-    if not math.isfinite(mean):
-        return "n/a"
-    return f"{mean:+.{digits}f}" + (f" ± {hw:.{digits}f}" if math.isfinite(hw) else "") + f" ({int(n)})"
-
-
-def matched_loss_table(result: MapResult) -> pd.DataFrame:
-    """Ratios compared at matched validation loss around each optimizer's tuned base rate ``eta``, along
-    both routes of the plane: ↑ each ratio r at ``eta_OV = eta`` against ratio 1 there, and ← each cell
-    ``(eta / r, eta)`` (``eta_QK`` fixed at ``eta``) against the ratio-1 run at ``eta``. Per pair and level
-    (:func:`.trajectory.loss_levels` of the pair's runs, nats): the change of AC@0.5 and of attention on the
-    relevant tokens on the validation split, paired by seed over the trained runs that reached the level
-    (:func:`.trajectory.matched`); then the change between the early-stopped endpoints on the test split
-    (the plane's). Cells read ``mean ± 95% half-width (seed pairs)``."""
-    cur = trained_curves(result)
-    plane = result.plane
-    rows = []
-
-    def add(route: str, opt: str, eta_ov: float, ratio: float, at: str, d_ac, d_attn) -> None:
-        rows.append({"optimizer": opt, "route": rate_plane.ROUTE_MARK[route], "eta_ov": eta_ov,
-                     "eta_qk": rate_plane.rate(eta_ov * ratio), "ratio": ratio, "at": at,
-                     "Δ AC@0.5": _pm_change(*d_ac), "Δ attention": _pm_change(*d_attn)})
-
-    for opt, eta in result.selected.items():
-        have = cur[cur["optimizer"] == opt] if len(cur) else cur
-        cells = {(rate_plane.rate(e), float(r)) for e, r in zip(have["eta_ov"], have["ratio"])} if len(have) else set()
-        ups = [((opt, eta, r), (opt, eta, 1.0)) for e, r in sorted(cells) if e == rate_plane.rate(eta) and r > 1.0]
-        downs = [((opt, e, r), (opt, eta, 1.0)) for e, r in sorted(cells)
-                 if r > 1.0 and rate_plane.rate(e * r) == rate_plane.rate(eta)]
-        for route, pairs in (("qk_up", ups), ("ov_down", downs)):
-            got = trajectory.matched(have, pairs=pairs) if pairs else pd.DataFrame()
-            for _, r in got.iterrows():
-                add(route, opt, r["eta_ov"], r["ratio"], f"val loss {r['level']:.3f}",
-                    (r["d_val_AC@0.5"], r["d_val_AC@0.5_ci"], r["d_val_AC@0.5_n"]),
-                    (r["d_val_attn_relevant"], r["d_val_attn_relevant_ci"], r["d_val_attn_relevant_n"]))
-            ph = plane[(plane["optimizer"] == opt) & (plane["route"] == route) & (plane["ratio"] > 1.0)
-                       & (plane["ref_eta_ov"] == rate_plane.rate(eta))] if len(plane) else plane
-            for _, r in ph.iterrows():
-                add(route, opt, r["eta_ov"], r["ratio"], "early-stopped endpoint (test)",
-                    (r["d_AC@0.5"], r["d_AC@0.5_ci"], r["d_AC@0.5_n"]),
-                    (r["d_attn_relevant"], r["d_attn_relevant_ci"], r["d_attn_relevant_n"]))
-    if not rows:
-        return pd.DataFrame()
-    return pd.DataFrame(rows).sort_values(["optimizer", "route", "ratio"], kind="stable").set_index(
-        ["optimizer", "route", "eta_ov", "eta_qk", "ratio", "at"])
+        return {}
+    ends = head_model.endpoint_means(f[f["ratio"] == 1.0].drop(columns="ratio"), over="seed")
+    return {r.optimizer: (not bool(r.oracle_below_model), float(r.model), float(r.oracle)) for r in ends.itertuples()}
 
 
 AGREEMENT_NOTE = ("oracle attention predicts worse than the model's own, so AC@0.5 and attention on the annotated "
                   "tokens measure agreement with the annotations, not what the model uses")
+
+
+def annotation_text(result: MapResult) -> str:
+    """:func:`annotation_use` as a sentence: per optimizer the model's and the oracle's accuracy at ratio 1
+    and, where the oracle is below, :data:`AGREEMENT_NOTE`."""
+    use = annotation_use(result)
+    if not use:
+        return "not measured (no tuned model)"
+    return "; ".join(f"with {o}, model {100 * m:.1f}% vs oracle {100 * a:.1f}%: "
+                     + ("the annotated tokens are attention the model can use" if ok else AGREEMENT_NOTE)
+                     for o, (ok, m, a) in use.items())
 
 
 NECESSITY_RULE = (f"the head's attention is necessary when uniform attention over the same keys loses at least "
@@ -669,10 +623,7 @@ def map_facts(result: MapResult) -> dict[str, str]:
         f[f"map_{opt}_rescued"] = str(int(((result.outcomes["optimizer"] == opt) & (result.outcomes["claim"] == "R1")
                                            & (result.outcomes["outcome"] == "rescued")).sum())
                                       if len(result.outcomes) else 0)
-    use = uses_annotations(result)
-    f["map_annotations"] = {None: "not measured (no tuned model)", True: "the oracle row predicts at least as well as "
-                            "the model's own, so attention on the annotated tokens is attention the model can use",
-                            False: AGREEMENT_NOTE}[use]
+    f["map_annotations"] = annotation_text(result)
     f["map_rule_plane"] = rate_plane.PLANE_RULE
     f["map_rule_tuned"] = rate_plane.TUNED_LINE_RULE
     return f
@@ -767,7 +718,8 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
                 + (f"{tuned.label} ({tuned.reason}); " if tuned else "")
                 + ("; ".join(parts) or "no base rate trained at ratio 1") + "."
                 + (" " + necessity_sentence(result) if cid == "R3" else "")
-                + (f" Here {AGREEMENT_NOTE}." if cid == "R2" and uses_annotations(result) is False else ""))
+                + ("".join(f" With {o}, {AGREEMENT_NOTE}." for o, (ok, _, _) in annotation_use(result).items()
+                           if not ok) if cid == "R2" else ""))
         rows.append(claims.claim(cid, claims.CLAIMS[cid], ours, v, ch))
     return rows
 
