@@ -35,6 +35,7 @@ ROUTES = {"qk_up": "eta_QK raised at fixed eta_OV", "ov_down": "eta_OV lowered a
 ROUTE_MARK = {"qk_up": "↑", "ov_down": "←"}  # the move in the plane (x = eta_OV, y = eta_QK)
 ALL_RUN_METRICS = ("accuracy", "macro_f1", "AC@0.5", "attn_relevant")  # the all-runs view
 CLAIM_EFFECT = {"R1": "d_all_accuracy", "R2": "d_AC@0.5", "R3": "d_attn_relevant"}  # the effect each region quotes
+MATCHED = "m_val_"  # prefix of the plane's changes at matched validation loss (:func:`add_matched`)
 OUTCOMES = ("reproduced", "holds where", "not reproduced", "inconclusive", "rescued", "not tested")
 
 
@@ -66,6 +67,27 @@ def plane_phase(table: pd.DataFrame, chance: float | None = None) -> pd.DataFram
     return pd.concat([qk, ov], ignore_index=True)
 
 
+def pairs_of(phase: pd.DataFrame) -> list[tuple[tuple[str, float, float], tuple[str, float, float]]]:
+    """Every comparison of the plane above ratio 1 as ``((optimizer, eta_ov, ratio), (optimizer,
+    ref_eta_ov, 1.0))``, both routes (what :func:`qkov_lib.studies.trajectory.matched` pairs)."""
+    up = phase[phase["ratio"] > 1.0]
+    return [((o, float(e), float(r)), (o, float(f), 1.0))
+            for o, e, r, f in zip(up["optimizer"], up["eta_ov"], up["ratio"], up["ref_eta_ov"])]
+
+
+def add_matched(phase: pd.DataFrame, matched: pd.DataFrame) -> pd.DataFrame:
+    """``phase`` with the changes at matched validation loss of :func:`pairs_of` (a frame of
+    :func:`qkov_lib.studies.trajectory.at_deepest_common_loss`) as ``m_level`` and
+    ``m_val_<metric>`` (+ ``_ci``, ``_n``) columns, joined on (optimizer, eta_ov, ratio,
+    ref_eta_ov); NaN where a pair could not be matched."""
+    if matched is None or not len(matched):
+        return phase
+    m = matched.rename(columns={"level": "m_level", **{c: "m_" + c[2:] for c in matched if c.startswith("d_val_")}})
+    keep = ["optimizer", "eta_ov", "ratio", "ref_eta_ov", "m_level", *[c for c in m if c.startswith(MATCHED)]]
+    m = m[keep].assign(eta_ov=lambda f: f["eta_ov"].map(rate), ref_eta_ov=lambda f: f["ref_eta_ov"].map(rate))
+    return phase.merge(m, on=["optimizer", "eta_ov", "ratio", "ref_eta_ov"], how="left")
+
+
 def _ref_trained(phase: pd.DataFrame) -> dict[tuple[str, float], int]:
     """Trained runs at ratio 1 per (optimizer, base rate)."""
     ref = phase[(phase["route"] == "qk_up") & (phase["ratio"] == 1.0)]
@@ -75,9 +97,11 @@ def _ref_trained(phase: pd.DataFrame) -> dict[tuple[str, float], int]:
 def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], bool | None] | None = None
                   ) -> pd.DataFrame:
     """R1-R3 in every cell above ratio 1 of :func:`plane_phase`, against its route's reference:
-    R1 on the all-runs changes of accuracy and macro-F1, R2 on AC@0.5, ACMC@0.5 and sufficiency,
-    R3 on attention and accuracy (not tested where ``necessary[(optimizer, ref_eta_ov)]`` is
-    False), each by its rule in :mod:`qkov_lib.claims` at that one ratio. Then the reference
+    R1 on the all-runs changes of accuracy and macro-F1, R2 on AC@0.5, ACMC@0.5 and sufficiency
+    (test split, early-stopped endpoints), R3 on attention and accuracy at matched validation loss
+    where :func:`add_matched` gave them (``read_at`` says which), else at the endpoints (not tested
+    where ``necessary[(optimizer, ref_eta_ov)]`` is False), each by its rule in
+    :mod:`qkov_lib.claims` at that one ratio. Then the reference
     decides what the cell can say: fewer than ``MIN_SEEDS`` trained seeds at ratio 1 and at
     least ``MIN_SEEDS`` (and more) in the cell is ``rescued`` (training rescued by the higher
     ratio; verdict 'not tested': too few reference models to pair with), no trained run at ratio
@@ -96,10 +120,16 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
         ch = lambda k: protocol._change(p, k)  # noqa: E731
         need = (necessary or {}).get(key)
         r = [float(p["ratio"])]
+        # R3 at matched validation loss where the curves allow it (the paper compares attention "at a
+        # similar training loss"), else between the early-stopped endpoints on the test split
+        m_att = ch(MATCHED + "attn_relevant")
+        matched = m_att is not None and m_att.n > 0 and math.isfinite(m_att.mean)
+        att, acc = (MATCHED + "attn_relevant", MATCHED + "accuracy") if matched else ("d_attn_relevant", "d_accuracy")
         vs = {"R1": claims.r1_performance_stable([ch("d_all_accuracy")], [ch("d_all_macro_f1")], ratios=r),
               "R2": claims.r2_interpretability(ch("d_AC@0.5"), ch("d_ACMC@0.5"), ch("d_sufficiency")),
-              "R3": claims.r3_decoupled([ch("d_attn_relevant")], [ch("d_accuracy")],
-                                        necessary=None if need is None else bool(need), ratios=r)}
+              "R3": claims.r3_decoupled([ch(att)], [ch(acc)], necessary=None if need is None else bool(need),
+                                        ratios=r)}
+        r3_at = f"matched val loss {float(p['m_level']):.3f}" if matched else "early-stopped endpoints (test)"
         for cid, v in vs.items():
             word, outcome, reason = v.verdict, v.verdict, v.reason
             if n_ref < claims.MIN_SEEDS and n >= claims.MIN_SEEDS and n > n_ref:
@@ -112,8 +142,8 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
             elif n_ref < claims.MIN_SEEDS:
                 word = outcome = "inconclusive"
                 reason = f"{n_ref} seed(s) trained at ratio 1 (a comparison needs {claims.MIN_SEEDS}); {v.reason}"
-            col = CLAIM_EFFECT[cid]
-            rows.append({"route": p["route"], "optimizer": p["optimizer"], "eta_ov": rate(p["eta_ov"]),
+            col = att if cid == "R3" else CLAIM_EFFECT[cid]
+            rows.append({"read_at": r3_at if cid == "R3" else "early-stopped endpoints (test)", "route": p["route"], "optimizer": p["optimizer"], "eta_ov": rate(p["eta_ov"]),
                          "eta_qk": rate(p["eta_qk"]), "ratio": float(p["ratio"]), "ref_eta_ov": key[1],
                          "claim": cid, "verdict": word, "outcome": outcome,
                          "effect": float(p.get(col, math.nan)), "effect_ci": float(p.get(f"{col}_ci", math.nan)),
@@ -148,7 +178,8 @@ def cell_name(row: Mapping) -> str:
 
 
 PLANE_RULE = ("each cell above ratio 1 is compared with the ratio-1 run of its route (same eta_OV for ↑, same "
-              "eta_QK for ←), paired by seed, by the claim's own rule; only cells whose eta_QK stays at or below the "
+              "eta_QK for ←), paired by seed, by the claim's own rule (R3 at the deepest validation loss both runs "
+              "of each pair reached, where the training curves allow); only cells whose eta_QK stays at or below the "
               "largest base rate at which ratio-1 training was stable count; reproduced: it holds in every cell "
               "compared; holds where: in some (the region names them, as (eta_OV, eta_QK)); not reproduced: it holds "
               "in no cell and is contradicted in some, or held only in part (some of its measures) where it was "
@@ -229,7 +260,8 @@ def region_table(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.Dat
                         **{"Δ AC@0.5, all runs": [_fmt(e, c) for e, c in zip(outcomes["all_AC"], outcomes["all_AC_ci"])]})
     idx = ["optimizer", "route", "eta_ov", "eta_qk", "ratio"]
     t = o.pivot_table(index=idx, columns="claim", values="text", aggfunc="first")
-    seeds = o.groupby(idx)[["Δ AC@0.5, all runs", "trained", "ref_trained"]].first()
+    r3_at = o[o["claim"] == "R3"].groupby(idx)["read_at"].first().rename("R3 read at")
+    seeds = o.groupby(idx)[["Δ AC@0.5, all runs", "trained", "ref_trained"]].first().join(r3_at)
     t = t.join(seeds).reset_index()
     t["past the edge"] = t["eta_qk"] > t["optimizer"].map(lambda x: ceiling.get(x, math.nan)) * (1 + 1e-9)
     t["route"] = t["route"].map(lambda r: f"{ROUTE_MARK[r]} {ROUTES[r]}")
@@ -399,6 +431,6 @@ def recipe(plane: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["recipe", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS", "CLAIM_EFFECT", "OUTCOMES", "PLANE_RULE", "TUNED_LINE_RULE",
+__all__ = ["recipe", "pairs_of", "add_matched", "MATCHED", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS", "CLAIM_EFFECT", "OUTCOMES", "PLANE_RULE", "TUNED_LINE_RULE",
            "rate", "plane_phase", "cell_outcomes", "qk_ceiling", "cell_name", "plane_verdicts", "region_table",
            "tied_rates", "tuned_line", "plot_plane"]

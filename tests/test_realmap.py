@@ -381,6 +381,12 @@ def test_matched_loss_table_reads_both_routes_at_the_tuned_rate():
         hist[Cell(r.optimizer, r.eta_ov, r.ratio, r.seed)] = History(config={}, records=recs)
     res = M.analyse(t, 0.5, histories=hist)
     assert res.selected == {"adamw": 1e-3, "sgd": 0.03}
+    # R3 is read at the deepest matched validation loss: attention +0.2 at equal accuracy in every cell,
+    # although AdamW's endpoints lose attention (-0.1) and accuracy (-0.1)
+    r3 = res.outcomes[res.outcomes["claim"] == "R3"]
+    assert r3["read_at"].str.startswith("matched val loss 0.250").all()
+    assert set(r3["verdict"]) == {"reproduced"} and np.allclose(r3["effect"], 0.2)
+    assert res.plane["m_val_attn_relevant_n"].max() == 3
     tab = M.matched_loss_table(res).reset_index()
     sgd = tab[tab["optimizer"] == "sgd"]
     # tuned SGD rate 0.03: ↑ ratio 10 at eta_OV 0.03; ← nothing (0.003 is not in the grid)

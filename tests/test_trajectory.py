@@ -217,3 +217,22 @@ def test_plot_has_one_panel_per_column_on_a_white_face():
         tj.plot_attention_vs_loss(f, [("adamw", 0.3)])
     with pytest.raises(ValueError, match="no columns"):
         tj.plot_attention_vs_loss(f, [])
+
+
+def test_pairs_read_at_the_deepest_loss_both_reached():
+    # two seeds; the reference reaches 0.25, the compared cell only 0.5: the pair is read at 0.5
+    rows = []
+    for seed in (0, 1):
+        for ratio, losses, ac in ((1.0, (1.0, 0.5, 0.25), (0.1, 0.2, 0.3)), (10.0, (1.0, 0.7, 0.5), (0.1, 0.3, 0.5))):
+            for k, (lv, a) in enumerate(zip(losses, ac)):
+                rows.append({"optimizer": "adamw", "eta_ov": 1e-3, "ratio": ratio, "seed": seed, "eta_qk": 1e-3 * ratio,
+                             "step": 100 * k, "val_loss": lv, "val_accuracy": 0.5, "val_attn_relevant": a,
+                             "val_AC@0.5": a})
+    cur = pd.DataFrame(rows)
+    got = tj.at_deepest_common_loss(cur, [(("adamw", 1e-3, 10.0), ("adamw", 1e-3, 1.0))])
+    assert len(got) == 1 and got["level"].iloc[0] == pytest.approx(0.5)
+    # at loss 0.5: compared 0.5, reference 0.2 -> +0.3 in both seeds
+    assert got["d_val_AC@0.5"].iloc[0] == pytest.approx(0.3) and got["d_val_AC@0.5_n"].iloc[0] == 2
+    assert got["d_val_accuracy"].iloc[0] == pytest.approx(0.0)
+    # a pair with a side that has no runs is left out, not an error
+    assert tj.at_deepest_common_loss(cur, [(("adamw", 1e-2, 10.0), ("adamw", 1e-2, 1.0))]).empty

@@ -287,6 +287,11 @@ def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Ce
         result.intervention = intervention_frame(result, test)
     result.cells = protocol.cell_verdicts(phase, necessary=result.necessary)
     result.plane = rate_plane.plane_phase(table, chance=chance_rate)
+    if result.histories:
+        cur = trained_curves(result)
+        if len(cur):
+            result.plane = rate_plane.add_matched(result.plane, trajectory.at_deepest_common_loss(
+                cur, rate_plane.pairs_of(result.plane)))
     result.outcomes = rate_plane.cell_outcomes(result.plane, result.necessary)
     result.ceiling = rate_plane.qk_ceiling(table)
     result.verdicts = rate_plane.plane_verdicts(result.outcomes, result.ceiling)
@@ -368,6 +373,63 @@ def intervention_table(result: MapResult) -> pd.DataFrame:
     t = (100 * f.groupby(["optimizer", "ratio", "alpha"])["accuracy"].mean()).unstack("alpha").round(1)
     t.columns = [f"alpha {a:g}" for a in t.columns]
     return t
+
+
+def trained_curves(result: MapResult) -> pd.DataFrame:
+    """:func:`.trajectory.curves` of the map's runs that trained (empty without histories)."""
+    if not result.histories:
+        return pd.DataFrame(columns=["optimizer", "eta_ov", "ratio", "seed", "step", *trajectory.CURVE_METRICS])
+    ok = result.table[result.table["trained"]]
+    keep = {protocol.Cell(o, e, r, s) for o, e, r, s in zip(ok["optimizer"], ok["eta_ov"], ok["ratio"], ok["seed"])}
+    return trajectory.curves({c: h for c, h in result.histories.items() if c in keep})
+
+
+def _pm_change(mean: float, hw: float, n: float, digits: int = 3) -> str:
+    """A paired change as a table cell: ``+0.051 ± 0.020 (4)``; the seed pairs in brackets."""
+    if not math.isfinite(mean):
+        return "n/a"
+    return f"{mean:+.{digits}f}" + (f" ± {hw:.{digits}f}" if math.isfinite(hw) else "") + f" ({int(n)})"
+
+
+def matched_loss_table(result: MapResult) -> pd.DataFrame:
+    """Ratios compared at matched validation loss around each optimizer's tuned base rate ``eta``, along
+    both routes of the plane: ↑ each ratio r at ``eta_OV = eta`` against ratio 1 there, and ← each cell
+    ``(eta / r, eta)`` (``eta_QK`` fixed at ``eta``) against the ratio-1 run at ``eta``. Per pair and level
+    (:func:`.trajectory.loss_levels` of the pair's runs, nats): the change of AC@0.5 and of attention on the
+    relevant tokens on the validation split, paired by seed over the trained runs that reached the level
+    (:func:`.trajectory.matched`); then the change between the early-stopped endpoints on the test split
+    (the plane's). Cells read ``mean ± 95% half-width (seed pairs)``."""
+    cur = trained_curves(result)
+    plane = result.plane
+    rows = []
+
+    def add(route: str, opt: str, eta_ov: float, ratio: float, at: str, d_ac, d_attn) -> None:
+        rows.append({"optimizer": opt, "route": rate_plane.ROUTE_MARK[route], "eta_ov": eta_ov,
+                     "eta_qk": rate_plane.rate(eta_ov * ratio), "ratio": ratio, "at": at,
+                     "Δ AC@0.5": _pm_change(*d_ac), "Δ attention": _pm_change(*d_attn)})
+
+    for opt, eta in result.selected.items():
+        have = cur[cur["optimizer"] == opt] if len(cur) else cur
+        cells = {(rate_plane.rate(e), float(r)) for e, r in zip(have["eta_ov"], have["ratio"])} if len(have) else set()
+        ups = [((opt, eta, r), (opt, eta, 1.0)) for e, r in sorted(cells) if e == rate_plane.rate(eta) and r > 1.0]
+        downs = [((opt, e, r), (opt, eta, 1.0)) for e, r in sorted(cells)
+                 if r > 1.0 and rate_plane.rate(e * r) == rate_plane.rate(eta)]
+        for route, pairs in (("qk_up", ups), ("ov_down", downs)):
+            got = trajectory.matched(have, pairs=pairs) if pairs else pd.DataFrame()
+            for _, r in got.iterrows():
+                add(route, opt, r["eta_ov"], r["ratio"], f"val loss {r['level']:.3f}",
+                    (r["d_val_AC@0.5"], r["d_val_AC@0.5_ci"], r["d_val_AC@0.5_n"]),
+                    (r["d_val_attn_relevant"], r["d_val_attn_relevant_ci"], r["d_val_attn_relevant_n"]))
+            ph = plane[(plane["optimizer"] == opt) & (plane["route"] == route) & (plane["ratio"] > 1.0)
+                       & (plane["ref_eta_ov"] == rate_plane.rate(eta))] if len(plane) else plane
+            for _, r in ph.iterrows():
+                add(route, opt, r["eta_ov"], r["ratio"], "early-stopped endpoint (test)",
+                    (r["d_AC@0.5"], r["d_AC@0.5_ci"], r["d_AC@0.5_n"]),
+                    (r["d_attn_relevant"], r["d_attn_relevant_ci"], r["d_attn_relevant_n"]))
+    if not rows:
+        return pd.DataFrame()
+    return pd.DataFrame(rows).sort_values(["optimizer", "route", "ratio"], kind="stable").set_index(
+        ["optimizer", "route", "eta_ov", "eta_qk", "ratio", "at"])
 
 
 def annotation_use(result: MapResult) -> dict[str, tuple[bool, float, float]]:

@@ -12,7 +12,8 @@ its validation loss first crossed fixed levels:
 * :func:`loss_levels` chooses the levels a set of compared runs all reached;
 * :func:`matched` gives, per map column and ratio above 1, the change of each attention metric
   against ratio 1 at each level, paired by seed (as :func:`qkov_lib.protocol.phase_table` does
-  for the final models);
+  for the final models); :func:`at_deepest_common_loss` reads any pairs of cells at the deepest
+  loss both reached;
 * :func:`plot_attention_vs_loss` draws an attention metric against the validation loss.
 
 Units: losses are cross-entropies in nats; accuracy, AC and attention mass are fractions in [0, 1].
@@ -221,6 +222,26 @@ def matched(curves: pd.DataFrame, levels_per_column: Mapping[Column, Sequence[fl
                     row[f"d_{m}"], row[f"d_{m}_ci"], row[f"d_{m}_n"] = c.mean, c.half_width, c.n
                 rows.append(row)
     return pd.DataFrame(rows)
+
+
+def at_deepest_common_loss(curves: pd.DataFrame, pairs: Sequence[Pair],
+                           metrics: Sequence[str] = (*MATCHED_METRICS, "val_accuracy")) -> pd.DataFrame:
+    """Each pair (compared cell, reference cell) of :func:`matched` read at one level: the deepest
+    validation loss that every run of the pair reached (the last of :func:`loss_levels` of the
+    pair's runs, nats), where the comparison is furthest from initialisation and still matched. One
+    row per pair that has runs on both sides and a shared loss range: ``optimizer, eta_ov, ratio,
+    ref_eta_ov, ref_ratio, level`` and the ``d_<m>``, ``d_<m>_ci``, ``d_<m>_n`` columns of
+    :func:`matched`; pairs without runs or without a shared range are left out."""
+    rows = []
+    for a, b in pairs:
+        try:
+            both = pd.concat([_side(curves, tuple(a)), _side(curves, tuple(b))])
+        except ValueError:  # a side without trained runs: nothing to read
+            continue
+        levels = loss_levels(both)
+        if levels:
+            rows.append(matched(both, {(a[0], float(a[1])): [levels[-1]]}, metrics, pairs=[(a, b)]))
+    return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
 
 
 def plot_attention_vs_loss(curves: pd.DataFrame, columns: Sequence[Column], metric: str = "val_AC@0.5",
