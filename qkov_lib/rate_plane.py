@@ -224,12 +224,11 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
         counts = ", ".join(f"{(read['outcome'] == o).sum()} {o}" for o in OUTCOMES if (read["outcome"] == o).any())
         why = f"{len(read)} cells within the stable range: {counts or 'none'}"
         if len(part):  # a cell where only some of the claim's measures held: named, but the claim did not hold
-            why += "; in part at " + ", ".join(f"{r['optimizer']} {cell_name(r)} ({r['reason'].split(' (')[0]})"
-                                               for _, r in part.iterrows())
+            why += f"; in part (some of its measures) at {_cells(part)}"
         if len(past):
-            why += f"; past the edge (not read): {_cells(past)} ({', '.join(past['outcome'])})"
+            why += f"; {len(past)} cells past the stable ceiling, not read"
         if len(rescued):
-            why += f"; rescued by the higher ratio at {_cells(rescued)}"
+            why += f"; training rescued by the higher ratio at {_cells(rescued)}"
         effect = _effect(read[read["verdict"] != "not tested"], cid)
         compared = len(holds) + len(fails) + len(part) + len(open_)
         if not compared:

@@ -50,7 +50,7 @@ def test_analyse_selects_on_validation_and_gives_the_tuned_line():
     assert M.analyse(_table(d_acc_adamw=0.0), 0.5).tuned["R1"].verdict == "reproduced"
     # rates 0.1 and 0.3 at ratio 10 put eta_QK at 1 and 3, past the largest stable base rate: nothing is read
     assert res.ceiling == {"adamw": 3e-3, "sgd": 0.3} and res.verdicts["R3"].verdict == "not tested"
-    assert "past the edge" in res.verdicts["R3"].reason
+    assert "past the stable ceiling" in res.verdicts["R3"].reason
 
 
 def test_the_plane_decides_where_a_decade_grid_is_read():
