@@ -213,6 +213,12 @@ def test_plot_has_one_panel_per_column_on_a_white_face():
     assert ax.xaxis_inverted() and ax.get_title() == "adamw, eta_OV = 0.1"
     assert len(ax.lines) == 4 + 1 + 3 + 1  # per-seed lines and one mean per ratio
     plt.close(fig)
+    # a ratio present in one panel only still has its legend entry
+    g = f[~((f["eta_ov"] == 0.01) & (f["ratio"] > 1))]
+    fig = tj.plot_attention_vs_loss(g, [("adamw", 0.1), ("adamw", 0.01)])
+    labels = [t.get_text() for t in fig.axes[-1].get_legend().get_texts()]
+    assert labels == [f"{r:g}" for r in sorted(set(f["ratio"]))]
+    plt.close(fig)
     with pytest.raises(ValueError, match="no run at optimizer 'adamw', eta_ov 0.3"):
         tj.plot_attention_vs_loss(f, [("adamw", 0.3)])
     with pytest.raises(ValueError, match="no columns"):

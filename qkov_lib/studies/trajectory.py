@@ -280,8 +280,12 @@ def plot_attention_vs_loss(curves: pd.DataFrame, columns: Sequence[Column], metr
         ax.set_title(f"{opt}, eta_OV = {eta:g}", fontsize=10)
         ax.set_xlabel("validation loss (nats)")
         ax.set_ylabel(metric)
-    axes[0, -1].legend(title="eta_QK / eta_OV", loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
-                       frameon=False)
+    from matplotlib.lines import Line2D
+
+    # one legend for every ratio of every panel (a panel may lack a ratio whose runs did not train)
+    handles = [Line2D([], [], color=colour[r], lw=2.0, label=f"{r:g}") for r in ratios]
+    axes[0, -1].legend(handles=handles, title="eta_QK / eta_OV", loc="center left", bbox_to_anchor=(1.0, 0.5),
+                       fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
 
