@@ -113,12 +113,14 @@ def test_estimate_is_runs_times_fixed_plus_steps_times_seconds_per_step(monkeypa
     monkeypatch.setattr(cost, "probe", fake_probe(per_step=0.01, per_run=2.0))
     cfg = realmap.map_config("squad", "full")
     est = cost.estimate("squad", cfg, CPU)
-    assert est.seconds == pytest.approx(2 * 100 * (2.0 + 8000 * 0.01))
+    # per optimizer: three base rates of 25 runs at 16000 steps (twice the top rate's 8000), one at 8000
+    assert est.seconds == pytest.approx(2 * (75 * (2.0 + 16000 * 0.01) + 25 * (2.0 + 8000 * 0.01)))
     assert est.full_seconds == est.seconds and not est.dry_run
     dry = cost.estimate("squad", cfg, CPU, dry_run=True)
-    assert dry.seconds == pytest.approx(2 * 100 * (2.0 + profiles.DRY_RUN_STEPS * 0.01))
+    d = profiles.DRY_RUN_STEPS  # the cap applies to the top rate's budget; the slower rates keep their factor 2
+    assert dry.seconds == pytest.approx(2 * (75 * (2.0 + 2 * d * 0.01) + 25 * (2.0 + d * 0.01)))
     assert dry.full_seconds == pytest.approx(est.seconds)
-    assert list(dry.frame()["runs x steps"]) == [100 * profiles.DRY_RUN_STEPS] * 2
+    assert list(dry.frame()["runs x steps"]) == [25 * 2 * d] * 3 + [25 * d] + [25 * 2 * d] * 3 + [25 * d]
     assert "(dry run)" in dry.summary() and "profile's own steps" in dry.summary()
 
 
@@ -209,12 +211,14 @@ def test_the_results_file_records_the_estimate_beside_the_measured_wall_time(mon
     out = results.save_results("squad", cfg, {}, path=tmp_path / "squad.json", wall_time_s=120.0, device="cpu")
     doc = json.loads(out.read_text())
     c = doc["cost"]
-    expected = 200 * (2.0 + profiles.DRY_RUN_STEPS * 0.01)
+    d = profiles.DRY_RUN_STEPS
+    expected = 2 * (75 * (2.0 + 2 * d * 0.01) + 25 * (2.0 + d * 0.01))  # slower base rates: twice the steps
     assert c["dry_run"] is True and c["dry_run_steps"] == profiles.DRY_RUN_STEPS
     assert c["estimated_s"] == pytest.approx(expected) and c["measured_wall_time_s"] == 120.0
     assert c["measured_over_estimated"] == pytest.approx(120.0 / expected)
-    # the full run from the dry one: what the dry run took plus the 8000 - 20 steps per run it left out
-    assert c["estimated_full_from_dry_run_s"] == pytest.approx(120.0 + 200 * (8000 - profiles.DRY_RUN_STEPS) * 0.01)
+    # the full run from the dry one: what the dry run took plus the steps per run it left out
+    left_out = 2 * (75 * (16000 - 2 * d) + 25 * (8000 - d))
+    assert c["estimated_full_from_dry_run_s"] == pytest.approx(120.0 + left_out * 0.01)
     assert doc["params"]["adamw_steps"] == profiles.DRY_RUN_STEPS  # the file says what ran
     # another chapter's results do not take this estimate
     other = json.loads(results.save_results("sva", {}, {}, path=tmp_path / "sva.json").read_text())
