@@ -436,3 +436,16 @@ def test_annotation_use_per_optimizer_from_the_intervention_ends():
     assert f"With adamw, {M.AGREEMENT_NOTE}." in r2 and "With sgd" not in r2
     res.intervention = None
     assert M.annotation_text(res).startswith("not measured")
+
+
+def test_curves_of_a_map_where_nothing_trained_are_empty_and_draw_nothing():
+    from qkov_lib.protocol import Cell
+    from qkov_lib.train import History
+
+    t = _table().assign(val_accuracy=0.5)  # nothing beats chance
+    hist = {Cell(r.optimizer, r.eta_ov, r.ratio, r.seed): History(config={}, records=[
+        {"step": 0, "val_loss": 1.0, "val_accuracy": 0.5, "val_attn_relevant": 0.3, "val_AC@0.5": 0.1}])
+        for r in t.itertuples()}
+    res = M.analyse(t, 0.5, histories=hist)
+    assert M.trained_curves(res).empty and M.plot_attention_curves(res) is None
+    assert M.matched_loss_table(res).empty or "val loss" not in " ".join(M.matched_loss_table(res).index.get_level_values("at"))

@@ -376,12 +376,22 @@ def intervention_table(result: MapResult) -> pd.DataFrame:
 
 
 def trained_curves(result: MapResult) -> pd.DataFrame:
-    """:func:`.trajectory.curves` of the map's runs that trained (empty without histories)."""
-    if not result.histories:
-        return pd.DataFrame(columns=["optimizer", "eta_ov", "ratio", "seed", "step", *trajectory.CURVE_METRICS])
+    """:func:`.trajectory.curves` of the map's runs that trained (empty without histories or trained runs)."""
     ok = result.table[result.table["trained"]]
     keep = {protocol.Cell(o, e, r, s) for o, e, r, s in zip(ok["optimizer"], ok["eta_ov"], ok["ratio"], ok["seed"])}
-    return trajectory.curves({c: h for c, h in result.histories.items() if c in keep})
+    hists = {c: h for c, h in result.histories.items() if c in keep}
+    if not hists:
+        return pd.DataFrame(columns=["optimizer", "eta_ov", "ratio", "seed", "eta_qk", "step", *trajectory.CURVE_METRICS])
+    return trajectory.curves(hists)
+
+
+def plot_attention_curves(result: MapResult, metric: str = "val_AC@0.5"):
+    """:func:`.trajectory.plot_attention_vs_loss` of the trained runs at each optimizer's tuned base rate (the
+    columns that have trained runs); None when no column has any."""
+    cur = trained_curves(result)
+    cols = [(o, e) for o, e in result.selected.items()
+            if len(cur) and ((cur["optimizer"] == o) & (cur["eta_ov"] == e)).any()]
+    return trajectory.plot_attention_vs_loss(cur, cols, metric) if cols else None
 
 
 def _pm_change(mean: float, hw: float, n: float, digits: int = 3) -> str:
