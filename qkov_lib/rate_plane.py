@@ -407,6 +407,10 @@ def recipe(plane: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
     the cell of the largest rise with the all-runs accuracy change there, and the largest
     all-runs accuracy fall (changes are fractions, ± the 95% seed interval)."""
     rows = []
+    plane = plane.copy()
+    for col in ("ratio", "eta_qk", "d_AC@0.5", "d_AC@0.5_ci", "d_all_accuracy", "d_all_accuracy_ci"):
+        if col in plane:  # read back from a results file, a missing change is None, not NaN
+            plane[col] = pd.to_numeric(plane[col], errors="coerce")
     for opt, g in plane.groupby("optimizer", sort=False):
         c = ceiling.get(opt, math.nan)
         read = g[(g["ratio"] > 1.0) & (g["eta_qk"] <= c * (1 + 1e-9)) & np.isfinite(g["d_AC@0.5"])]

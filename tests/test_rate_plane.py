@@ -175,3 +175,15 @@ def test_a_claim_that_holds_only_in_part_is_not_a_region_where_it_holds():
     # the point (1e-4, 1e-3) is reached both ways: from (1e-4, 1e-4) and from (1e-3, 1e-3)
     assert v2.verdict == "holds where"
     assert v2.region.startswith("at adamw (0.0001, 0.001)↑, adamw (0.0001, 0.001)←; in part at")
+
+
+def test_recipe_reads_a_plane_back_from_a_results_file():
+    import json
+
+    t = _table(lambda e, r, s: 0.5 + (0.1 if r > 1 else 0.0) + s / 1000)
+    p = rate_plane.plane_phase(t)
+    p.loc[p.index[-1], "d_AC@0.5"] = np.nan
+    back = pd.DataFrame(json.loads(json.dumps(p.astype(object).where(p.notna(), None).to_dict("records"))))
+    rec = rate_plane.recipe(back, {"adamw": 1e-2})
+    assert rec.loc[0, "cells read"] == len(p[(p["ratio"] > 1) & (p["eta_qk"] <= 1e-2) & p["d_AC@0.5"].notna()])
+    assert rec.loc[0, "mean Δ AC@0.5 ↑"] == "+0.100"
