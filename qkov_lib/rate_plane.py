@@ -254,9 +254,9 @@ def region_table(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.Dat
     at its reference, and whether ``eta_QK`` lies past the stable ceiling."""
     if not len(outcomes):
         return pd.DataFrame()
-    o = outcomes.assign(text=[f"{w}" + (f" ({_fmt(e, c)})" if math.isfinite(e) else "")
+    o = outcomes.assign(text=[f"{w}" + (f" ({fmt_change(e, c)})" if math.isfinite(e) else "")
                               for w, e, c in zip(outcomes["outcome"], outcomes["effect"], outcomes["effect_ci"])],
-                        **{"Δ AC@0.5, all runs": [_fmt(e, c) for e, c in zip(outcomes["all_AC"], outcomes["all_AC_ci"])]})
+                        **{"Δ AC@0.5, all runs": [fmt_change(e, c) for e, c in zip(outcomes["all_AC"], outcomes["all_AC_ci"])]})
     idx = ["optimizer", "route", "eta_ov", "eta_qk", "ratio"]
     t = o.pivot_table(index=idx, columns="claim", values="text", aggfunc="first")
     r3_at = o[o["claim"] == "R3"].groupby(idx)["read_at"].first().rename("R3 read at")
@@ -393,7 +393,8 @@ def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | 
     return fig
 
 
-def _fmt(mean: float, hw: float, digits: int = 3) -> str:
+def fmt_change(mean: float, hw: float, digits: int = 3) -> str:
+    """A change as a cell: ``+0.051 ± 0.020`` (no interval when ``hw`` is not finite; \"n/a\" for no change)."""
     if not math.isfinite(mean):
         return "n/a"
     return f"{mean:+.{digits}f}" + (f" ± {hw:.{digits}f}" if math.isfinite(hw) else "")
@@ -424,16 +425,16 @@ def recipe(plane: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
             r = read[read["route"] == route]["d_AC@0.5"]
             row[f"mean Δ AC@0.5 {ROUTE_MARK[route]}"] = f"{r.mean():+.3f}" if len(r) else "n/a"
         best = read.loc[read["d_AC@0.5"].idxmax()]
-        row["largest rise"] = f"{cell_name(best)}: {_fmt(best['d_AC@0.5'], best['d_AC@0.5_ci'])}"
-        row["Δ accuracy there"] = _fmt(best["d_all_accuracy"], best["d_all_accuracy_ci"])
+        row["largest rise"] = f"{cell_name(best)}: {fmt_change(best['d_AC@0.5'], best['d_AC@0.5_ci'])}"
+        row["Δ accuracy there"] = fmt_change(best["d_all_accuracy"], best["d_all_accuracy_ci"])
         acc = read[np.isfinite(read["d_all_accuracy"])]
         if len(acc):
             worst = acc.loc[acc["d_all_accuracy"].idxmin()]
-            row["largest accuracy fall"] = f"{cell_name(worst)}: {_fmt(worst['d_all_accuracy'], worst['d_all_accuracy_ci'])}"
+            row["largest accuracy fall"] = f"{cell_name(worst)}: {fmt_change(worst['d_all_accuracy'], worst['d_all_accuracy_ci'])}"
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-__all__ = ["recipe", "pairs_of", "add_matched", "MATCHED", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS", "CLAIM_EFFECT", "OUTCOMES", "PLANE_RULE", "TUNED_LINE_RULE",
+__all__ = ["recipe", "fmt_change", "pairs_of", "add_matched", "MATCHED", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS", "CLAIM_EFFECT", "OUTCOMES", "PLANE_RULE", "TUNED_LINE_RULE",
            "rate", "plane_phase", "cell_outcomes", "qk_ceiling", "cell_name", "plane_verdicts", "region_table",
            "tied_rates", "tuned_line", "plot_plane"]

@@ -396,9 +396,8 @@ def plot_attention_curves(result: MapResult, metric: str = "val_AC@0.5"):
 
 def _pm_change(mean: float, hw: float, n: float, digits: int = 3) -> str:
     """A paired change as a table cell: ``+0.051 ± 0.020 (4)``; the seed pairs in brackets."""
-    if not math.isfinite(mean):
-        return "n/a"
-    return f"{mean:+.{digits}f}" + (f" ± {hw:.{digits}f}" if math.isfinite(hw) else "") + f" ({int(n)})"
+    text = rate_plane.fmt_change(mean, hw, digits)
+    return text if text == "n/a" else f"{text} ({int(n)})"
 
 
 def matched_loss_table(result: MapResult) -> pd.DataFrame:
