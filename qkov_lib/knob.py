@@ -40,8 +40,9 @@ V), rebuilt on every access by a ``torch.nn.utils.parametrize`` concatenation (:
 one ``torch.cat`` per forward, see ``benchmarks/bench_knob.py``). Outputs are unchanged, and
 state dicts keep the original keys and shapes both ways (hooks), so checkpoints load into split and
 unsplit models with ``strict=True``; :func:`unsplit` returns a merged copy for ``torch.save(model)``.
-Needs torch alone (pandas for :meth:`KnobReport.frame`); :mod:`qkov_lib.knob_trainer` puts the knob
-into the ``transformers`` Trainer.
+:func:`step_moves` takes one optimizer step and returns each group's mean absolute update, to check
+the rates on a model. Needs torch alone (pandas for :meth:`KnobReport.frame`);
+:mod:`qkov_lib.knob_trainer` puts the knob into the ``transformers`` Trainer.
 """
 
 from __future__ import annotations
@@ -1005,3 +1006,45 @@ def tensor_value(model: nn.Module, tensor: str) -> Tensor:
     if not isinstance(value, Tensor):
         raise ValueError(f"{tensor} is not a tensor of the model")
     return value
+
+
+def step_moves(model: nn.Module, report: KnobReport, optimizer: torch.optim.Optimizer,
+               loss_fn: Callable[[], Tensor]) -> dict[str, float]:
+    """Take one optimizer step and return, per group of ``report`` (``qk``, ``ov``, ``other``
+    present in it), the mean absolute change of its elements, in the parameters' own units.
+
+    ``report`` is the one :func:`knob_optimizer` / :func:`knob_groups` returned for ``model``
+    (after the split), ``optimizer`` the optimizer built over its groups and ``loss_fn()`` a
+    scalar loss of the model. The step: ``zero_grad``, ``loss_fn().backward()``,
+    ``optimizer.step()``. Every tensor or slice of the report counts with all its elements, so
+    each group's mean is over its ``numel``. Adam's first step (no weight decay) moves an element
+    by about its learning rate wherever its gradient is not ~0, so ``qk / ov`` comes out near
+    ``qk_ratio``; elements whose gradient is zero (a key bias, which softmax ignores) barely
+    move and pull their group's mean down. TypeError for a report that is not a
+    :class:`KnobReport` or a ``loss_fn`` that is not callable, ValueError when a tensor of the
+    report is not in ``model`` or the loss is not a scalar tensor with a gradient."""
+    if not isinstance(report, KnobReport):
+        raise TypeError(f"report must be the KnobReport of knob_optimizer/knob_groups, got {type(report).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a function () -> scalar loss tensor, got {loss_fn!r}")
+    tensors = sorted({e.tensor for e in report.entries})
+    try:
+        before = {t: tensor_value(model, t).detach().clone() for t in tensors}
+    except AttributeError as err:
+        raise ValueError(f"the report names tensors that are not in {type(model).__name__} ({err}): pass the "
+                         "report that knob_optimizer/knob_groups returned for this model") from err
+    optimizer.zero_grad()
+    loss = loss_fn()
+    if not (isinstance(loss, Tensor) and loss.dim() == 0 and loss.requires_grad):
+        raise ValueError(f"loss_fn() must return a scalar tensor that requires grad, got "
+                         f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, Tensor) else ''}")
+    loss.backward()
+    optimizer.step()
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    with torch.no_grad():
+        for e in report.entries:
+            move = (tensor_value(model, e.tensor) - before[e.tensor])[e.index].abs()
+            total[e.group] = total.get(e.group, 0.0) + float(move.double().sum())
+            count[e.group] = count.get(e.group, 0) + e.numel
+    return {g: total[g] / count[g] for g in GROUPS if g in count}
