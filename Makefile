@@ -8,6 +8,8 @@ PROFILE ?= cpu
 DRY_RUN ?=
 DRY := $(if $(DRY_RUN),QKOV_DRY_RUN=$(DRY_RUN))
 DATA ?= $(abspath ../shared/data)
+# chapters executed at once by `make book` (a chapter that trains in several processes runs alone)
+JOBS ?= 2
 BIN := $(VENV)/bin
 export QKOV_DATA_DIR ?= $(DATA)
 
@@ -30,10 +32,10 @@ data-check:  ## before set-up, with the system python: stop at once if data is m
 data: setup  ## download the official releases into $(QKOV_DATA_DIR), verify their sha256, build the data folder
 	$(BIN)/python -m qkov_lib.data.fetch fetch --dest "$(QKOV_DATA_DIR)"
 
-book: data-check setup  ## execute every chapter (profile $(PROFILE); DRY_RUN=1: steps capped) and build _build/html
+book: data-check setup  ## execute every chapter, $(JOBS) at once (profile $(PROFILE); DRY_RUN=1: steps capped), build _build/html
 	$(BIN)/python -m qkov_lib.data.fetch check --fetch
 	rm -rf _build/results
-	QKOV_PROFILE=$(PROFILE) $(DRY) $(BIN)/jupyter-book build . -W --keep-going --all
+	QKOV_PROFILE=$(PROFILE) $(DRY) $(BIN)/qkov book --mode run --jobs $(JOBS)
 
 estimate: setup  ## each chapter's work and estimated time on this machine's device (profile $(PROFILE)), nothing trained
 	QKOV_PROFILE=$(PROFILE) $(BIN)/python -m qkov_lib.cost

@@ -3,6 +3,7 @@ outputs; the scorecard page is always re-read; building from executed notebooks.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,6 +106,7 @@ kernelspec: {{display_name: Python 3, language: python, name: python3}}
 # {title}
 
 ```{{code-cell}} ipython3
+import json
 import os
 open({counter!r}, "a").write("x")
 print("LIB SAYS", open({lib!r}).read().strip(), "RESULTS", os.environ.get("QKOV_RESULTS_DIR", "-"))
@@ -216,3 +218,80 @@ def test_pinned_packages_reads_requirements(tmp_path: Path):
     bad.write_text("numpy==2\n==oops\n")
     with pytest.raises(ValueError, match="cannot read the requirement '==oops'"):
         cache.pinned_packages(bad)
+
+
+_HEAD = ("---\njupytext:\n  text_representation: {extension: .md, format_name: myst}\n"
+         "kernelspec: {display_name: Python 3, language: python, name: python3}\n---\n")
+
+
+def _page(root: Path, stem: str, params: str, body: str) -> None:
+    """A chapter that logs its start and end (monotonic seconds, under its run name) to ``<root>/log``
+    and writes a results file."""
+    name = stem.split("_", 1)[1]
+    (root / "book" / f"{stem}.md").write_text(
+        _HEAD + f"# {stem}\n```{{code-cell}} ipython3\n:tags: [parameters]\nresults_path = None\n{params}\n```\n"
+        f"```{{code-cell}} ipython3\nimport json, time\nlog = {str(root / 'log')!r}\n"
+        f"open(log, 'a').write(f'{name} start {{time.monotonic()}}\\n')\n{body}\n"
+        f"open(log, 'a').write(f'{name} end {{time.monotonic()}}\\n')\n"
+        f"json.dump({{'chapter': {stem!r}}}, open(results_path, 'w'))\n```\n")
+
+
+def _run_book(root: Path, failing: bool = False) -> None:
+    (root / "book").mkdir(parents=True)
+    stems = ["01_a", "02_wide", "03_b", "04_c", "08_summary"]
+    (root / "_toc.yml").write_text("format: jb-book\nroot: book/01_a\nchapters:\n"
+                                   + "".join(f"  - file: book/{s}\n" for s in stems[1:]))
+    _page(root, "01_a", "", "time.sleep(1.5)")
+    _page(root, "02_wide", "processes = None", "time.sleep(1.5)")
+    _page(root, "03_b", "", "raise RuntimeError('broken page')" if failing else "time.sleep(1.5)")
+    _page(root, "04_c", "", "time.sleep(1.5)")
+    _page(root, "08_summary", "results_dir = None",
+          f"import pathlib\nseen = sorted(p.name for p in pathlib.Path({str(root / 'out')!r}).glob('*.json'))\n"
+          f"open({str(root / 'seen')!r}, 'w').write(' '.join(seen))")
+
+
+def _spans(root: Path) -> dict[str, tuple[float, float]]:
+    ev = [line.split() for line in (root / "log").read_text().splitlines()]
+    return {s: (float(next(t for n, w, t in ev if n == s and w == "start")),
+                float(next(t for n, w, t in ev if n == s and w == "end"))) for s in {n for n, _, _ in ev}}
+
+
+def test_run_plan_orders_wide_pages_first_and_summaries_last(tmp_path: Path):
+    _run_book(tmp_path)
+    plan = cache.run_plan(tmp_path, jobs=2)
+    assert [(p.name, p.slots, p.reads_others) for p in plan] == [
+        ("wide", 2, False), ("a", 1, False), ("b", 1, False), ("c", 1, False), ("summary", 1, True)]
+    with pytest.raises(ValueError, match="jobs must be a positive integer"):
+        cache.run_plan(tmp_path, jobs=0)
+
+
+def test_run_book_runs_pages_side_by_side_the_wide_one_alone_summaries_after(tmp_path: Path):
+    _run_book(tmp_path)
+    lines: list[str] = []
+    times = cache.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
+    assert set(times) == {"a", "wide", "b", "c", "summary"}
+    s = _spans(tmp_path)
+    others = [k for k in s if k != "wide"]
+    # the page that trains in several processes overlaps no other page
+    assert all(s[k][0] >= s["wide"][1] or s[k][1] <= s["wide"][0] for k in others)
+    # two one-slot pages ran at the same time (jobs=2), never three
+    narrow = sorted((s[k] for k in ("a", "b", "c")))
+    assert narrow[1][0] < narrow[0][1]
+    assert not (narrow[2][0] < narrow[0][1] and narrow[2][0] < narrow[1][1])
+    # the summary started after every other page ended, and saw all their results files
+    assert s["summary"][0] >= max(e for k, (_, e) in s.items() if k != "summary")
+    assert (tmp_path / "seen").read_text().split() == ["a.json", "b.json", "c.json", "wide.json"]
+    assert (tmp_path / "out" / "summary.ipynb").is_file()
+    assert json.loads((tmp_path / "book_times.json").read_text())["jobs"] == 2
+    assert any("wide started (2 of 2 slots" in x for x in lines)
+
+
+def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
+    _run_book(tmp_path, failing=True)
+    with pytest.raises(cache.BookRunFailed, match="broken page") as e:
+        cache.run_book(tmp_path, tmp_path / "out", jobs=2, log=lambda _: None)
+    assert list(e.value.failures) == ["b"]
+    ended = {line.split()[0] for line in (tmp_path / "log").read_text().splitlines() if line.split()[1] == "end"}
+    assert ended == {"a", "wide", "c", "summary"}
+    assert (tmp_path / "out" / "b.failed.json").is_file() and not (tmp_path / "out" / "b.json").exists()
+    assert json.loads((tmp_path / "book_times.json").read_text())["failed"] == {"b": e.value.failures["b"]}

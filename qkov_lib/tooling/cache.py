@@ -20,6 +20,8 @@ re-reads only the sources whose files changed. Neither sees the library the cell
 
 - :func:`stage_executed` + :func:`build_book`: build the book from notebooks that papermill
   already executed (the GPU workflow), without executing anything again.
+- :func:`run_plan` + :func:`run_book`: execute every chapter through papermill, several at once on
+  a machine with cores to spare (``make book``), then build from those notebooks.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +46,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]  # qkov_lib: the library the c
 REPO_ROOT = PACKAGE_DIR.parent
 REQUIREMENTS = REPO_ROOT / "requirements.txt"
 KEY_ENV_EXCLUDE = ("QKOV_RESULTS_DIR",)  # where results go does not change what they are
-MODES = ("force", "cache", "executed")
+MODES = ("force", "cache", "executed", "run")
 
 
 def library_hash(package_dir: str | os.PathLike | None = None) -> str:
@@ -399,18 +404,137 @@ def _jupyter_book() -> list[str]:
     return [found]
 
 
+@dataclass(frozen=True)
+class Page:
+    """A chapter as :func:`run_book` schedules it: its source, the name its notebook and results
+    file get, the ``slots`` it takes (all of them for a chapter that trains in several processes
+    itself: one with a ``processes`` parameter) and whether it ``reads_others`` (a ``results_dir``
+    parameter: it summarises the other chapters' results files, so it runs after all of them)."""
+
+    src: Path
+    name: str
+    slots: int
+    reads_others: bool
+
+
+def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1) -> list[Page]:
+    """The book's executable pages in the order :func:`run_book` starts them: first the pages that
+    read no other page's results, those that take every slot before the others (each alone: it
+    runs its own processes), each group in book order; then the pages that read the others'
+    results, in book order, one at a time. ``jobs``: the slots (processes at once) the run may use, at least 1."""
+    from qkov_lib.tooling import chapters as ch
+
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
+    pages = []
+    for src in chapters(root):
+        params = ch.chapter_parameters(src)
+        pages.append(Page(src, src.stem.split("_", 1)[-1], jobs if "processes" in params else 1,
+                          "results_dir" in params))
+    first = [p for p in pages if not p.reads_others]
+    return ([p for p in first if p.slots > 1] + [p for p in first if p.slots == 1]
+            + [p for p in pages if p.reads_others])
+
+
+class BookRunFailed(RuntimeError):
+    """Chapters of :func:`run_book` failed; ``failures`` maps each name to its error line."""
+
+    def __init__(self, failures: Mapping[str, str]):
+        self.failures = dict(failures)
+        super().__init__("chapters failed: " + "; ".join(f"{k}: {v}" for k, v in self.failures.items()))
+
+
+def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None = None, jobs: int = 1,
+             log: Any = None) -> dict[str, float]:
+    """Execute every page of :func:`run_plan` through papermill
+    (:func:`qkov_lib.tooling.chapters.run_chapter`) into ``out`` (default ``<root>/_build/results``:
+    each page's ``<name>.ipynb`` and results file ``<name>.json``), up to ``jobs`` slots at once.
+    Pages that read no other page's results may run side by side (one slot each; a page that
+    trains in several processes takes every slot); the pages that read them start only when all
+    of those have ended, one at a time. Every page runs even when an earlier one failed (those that
+    read results see what there is); then :class:`BookRunFailed` names every failure. ``log`` gets a
+    line when a page starts and when it ends, with its wall time. Returns ``{name: wall seconds}``
+    of the pages that succeeded, in the order they ended, and writes them to ``<out>/../book_times.json``."""
+    from qkov_lib.tooling import chapters as ch
+
+    log = log or (lambda line: print(line, flush=True))
+    plan = run_plan(root, jobs)
+    out = Path(out) if out is not None else Path(root) / "_build" / "results"
+    times: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    free = [jobs]
+    done = threading.Condition()
+    start_all = time.perf_counter()
+
+    def one(page: Page) -> None:
+        t0 = time.perf_counter()
+        try:
+            ch.run_chapter(page.src, out, name=page.name, progress=False)
+        except BaseException as exc:  # noqa: BLE001 -- reported with the others at the end
+            with done:
+                failures[page.name] = ch.error_line(exc)
+            log(f"[book] {page.name} FAILED after {time.perf_counter() - t0:.0f} s: {ch.error_line(exc)}")
+        else:
+            with done:
+                times[page.name] = time.perf_counter() - t0
+            log(f"[book] {page.name} done in {times[page.name]:.0f} s")
+        finally:
+            with done:
+                free[0] += page.slots
+                done.notify_all()
+
+    def start(page: Page) -> threading.Thread:
+        with done:
+            while free[0] < page.slots:
+                done.wait()
+            free[0] -= page.slots
+        log(f"[book] {page.name} started ({page.slots} of {jobs} slot{'s' if jobs > 1 else ''}; "
+            f"{time.perf_counter() - start_all:.0f} s into the run)")
+        t = threading.Thread(target=one, args=(page,), name=f"qkov-book-{page.name}", daemon=True)
+        t.start()
+        return t
+
+    running = [start(p) for p in plan if not p.reads_others]
+    for t in running:
+        t.join()
+    for p in plan:
+        if p.reads_others:
+            start(p).join()
+    total = time.perf_counter() - start_all
+    log(f"[book] {len(times)} of {len(plan)} pages executed in {total:.0f} s")
+    from qkov_lib.runtime import write_json
+
+    write_json(out.parent / "book_times.json", {"jobs": jobs, "total_s": total, "pages_s": times,
+                                                 "failed": failures})
+    if failures:
+        raise BookRunFailed(failures)
+    return times
+
+
 def build_book(root: str | os.PathLike = REPO_ROOT, mode: str = "force", executed: str | os.PathLike | None = None,
-               strict: bool = True, extra: list[str] | None = None) -> int:
+               strict: bool = True, extra: list[str] | None = None, jobs: int = 1) -> int:
     """Build the HTML book into ``<root>/_build/html``.
 
     ``force``: execute every chapter (incremental builds re-execute all after a library change);
     ``cache``: reuse outputs cached under the library key; ``executed``: no execution, pages come
-    from the notebooks in ``executed`` (see :func:`stage_executed`). Returns jupyter-book's status."""
+    from the notebooks in ``executed`` (see :func:`stage_executed`); ``run``: execute every chapter
+    through papermill first, ``jobs`` slots at once (:func:`run_book`, into ``executed``, default
+    ``<root>/_build/results``), then build as ``executed``. Returns jupyter-book's status (1 when a
+    chapter failed in ``run``: nothing is built then)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
     root = Path(root).resolve()
     work = root / "_build" / "qkov"
     flags = (["-W", "--keep-going"] if strict else []) + list(extra or [])
+    if mode == "run":
+        executed = Path(executed) if executed is not None else root / "_build" / "results"
+        try:
+            run_book(root, executed, jobs)
+        except BookRunFailed as e:
+            print("qkov book: " + "\n  ".join(["chapters failed, nothing was built:",
+                                               *(f"{k}: {v}" for k, v in e.failures.items())]), file=sys.stderr)
+            return 1
+        mode = "executed"
     if mode == "executed":
         if executed is None:
             raise ValueError("mode 'executed' needs the folder of executed notebooks")

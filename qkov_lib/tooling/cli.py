@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
 
     qkov run CHAPTER [-p NAME VALUE ...] [--out DIR]      one chapter through papermill
     qkov sweep CHAPTER -g NAME VALUES ... [--out DIR]     a grid of runs, a results table, resume
-    qkov chapters                                        the executable chapters, in book order
-    qkov book [--mode force|cache|executed]              build the HTML book
+    qkov chapters [--run-order]                          the executable chapters, in book (or run) order
+    qkov book [--mode force|cache|executed|run] [-j N]   build the HTML book
     qkov cache key|clear                                 the library-keyed output cache
     qkov scorecard [--results DIR]                       the claims scorecard as a table
     qkov data check|fetch|verify|list [...]              the real-data folder (qkov data --help)
@@ -54,12 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         from qkov_lib.tooling import sweeps
 
         sweeps.add_arguments(sw)
-    sub.add_parser("chapters", help="list the executable chapters in book order")
+    chs = sub.add_parser("chapters", help="list the executable chapters in book order")
+    chs.add_argument("--run-order", action="store_true",
+                     help="in the order a whole-book run executes them: pages that summarise the others' results last")
     book = sub.add_parser("book", help="build the HTML book (library-aware caching, or from executed notebooks)")
-    book.add_argument("--mode", choices=("force", "cache", "executed"), default="force",
+    book.add_argument("--mode", choices=("force", "cache", "executed", "run"), default="force",
                       help="force: execute all chapters; cache: reuse outputs keyed on qkov_lib + profile; "
-                           "executed: use the notebooks in --executed, execute nothing")
-    book.add_argument("--executed", help="folder of executed notebooks (qkov run ... --out DIR) for --mode executed")
+                           "executed: use the notebooks in --executed, execute nothing; run: execute every "
+                           "chapter through papermill (--jobs at once) into --executed, then build from them")
+    book.add_argument("--executed", help="folder of executed notebooks (qkov run ... --out DIR) for --mode executed; "
+                                         "for --mode run, where they are written (default: _build/results)")
+    book.add_argument("-j", "--jobs", type=int, default=1,
+                      help="--mode run: processes at once (a chapter that trains in several processes takes all)")
     book.add_argument("--no-strict", action="store_true", help="do not turn warnings into errors")
     cache = sub.add_parser("cache", help="show or clear the library-keyed cache")
     cache.add_argument("action", choices=("key", "clear"))
@@ -86,10 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "chapters":
         from qkov_lib.tooling.sweeps import chapter_name
 
-        print("\n".join(chapter_name(p) for p in qcache.chapters(REPO_ROOT)))
+        pages = [p.src for p in qcache.run_plan(REPO_ROOT)] if args.run_order else qcache.chapters(REPO_ROOT)
+        print("\n".join(chapter_name(p) for p in pages))
         return 0
     if args.cmd == "book":
-        return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
+        if args.jobs < 1:
+            print(f"qkov book: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+            return 2
+        return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict, jobs=args.jobs)
     if args.cmd == "cache":
         if args.action == "key":
             parts = qcache.key_parts()
