@@ -763,6 +763,9 @@ def r3_synthetic(cells: Mapping[tuple[float, str], Sequence["Change | None"]],
 # --- real data -----------------------------------------------------------------------------
 MIN_SEEDS = int(_threshold("MIN_SEEDS", 3, "", "fewest seeds whose runs at both ratios trained for a change to "
                                               "count as 'reproduced'"))
+MIN_REGION_CELLS = int(_threshold("MIN_REGION_CELLS", 2, "", "fewest cells of the rate plane in which a claim must "
+                                                             "hold (or be contradicted) for the plane's word to say "
+                                                             "so: one cell is a near-tie, not a region"))
 NECESSITY_SHARE = _threshold("NECESSITY_SHARE", 0.5, "", "smallest share of the above-chance accuracy that uniform "
                                                          "attention must lose for the head's attention to count as "
                                                          "necessary (R3)")

@@ -180,12 +180,14 @@ def cell_name(row: Mapping) -> str:
 PLANE_RULE = ("each cell above ratio 1 is compared with the ratio-1 run of its route (same eta_OV for ↑, same "
               "eta_QK for ←), paired by seed, by the claim's own rule (R3 at the deepest validation loss both runs "
               "of each pair reached, where the training curves allow); only cells whose eta_QK stays at or below the "
-              "largest base rate at which ratio-1 training was stable count; reproduced: it holds in every cell "
-              "compared; holds where: in some (the region names them, as (eta_OV, eta_QK)); not reproduced: it holds "
-              "in no cell and is contradicted in some, or held only in part (some of its measures) where it was "
-              "decided; inconclusive: no cell decided; not tested: no cell "
-              f"compared (a reference with fewer than {claims.MIN_SEEDS} trained seeds is inconclusive; a cell that "
-              "trains where its reference never did is counted as rescued, not compared)")
+              "largest base rate at which ratio-1 training was stable count; a word needs a region: at least "
+              f"{claims.threshold_text('MIN_REGION_CELLS')} points of the plane that agree (one point, by either "
+              "route, is a near-tie that another seed set can turn); reproduced: it holds in every cell compared, and they are a region; holds where: "
+              "in a region of some (named, as (eta_OV, eta_QK)); not reproduced: it holds in no region and a region "
+              "contradicts it (or held only in part: some of its measures); inconclusive: otherwise (no region "
+              "decided); not tested: no cell compared (a reference with fewer than "
+              f"{claims.MIN_SEEDS} trained seeds is inconclusive; a cell that trains where its reference never did "
+              "is counted as rescued, not compared)")
 
 
 def _cells(g: pd.DataFrame) -> str:
@@ -205,6 +207,11 @@ def _effect(g: pd.DataFrame, cid: str) -> str:
         return f"{r['effect']:+.3f}{ci} at {r['optimizer']} {cell_name(r)}"
 
     return f"Δ {name} from {one(lo)} to {one(hi)}" if len(g) > 1 else f"Δ {name} {one(lo)}"
+
+
+def _points(cells: pd.DataFrame) -> int:
+    """Distinct points (optimizer, eta_OV, eta_QK) among ``cells``."""
+    return len(set(zip(cells["optimizer"], cells["eta_ov"], cells["eta_qk"])))
 
 
 def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict[str, claims.Verdict]:
@@ -230,17 +237,24 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
         if len(rescued):
             why += f"; training rescued by the higher ratio at {_cells(rescued)}"
         effect = _effect(read[read["verdict"] != "not tested"], cid)
-        compared = len(holds) + len(fails) + len(part) + len(open_)
+        against = pd.concat([fails, part])
+        compared = len(holds) + len(against) + len(open_)
+        # a region counts points of the plane: one point reached by both routes is the same runs
+        n_holds, n_against, enough = _points(holds), _points(against), claims.MIN_REGION_CELLS
+        if 0 < n_holds < enough:
+            why += f"; held at {n_holds} point only ({_cells(holds)}): not a region"
+        if 0 < n_against < enough and n_holds < enough:
+            why += f"; contradicted at {n_against} point only ({_cells(against)})"
         if not compared:
             out[cid] = claims.Verdict("not tested", PLANE_RULE, why)
-        elif len(holds) == compared:
+        elif len(holds) == compared and n_holds >= enough:
             out[cid] = claims.Verdict("reproduced", PLANE_RULE, why, effect=effect)
-        elif len(holds):
+        elif n_holds >= enough:
             region = "at " + _cells(holds)
             region += "".join(f"; {w} at {_cells(x)}" for w, x in (("in part", part), ("not", fails),
                                                                     ("undecided", open_)) if len(x))
             out[cid] = claims.Verdict("holds where", PLANE_RULE, why, region=region, effect=effect)
-        elif len(fails) or (len(part) and not len(open_)):
+        elif n_against >= enough:
             out[cid] = claims.Verdict("not reproduced", PLANE_RULE, why, effect=effect)
         else:
             out[cid] = claims.Verdict("inconclusive", PLANE_RULE, why, effect=effect)

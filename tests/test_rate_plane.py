@@ -91,8 +91,9 @@ def test_ceiling_and_edge():
     v = rate_plane.plane_verdicts(out, ceiling)["R1"]
     # read: the point (1e-4, 1e-3) by both routes (from (1e-4, 1e-4) and from (1e-3, 1e-3));
     # everything else has eta_QK >= 1e-2
-    assert v.verdict == "reproduced"
-    assert v.reason.startswith("2 cells within the stable range: 2 reproduced")
+    # it holds there both ways, but one point is not a region
+    assert v.verdict == "inconclusive"
+    assert v.reason.startswith("2 cells within the stable range: 2 reproduced") and "held at 1 point only" in v.reason
     assert "past the stable ceiling, not read" in v.reason
 
 
@@ -168,13 +169,14 @@ def test_a_claim_that_holds_only_in_part_is_not_a_region_where_it_holds():
     assert v.verdict == "not reproduced" and "in part (some of its measures) at adamw (0.0001, 0.001)↑" in v.reason
     # with one cell where all three improve, the claim holds there and the rest is named
     t2 = t.copy()
-    cell = (t2["eta_ov"] == 1e-4) & (t2["ratio"] == 10.0)
+    cell = t2["eta_ov"].isin([1e-4, 1e-3]) & (t2["ratio"] == 10.0)
     for m in ("AC@0.5", "ACMC@0.5"):
         t2.loc[cell, m] += 0.2
     v2 = rate_plane.plane_verdicts(rate_plane.cell_outcomes(rate_plane.plane_phase(t2)), {"adamw": 1.0})["R2"]
-    # the point (1e-4, 1e-3) is reached both ways: from (1e-4, 1e-4) and from (1e-3, 1e-3)
+    # the points (1e-4, 1e-3) and (1e-3, 1e-2), each reached both ways (↑ and ←): a region
     assert v2.verdict == "holds where"
-    assert v2.region.startswith("at adamw (0.0001, 0.001)↑, adamw (0.0001, 0.001)←; in part at")
+    assert v2.region.startswith("at adamw (0.0001, 0.001)↑, adamw (0.001, 0.01)↑, adamw (0.0001, 0.001)←")
+    assert "in part at" in v2.region
 
 
 def test_recipe_reads_a_plane_back_from_a_results_file():
@@ -187,3 +189,22 @@ def test_recipe_reads_a_plane_back_from_a_results_file():
     rec = rate_plane.recipe(back, {"adamw": 1e-2})
     assert rec.loc[0, "cells read"] == len(p[(p["ratio"] > 1) & (p["eta_qk"] <= 1e-2) & p["d_AC@0.5"].notna()])
     assert rec.loc[0, "mean Δ AC@0.5 ↑"] == "+0.100"
+
+
+def test_a_word_needs_a_region_of_cells():
+    # accuracy falls by 0.1 in one cell only ((1e-4, 1e-3)↑ at ratio 10): one cell decides no word
+    def acc(e, r, s):  # seed noise that differs between ratios: the unchanged cells stay undecided
+        return 0.8 - (0.3 if (e, r) == (1e-4, 10.0) else 0.0) + 0.03 * ((7 * s + {1.0: 0, 10.0: 1, 100.0: 2}[r]) % 3 - 1)
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(_table(acc)))
+    r1 = out[out["claim"] == "R1"]
+    # the point's runs are compared along both routes (↑ from (1e-4, 1e-4), ← from (1e-3, 1e-3)): still one point
+    assert set(r1[r1["verdict"] == "not reproduced"]["eta_qk"]) == {1e-3}
+    v = rate_plane.plane_verdicts(out, {"adamw": 1.0})["R1"]
+    assert v.verdict != "not reproduced"
+    assert "contradicted at 1 point only (adamw (0.0001, 0.001)↑, adamw (0.0001, 0.001)←)" in v.reason
+    # the same fall in two cells is a region: not reproduced there
+    def acc2(e, r, s):
+        return 0.8 - (0.1 if r > 1 else 0.0) + (s % 2) * 0.05
+    out2 = rate_plane.cell_outcomes(rate_plane.plane_phase(_table(acc2)))
+    assert rate_plane.plane_verdicts(out2, {"adamw": 1.0})["R1"].verdict == "not reproduced"
+    assert "MIN_REGION_CELLS" not in rate_plane.PLANE_RULE and "at least 2 points" in rate_plane.PLANE_RULE
