@@ -923,8 +923,9 @@ R2_RULE = (f"changes at the highest ratio with a trained run, against ratio 1, p
            f"when its whole 95 % seed interval clears its margin (AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 "
            f"by ≥ {_t('MIN_GAIN_ACMC')}, sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')}) and fails when the whole "
            f"interval stays short of it; reproduced: all three improve, from at least {_t('MIN_SEEDS')} seeds; holds "
-           "where: some improve (the region names them); not reproduced: every measured metric fails; inconclusive: "
-           "no metric improves and some straddle their margin, or too few seeds; not tested: nothing measured")
+           "where: some improve (the region names them); not reproduced: none improves and at least one fails (the "
+           "claim is that all three rise); inconclusive: every metric straddles its margin, or too few seeds; not "
+           "tested: nothing measured")
 
 
 def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> Verdict:
@@ -949,9 +950,10 @@ def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficienc
     if up:
         rest = [n for n, *_ in measured if n not in up]
         return Verdict("holds where", R2_RULE, why, region=_region(up, rest), effect=each)
-    if len(down) == len(measured):
-        return Verdict("not reproduced", R2_RULE, why, effect=each)
-    return Verdict("inconclusive", R2_RULE, f"{why}; an interval straddles its margin", effect=each)
+    if down:  # none rose and one is shown not to: "all three rise" is contradicted
+        return Verdict("not reproduced", R2_RULE, f"{why}; {', '.join(down)} short of {'its' if len(down) == 1 else 'their'} "
+                       "margin", effect=each)
+    return Verdict("inconclusive", R2_RULE, f"{why}; every interval straddles its margin", effect=each)
 
 
 R3_RULE = ("per ratio above 1, against ratio 1, paired by seed, with 95 % seed intervals; at a ratio the claim "

@@ -67,7 +67,7 @@ CASES = {
                               "not tested": ([None], [])},
     "r2_interpretability": {"reproduced": (ch(0.2), ch(0.2), ch(-0.05)), "holds where": (ch(0.2), ch(0.0), None),
                             "not reproduced": (ch(0.0), ch(-0.1), ch(0.05)),
-                            "inconclusive": (ch(0.05, 0.05), ch(0.0), None), "not tested": (None, None, None)},
+                            "inconclusive": (ch(0.05, 0.05), ch(0.05, 0.05), None), "not tested": (None, None, None)},
     "heads_sharpen": {"reproduced": ([0.05, 0.03],), "holds where": ([0.05, 0.0],), "not reproduced": ([0.0, -0.1],),
                       "not tested": ([],)},
     "tuned_region": {"reproduced": ({"adamw": "reproduced", "sgd": "reproduced"},),
@@ -308,3 +308,13 @@ def test_the_tuned_rate_verdict_carries_each_optimizers_effect():
                        {"adamw": "accuracy +0.1 % ± 0.4 % over 4 seeds", "sgd": "accuracy -9.0 % ± 1.0 % over 4 seeds",
                         "lion": "not run"})
     assert v.effect == "adamw: accuracy +0.1 % ± 0.4 % over 4 seeds; sgd: accuracy -9.0 % ± 1.0 % over 4 seeds"
+
+
+def test_r2_is_contradicted_when_none_rises_and_one_is_shown_short_of_its_margin():
+    # AC straddles its margin, sufficiency is shown not to fall by its margin: "all three rise" fails
+    v = C.r2_interpretability(ch(0.0, 0.08), ch(0.02, 0.08), ch(0.001, 0.001))
+    assert v.verdict == "not reproduced" and "sufficiency short of its margin" in v.reason
+    # every interval straddles: nothing decided
+    assert C.r2_interpretability(ch(0.0, 0.08), ch(0.02, 0.08), ch(0.0, 0.05)).verdict == "inconclusive"
+    # one rises, one falls short: in part, not a contradiction of the part that rose
+    assert C.r2_interpretability(ch(0.2), ch(0.0), ch(0.0, 0.05)).verdict == "holds where"
