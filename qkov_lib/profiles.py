@@ -32,6 +32,10 @@ DRY_RUN_STEPS = 20
 # step counts (steps, adamw_steps, full_steps, warmup_steps...) and evaluation intervals by name
 _STEP_KEY = re.compile(r"(^|_)steps$")
 _EVERY_KEY = re.compile(r"(^|_)every$")
+#: instances scored one by one after each run (ERASER's per-instance deletions) in a dry run: the
+#: score's code path and shapes, not its precision; the splits themselves keep their size
+DRY_RUN_SAMPLES = 64
+_SAMPLE_KEY = re.compile(r"^n_eraser$")
 _dry_run: bool = False  # set by set_dry_run: every later resolve() caps its steps
 
 #: Allowed values of the categorical parameters the chapters share (a list-valued parameter of
@@ -122,9 +126,10 @@ def dry_run_active() -> bool:
 
 def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any]:
     """A copy of the settings ``cfg`` with every step count (a key ending in ``steps``) at most
-    ``cap`` and every interval (a key ending in ``every``: evaluation, logging) at most ``cap // 2``,
-    so a capped run still evaluates before its end. Everything else (models, data sizes, grids)
-    is kept."""
+    ``cap``, every interval (a key ending in ``every``: evaluation, logging) at most ``cap // 2``,
+    so a capped run still evaluates before its end, and the instances scored one by one after
+    each run (``n_eraser``) at most :data:`DRY_RUN_SAMPLES`. Everything else (models, data sizes,
+    grids) is kept."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
         raise ValueError(f"the dry-run step cap must be an integer >= 2, got {cap!r}")
     out = dict(cfg)
@@ -135,6 +140,8 @@ def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any
             out[key] = min(int(value), cap)
         elif _EVERY_KEY.search(key):
             out[key] = min(int(value), cap // 2)
+        elif _SAMPLE_KEY.search(key):
+            out[key] = min(int(value), DRY_RUN_SAMPLES)
     return out
 
 

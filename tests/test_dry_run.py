@@ -37,9 +37,12 @@ def fake_probe(per_step=0.01, per_run=2.0, n_params=100):
 def test_cap_steps_caps_step_counts_and_intervals_and_keeps_everything_else():
     cfg = {"steps": 20000, "adamw_steps": 8000, "sgd_steps": 10, "variant_steps": 10000, "warmup_steps": 20,
            "eval_every": 500, "log_every": 4, "n_train": None, "n_test": 20000, "ratios": [1.0, 10.0],
-           "d_model": 128, "max_len": 128, "batch_size": 64, "variants": [{"name": "x", "steps": 9}], "t_max": 1e200}
+           "d_model": 128, "max_len": 128, "batch_size": 64, "variants": [{"name": "x", "steps": 9}], "t_max": 1e200,
+           "n_eraser": 2000, "n_val": None}
     out = profiles.cap_steps(cfg, 20)
-    assert out == {**cfg, "steps": 20, "adamw_steps": 20, "variant_steps": 20, "eval_every": 10}
+    assert out == {**cfg, "steps": 20, "adamw_steps": 20, "variant_steps": 20, "eval_every": 10,
+                   "n_eraser": profiles.DRY_RUN_SAMPLES}
+    assert profiles.cap_steps({"n_eraser": 10}, 20) == {"n_eraser": 10}
     assert cfg["steps"] == 20000  # a copy: the profile is untouched
     assert profiles.cap_steps({"steps": 7, "eval_every": 100}, 3) == {"steps": 3, "eval_every": 1}
 
@@ -57,8 +60,9 @@ def test_resolve_caps_steps_only_in_a_dry_run():
     dry = profiles.resolve(realmap.MAPS["squad"].profiles, "full", sgd_steps=5000)
     cap = profiles.DRY_RUN_STEPS
     assert (dry["adamw_steps"], dry["sgd_steps"], dry["eval_every"]) == (cap, cap, cap // 2)
-    assert {k: v for k, v in dry.items() if not k.endswith(("steps", "every"))} == \
-        {k: v for k, v in full.items() if not k.endswith(("steps", "every"))}
+    assert dry["n_eraser"] == profiles.DRY_RUN_SAMPLES
+    assert {k: v for k, v in dry.items() if not k.endswith(("steps", "every", "eraser"))} == \
+        {k: v for k, v in full.items() if not k.endswith(("steps", "every", "eraser"))}
     profiles.set_dry_run(False)
     assert profiles.resolve(realmap.MAPS["squad"].profiles, "full") == full
     with pytest.raises(TypeError, match="True or False"):
