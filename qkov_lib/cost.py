@@ -44,12 +44,13 @@ class TooCostly(RuntimeError):
 @dataclass(frozen=True)
 class Part:
     """A part of a chapter's work: ``runs`` runs of at most ``steps`` steps each, timed with the
-    probe named ``probe``."""
+    probe named ``probe``; on a CPU, trained in ``processes`` one-thread processes at once."""
 
     name: str
     runs: int
     steps: int
     probe: str
+    processes: int = 1
 
     @property
     def run_steps(self) -> int:
@@ -133,9 +134,12 @@ def duration(seconds: float) -> str:
 
 
 def _part_seconds(part: Part, probe: Probe | None) -> float:
+    """Wall seconds of ``part``: its runs' probe seconds, shared by its processes on a CPU (a probe
+    on a CPU counts one process's CPU seconds)."""
     if probe is None:
         return math.nan
-    return part.runs * (probe.seconds_per_run + part.steps * probe.seconds_per_step)
+    at_once = max(1, part.processes) if probe.device == "cpu" else 1
+    return part.runs * (probe.seconds_per_run + part.steps * probe.seconds_per_step) / at_once
 
 
 # --- the work of each chapter -----------------------------------------------------------------
@@ -170,7 +174,7 @@ def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: 
     per = len(cfg["ratios"]) * len(cfg["map_seeds"])
     from qkov_lib.studies import realmap
 
-    parts = [Part(f"map, {o}, eta_ov {e:g}", per, realmap.run_steps(cfg, o, e), "map")
+    parts = [Part(f"map, {o}, eta_ov {e:g}", per, realmap.run_steps(cfg, o, e), "map", int(cfg.get("processes") or 1))
              for o in cfg["optimizers"] for e in cfg[f"{o}_rates"]]
     if natural is not None and natural.get("linzen", True):
         parts.append(Part("natural prefixes", len(natural["ratios"]) * len(natural["seeds"]), int(natural["steps"]),

@@ -126,6 +126,13 @@ def test_estimate_is_runs_times_fixed_plus_steps_times_seconds_per_step(monkeypa
     assert dry.full_seconds == pytest.approx(est.seconds)
     assert list(dry.frame()["runs x steps"]) == [25 * 2 * d] * 3 + [25 * d] + [25 * 2 * d] * 3 + [25 * d]
     assert "(dry run)" in dry.summary() and "profile's own steps" in dry.summary()
+    # the cpu map trains in two processes at once: its parts take half the probe's CPU seconds on a
+    # CPU, and all of them on a GPU (processes only apply on a CPU)
+    cpu_cfg = realmap.map_config("squad", "cpu")
+    assert cpu_cfg["processes"] == 2
+    one = cost.estimate("squad", {**cpu_cfg, "processes": 1}, CPU)
+    assert cost.estimate("squad", cpu_cfg, CPU).seconds == pytest.approx(one.seconds / 2)
+    assert cost.estimate("squad", cpu_cfg, CUDA).seconds == pytest.approx(one.seconds)
 
 
 def test_time_steps_separates_the_seconds_per_step_from_the_fixed_seconds(monkeypatch):
