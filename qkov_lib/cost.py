@@ -236,11 +236,15 @@ class _RootModules:
             h.remove()
 
 
-def _peak_memory(device: torch.device) -> int:
+def _peak_memory(device: torch.device, children: bool = False) -> int:
+    """Peak memory in bytes: on CUDA the peak allocated on ``device``; on a CPU this process's
+    peak resident memory, or with ``children`` the larger of it and that of the largest of its
+    ended child processes (the map's training workers)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     # ru_maxrss: KiB on Linux, bytes on macOS
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    who = [resource.RUSAGE_SELF] + ([resource.RUSAGE_CHILDREN] if children else [])
+    rss = max(resource.getrusage(w).ru_maxrss for w in who)
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
@@ -428,7 +432,8 @@ def preflight(chapter: str, cfg: Mapping[str, Any], device: torch.device | str |
 
 def results_record(est: Estimate | None, wall_time_s: float | None) -> dict[str, Any] | None:
     """The ``cost`` entry of a results file: the estimate (:meth:`Estimate.to_dict`), the
-    measured wall time (s) and their ratio (measured / estimated). After a dry run, also the
+    measured wall time (s) and their ratio (measured / estimated), and the peak memory measured
+    so far (bytes; :func:`_peak_memory` with the ended worker processes). After a dry run, also the
     full run's estimate from it: the measured wall time (data, evaluation, everything the probe
     does not time) plus the steps the cap left out at the probe's seconds per step."""
     if est is None:
@@ -437,7 +442,8 @@ def results_record(est: Estimate | None, wall_time_s: float | None) -> dict[str,
     ratio = wall_time_s / est.seconds if measured and est.seconds > 0 else None
     from_dry = wall_time_s + est.full_seconds - est.seconds if measured and est.dry_run else None
     return {**est.to_dict(), "measured_wall_time_s": wall_time_s, "measured_over_estimated": ratio,
-            "estimated_full_from_dry_run_s": from_dry}
+            "estimated_full_from_dry_run_s": from_dry,
+            "measured_peak_memory_bytes": _peak_memory(torch.device(est.device), children=True)}
 
 
 # --- every chapter's estimate, nothing trained (make estimate, the GPU workflow's first step) -----

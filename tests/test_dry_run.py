@@ -236,6 +236,20 @@ def test_the_results_file_records_the_estimate_beside_the_measured_wall_time(mon
     assert other["cost"] is None
 
 
+def test_the_measured_peak_memory_counts_the_ended_worker_processes(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    # a worker that touched 1 GiB and ended: the map's training processes are such workers
+    subprocess.run([sys.executable, "-c", "x = b'x' * 2**30"], check=True)
+    assert cost._peak_memory(CPU, children=True) >= 2**30
+    assert cost._peak_memory(CPU, children=True) >= cost._peak_memory(CPU) > 0
+    monkeypatch.setattr(cost, "probe", fake_probe())
+    cfg = cost.preflight("squad", realmap.map_config("squad", "full"), CPU, dry_run=True).cfg
+    doc = json.loads(results.save_results("squad", cfg, {}, path=tmp_path / "squad.json", wall_time_s=1.0).read_text())
+    assert doc["cost"]["measured_peak_memory_bytes"] >= 2**30
+
+
 # --- the chapters -----------------------------------------------------------------------------
 TRAINING_CHAPTERS = ["01_synthetic", "02_theory_reduction", "03_theory_asymptotics", "04_sweep", "05_squad",
                      "06_hatexplain", "07_sva", "09_multilayer"]
