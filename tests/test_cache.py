@@ -225,14 +225,14 @@ _HEAD = ("---\njupytext:\n  text_representation: {extension: .md, format_name: m
 
 
 def _page(root: Path, stem: str, params: str, body: str) -> None:
-    """A chapter that logs its start and end (monotonic seconds, under its run name) to ``<root>/log``
-    and writes a results file."""
+    """A chapter that logs its start, its niceness and its end (monotonic seconds, under its run
+    name) to ``<root>/log`` and writes a results file."""
     name = stem.split("_", 1)[1]
     (root / "book" / f"{stem}.md").write_text(
         _HEAD + f"# {stem}\n```{{code-cell}} ipython3\n:tags: [parameters]\nresults_path = None\n{params}\n```\n"
-        f"```{{code-cell}} ipython3\nimport json, time\nlog = {str(root / 'log')!r}\n"
-        f"open(log, 'a').write(f'{name} start {{time.monotonic()}}\\n')\n{body}\n"
-        f"open(log, 'a').write(f'{name} end {{time.monotonic()}}\\n')\n"
+        f"```{{code-cell}} ipython3\nimport json, os, time\nlog = {str(root / 'log')!r}\n"
+        f"open(log, 'a').write(f'{name} start {{time.monotonic()}} {{os.nice(0)}}\\n')\n{body}\n"
+        f"open(log, 'a').write(f'{name} end {{time.monotonic()}} {{os.nice(0)}}\\n')\n"
         f"json.dump({{'chapter': {stem!r}}}, open(results_path, 'w'))\n```\n")
 
 
@@ -242,7 +242,7 @@ def _run_book(root: Path, failing: bool = False) -> None:
     (root / "_toc.yml").write_text("format: jb-book\nroot: book/01_a\nchapters:\n"
                                    + "".join(f"  - file: book/{s}\n" for s in stems[1:]))
     _page(root, "01_a", "", "time.sleep(1.5)")
-    _page(root, "02_wide", "processes = None", "time.sleep(1.5)")
+    _page(root, "02_wide", "processes = None", "time.sleep(4)")
     _page(root, "03_b", "", "raise RuntimeError('broken page')" if failing else "time.sleep(1.5)")
     _page(root, "04_c", "", "time.sleep(1.5)")
     _page(root, "08_summary", "results_dir = None",
@@ -250,10 +250,9 @@ def _run_book(root: Path, failing: bool = False) -> None:
           f"open({str(root / 'seen')!r}, 'w').write(' '.join(seen))")
 
 
-def _spans(root: Path) -> dict[str, tuple[float, float]]:
-    ev = [line.split() for line in (root / "log").read_text().splitlines()]
-    return {s: (float(next(t for n, w, t in ev if n == s and w == "start")),
-                float(next(t for n, w, t in ev if n == s and w == "end"))) for s in {n for n, _, _ in ev}}
+def _events(root: Path) -> dict[tuple[str, str], tuple[float, int]]:
+    """``(page, "start"|"end") -> (monotonic seconds, niceness)`` from the pages' log."""
+    return {(n, w): (float(t), int(k)) for n, w, t, k in (x.split() for x in (root / "log").read_text().splitlines())}
 
 
 def test_run_plan_orders_wide_pages_first_and_summaries_last(tmp_path: Path):
@@ -265,25 +264,31 @@ def test_run_plan_orders_wide_pages_first_and_summaries_last(tmp_path: Path):
         cache.run_plan(tmp_path, jobs=0)
 
 
-def test_run_book_runs_pages_side_by_side_the_wide_one_alone_summaries_after(tmp_path: Path):
+def test_run_book_runs_one_slot_pages_beside_the_wide_one_at_low_priority_and_summaries_after(tmp_path: Path):
     _run_book(tmp_path)
     lines: list[str] = []
     times = cache.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
     assert set(times) == {"a", "wide", "b", "c", "summary"}
-    s = _spans(tmp_path)
-    others = [k for k in s if k != "wide"]
-    # the page that trains in several processes overlaps no other page
-    assert all(s[k][0] >= s["wide"][1] or s[k][1] <= s["wide"][0] for k in others)
-    # two one-slot pages ran at the same time (jobs=2), never three
-    narrow = sorted((s[k] for k in ("a", "b", "c")))
-    assert narrow[1][0] < narrow[0][1]
+    assert all(t["wall_s"] > 0 and t["cpu_s"] > 0 for t in times.values())
+    ev = _events(tmp_path)
+    span = {n: (ev[(n, "start")][0], ev[(n, "end")][0]) for n in times}
+    # the training page at normal priority; the one-slot pages beside it at low priority, two at most at once
+    assert ev[("wide", "start")][1] == 0 and ev[("summary", "start")][1] == 0
+    assert all(ev[(n, "start")][1] == cache.BACKGROUND_NICE for n in ("a", "b", "c"))
+    assert any(span[n][0] < span["wide"][1] for n in ("a", "b", "c"))
+    narrow = sorted(span[n] for n in ("a", "b", "c"))
     assert not (narrow[2][0] < narrow[0][1] and narrow[2][0] < narrow[1][1])
     # the summary started after every other page ended, and saw all their results files
-    assert s["summary"][0] >= max(e for k, (_, e) in s.items() if k != "summary")
+    assert span["summary"][0] >= max(e for n, (_, e) in span.items() if n != "summary")
     assert (tmp_path / "seen").read_text().split() == ["a.json", "b.json", "c.json", "wide.json"]
     assert (tmp_path / "out" / "summary.ipynb").is_file()
     assert json.loads((tmp_path / "book_times.json").read_text())["jobs"] == 2
-    assert any("wide started (2 of 2 slots" in x for x in lines)
+    assert any(x.startswith("[book] b started at niceness") for x in lines)
+    # one job: one page at a time, none niced
+    (tmp_path / "log").unlink()
+    cache.run_book(tmp_path, tmp_path / "out1", jobs=1, log=lambda _: None)
+    ev1 = sorted(_events(tmp_path).items(), key=lambda kv: kv[1][0])
+    assert [k[1] for k, _ in ev1] == ["start", "end"] * 5 and {v[1] for v in dict(ev1).values()} == {0}
 
 
 def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
@@ -291,7 +296,8 @@ def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
     with pytest.raises(cache.BookRunFailed, match="broken page") as e:
         cache.run_book(tmp_path, tmp_path / "out", jobs=2, log=lambda _: None)
     assert list(e.value.failures) == ["b"]
-    ended = {line.split()[0] for line in (tmp_path / "log").read_text().splitlines() if line.split()[1] == "end"}
+    ended = {n for n, w in _events(tmp_path) if w == "end"}
     assert ended == {"a", "wide", "c", "summary"}
     assert (tmp_path / "out" / "b.failed.json").is_file() and not (tmp_path / "out" / "b.json").exists()
     assert json.loads((tmp_path / "book_times.json").read_text())["failed"] == {"b": e.value.failures["b"]}
+    assert "broken page" in (tmp_path / "book_logs" / "b.log").read_text()

@@ -35,7 +35,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -419,9 +418,9 @@ class Page:
 
 def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1) -> list[Page]:
     """The book's executable pages in the order :func:`run_book` starts them: first the pages that
-    read no other page's results, those that take every slot before the others (each alone: it
-    runs its own processes), each group in book order; then the pages that read the others'
-    results, in book order, one at a time. ``jobs``: the slots (processes at once) the run may use, at least 1."""
+    read no other page's results, those that take every slot before the others, each group in book
+    order; then the pages that read the others' results, in book order, one at a time. ``jobs``:
+    the processes the run may use at once, at least 1."""
     from qkov_lib.tooling import chapters as ch
 
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -444,68 +443,105 @@ class BookRunFailed(RuntimeError):
         super().__init__("chapters failed: " + "; ".join(f"{k}: {v}" for k, v in self.failures.items()))
 
 
+#: niceness of the one-slot pages that run beside a page training in several processes: they take
+#: the cores it leaves idle (its evaluation, its figures) and almost nothing while it trains
+BACKGROUND_NICE = 19
+
+
+def _error_of(log_path: Path) -> str:
+    """The error line ``qkov run`` printed last in its log (``qkov run: ... failed: <error>``)."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.is_file() else []
+    found = [x for x in lines if x.startswith("qkov run:")]
+    return found[-1].split(": ", 2)[-1] if found else (lines[-1] if lines else "no output")
+
+
 def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None = None, jobs: int = 1,
-             log: Any = None) -> dict[str, float]:
-    """Execute every page of :func:`run_plan` through papermill
-    (:func:`qkov_lib.tooling.chapters.run_chapter`) into ``out`` (default ``<root>/_build/results``:
-    each page's ``<name>.ipynb`` and results file ``<name>.json``), up to ``jobs`` slots at once.
-    Pages that read no other page's results may run side by side (one slot each; a page that
-    trains in several processes takes every slot); the pages that read them start only when all
-    of those have ended, one at a time. Every page runs even when an earlier one failed (those that
-    read results see what there is); then :class:`BookRunFailed` names every failure. ``log`` gets a
-    line when a page starts and when it ends, with its wall time. Returns ``{name: wall seconds}``
-    of the pages that succeeded, in the order they ended, and writes them to ``<out>/../book_times.json``."""
-    from qkov_lib.tooling import chapters as ch
+             log: Any = None) -> dict[str, dict[str, float]]:
+    """Execute every page of :func:`run_plan` through papermill, each in its own ``qkov run``
+    process (:func:`qkov_lib.tooling.chapters.run_chapter`), into ``out`` (default
+    ``<root>/_build/results``: each page's ``<name>.ipynb`` and results file ``<name>.json``; its
+    output in ``<out>/../book_logs/<name>.log``).
+
+    With ``jobs`` = 1 the pages run one at a time, in plan order. With more, the pages that take
+    every slot (they train in several processes themselves) run one at a time at normal priority,
+    and from the start the one-slot pages run beside them, up to ``jobs`` at once, at niceness
+    :data:`BACKGROUND_NICE`: they use the cores a training page leaves idle and yield to it while it
+    trains. The pages that read the others' results start only when all of those have ended, one
+    at a time. Every page runs even when an earlier one failed; then :class:`BookRunFailed` names
+    every failure. ``log`` gets a line when a page starts and ends. Returns ``{name: {"wall_s",
+    "cpu_s"}}`` (wall seconds; CPU seconds of the page's process and everything it ran) of the pages
+    that succeeded, in the order they ended, also written to ``<out>/../book_times.json``."""
+    import subprocess
 
     log = log or (lambda line: print(line, flush=True))
     plan = run_plan(root, jobs)
     out = Path(out) if out is not None else Path(root) / "_build" / "results"
-    times: dict[str, float] = {}
+    logs = out.parent / "book_logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    times: dict[str, dict[str, float]] = {}
     failures: dict[str, str] = {}
-    free = [jobs]
-    done = threading.Condition()
-    start_all = time.perf_counter()
+    t_start = time.perf_counter()
+    running: dict[int, tuple[Page, Any, float]] = {}  # pid -> (page, Popen, start)
 
-    def one(page: Page) -> None:
-        t0 = time.perf_counter()
-        try:
-            ch.run_chapter(page.src, out, name=page.name, progress=False)
-        except BaseException as exc:  # noqa: BLE001 -- reported with the others at the end
-            with done:
-                failures[page.name] = ch.error_line(exc)
-            log(f"[book] {page.name} FAILED after {time.perf_counter() - t0:.0f} s: {ch.error_line(exc)}")
+    def launch(page: Page, nice: int) -> None:
+        cmd = [sys.executable, "-m", "qkov_lib", "run", str(page.src), "--out", str(out), "--name", page.name]
+        with open(logs / f"{page.name}.log", "w") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=str(root),
+                                    preexec_fn=(lambda: os.nice(nice)) if nice else None)
+        running[proc.pid] = (page, proc, time.perf_counter())
+        log(f"[book] {page.name} started{f' at niceness {nice}' if nice else ''} "
+            f"({time.perf_counter() - t_start:.0f} s into the run)")
+
+    def reap() -> None:
+        """Wait for one of the running pages to end (only this run's processes are waited for)."""
+        while True:
+            for pid in list(running):
+                done, status, usage = os.wait4(pid, os.WNOHANG)
+                if done:
+                    break
+            else:
+                time.sleep(0.2)
+                continue
+            break
+        page, proc, t0 = running.pop(pid)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.perf_counter() - t0
+        if proc.returncode == 0:
+            times[page.name] = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime}
+            log(f"[book] {page.name} done in {wall:.0f} s ({times[page.name]['cpu_s']:.0f} CPU s)")
         else:
-            with done:
-                times[page.name] = time.perf_counter() - t0
-            log(f"[book] {page.name} done in {times[page.name]:.0f} s")
-        finally:
-            with done:
-                free[0] += page.slots
-                done.notify_all()
+            failures[page.name] = _error_of(logs / f"{page.name}.log")
+            log(f"[book] {page.name} FAILED after {wall:.0f} s: {failures[page.name]} "
+                f"(output: {logs / f'{page.name}.log'})")
 
-    def start(page: Page) -> threading.Thread:
-        with done:
-            while free[0] < page.slots:
-                done.wait()
-            free[0] -= page.slots
-        log(f"[book] {page.name} started ({page.slots} of {jobs} slot{'s' if jobs > 1 else ''}; "
-            f"{time.perf_counter() - start_all:.0f} s into the run)")
-        t = threading.Thread(target=one, args=(page,), name=f"qkov-book-{page.name}", daemon=True)
-        t.start()
-        return t
-
-    running = [start(p) for p in plan if not p.reads_others]
-    for t in running:
-        t.join()
-    for p in plan:
-        if p.reads_others:
-            start(p).join()
-    total = time.perf_counter() - start_all
+    try:
+        wide = [p for p in plan if not p.reads_others and p.slots > 1]
+        narrow = [p for p in plan if not p.reads_others and p.slots == 1]
+        if jobs == 1:
+            for p in wide + narrow:
+                launch(p, 0)
+                reap()
+        else:
+            while wide or narrow or running:
+                if wide and not any(pg.slots > 1 for pg, _, _ in running.values()):
+                    launch(wide.pop(0), 0)
+                    continue
+                if narrow and sum(pg.slots == 1 for pg, _, _ in running.values()) < jobs:
+                    launch(narrow.pop(0), BACKGROUND_NICE)
+                    continue
+                reap()
+        for p in plan:
+            if p.reads_others:
+                launch(p, 0)
+                reap()
+    finally:
+        for _, proc, _ in running.values():  # interrupted: no page outlives the run
+            proc.terminate()
+    total = time.perf_counter() - t_start
     log(f"[book] {len(times)} of {len(plan)} pages executed in {total:.0f} s")
     from qkov_lib.runtime import write_json
 
-    write_json(out.parent / "book_times.json", {"jobs": jobs, "total_s": total, "pages_s": times,
-                                                 "failed": failures})
+    write_json(out.parent / "book_times.json", {"jobs": jobs, "total_s": total, "pages": times, "failed": failures})
     if failures:
         raise BookRunFailed(failures)
     return times
