@@ -94,8 +94,8 @@ def _ref_trained(phase: pd.DataFrame) -> dict[tuple[str, float], int]:
     return {(o, rate(e)): int(n) for o, e, n in zip(ref["optimizer"], ref["eta_ov"], ref["trained_runs"])}
 
 
-def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], bool | None] | None = None
-                  ) -> pd.DataFrame:
+def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], bool | None] | None = None,
+                  budgets: Mapping[tuple[str, float], int] | None = None) -> pd.DataFrame:
     """R1-R3 in every cell above ratio 1 of :func:`plane_phase`, against its route's reference:
     R1 on the all-runs changes of accuracy and macro-F1, R2 on AC@0.5, ACMC@0.5 and sufficiency
     (test split, early-stopped endpoints), R3 on attention and accuracy at matched validation loss
@@ -107,10 +107,14 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
     ratio; verdict 'not tested': too few reference models to pair with), no trained run at ratio
     1 and fewer than ``MIN_SEEDS`` in the cell 'not tested', and otherwise a
     reference with fewer than ``MIN_SEEDS`` trained seeds 'inconclusive' (or ``rescued`` when the
-    cell has at least ``MIN_SEEDS`` and more than its reference). One row per (route,
+    cell has at least ``MIN_SEEDS`` and more than its reference). ``budgets`` (step budget per
+    (optimizer, eta_ov)): on the fixed-eta_QK route a cell whose runs had no more steps than its
+    reference's, at a slower eta_OV, is 'not tested' on R1 and R2 (their endpoints are not at
+    comparable training; R3, read at matched loss, still is). One row per (route,
     optimizer, eta_ov, eta_qk, ratio, claim) with ``verdict``, ``outcome`` (the verdict, or
     ``rescued``), ``effect`` (the claim's :data:`CLAIM_EFFECT` change, a fraction), its
-    half-width ``effect_ci``, ``reason``, ``trained``, ``ref_trained`` and the all-runs change of
+    half-width ``effect_ci``, ``reason``, ``trained``, ``ref_trained``, ``pairs`` (the fewest seed
+    pairs among the changes the claim's rule read) and the all-runs change of
     AC@0.5 (every run, trained or not: ``all_AC``, ``all_AC_ci``)."""
     refs = _ref_trained(phase)
     rows = []
@@ -130,6 +134,10 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
               "R3": claims.r3_decoupled([ch(att)], [ch(acc)], necessary=None if need is None else bool(need),
                                         ratios=r)}
         r3_at = f"matched val loss {float(p['m_level']):.3f}" if matched else "early-stopped endpoints (test)"
+        steps = (budgets or {}).get((p["optimizer"], rate(p["eta_ov"]))), (budgets or {}).get(key)
+        steps = steps if None not in steps else (None, None)
+        used = {"R1": ("d_all_accuracy", "d_all_macro_f1"), "R2": ("d_AC@0.5", "d_ACMC@0.5", "d_sufficiency"),
+                "R3": (att, acc)}
         for cid, v in vs.items():
             word, outcome, reason = v.verdict, v.verdict, v.reason
             if n_ref < claims.MIN_SEEDS and n >= claims.MIN_SEEDS and n > n_ref:
@@ -142,12 +150,17 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
             elif n_ref < claims.MIN_SEEDS:
                 word = outcome = "inconclusive"
                 reason = f"{n_ref} seed(s) trained at ratio 1 (a comparison needs {claims.MIN_SEEDS}); {v.reason}"
+            elif cid != "R3" and p["route"] == "ov_down" and steps[1] is not None and steps[0] <= steps[1]:
+                word = outcome = "not tested"
+                reason = (f"eta_OV {rate(p['eta_ov']):g} trained for {steps[0]} steps, no more than its reference at "
+                          f"{key[1]:g} ({steps[1]}): the slower run's endpoint is not at comparable training")
             col = att if cid == "R3" else CLAIM_EFFECT[cid]
             rows.append({"read_at": r3_at if cid == "R3" else "early-stopped endpoints (test)", "route": p["route"], "optimizer": p["optimizer"], "eta_ov": rate(p["eta_ov"]),
                          "eta_qk": rate(p["eta_qk"]), "ratio": float(p["ratio"]), "ref_eta_ov": key[1],
                          "claim": cid, "verdict": word, "outcome": outcome,
                          "effect": float(p.get(col, math.nan)), "effect_ci": float(p.get(f"{col}_ci", math.nan)),
                          "reason": reason, "trained": n, "ref_trained": n_ref,
+                         "pairs": min((c.n for c in map(ch, used[cid]) if c is not None), default=0),
                          "all_AC": float(p.get("d_all_AC@0.5", math.nan)),
                          "all_AC_ci": float(p.get("d_all_AC@0.5_ci", math.nan))})
     return pd.DataFrame(rows)
@@ -179,10 +192,12 @@ def cell_name(row: Mapping) -> str:
 
 PLANE_RULE = ("each cell above ratio 1 is compared with the ratio-1 run of its route (same eta_OV for ↑, same "
               "eta_QK for ←), paired by seed, by the claim's own rule (R3 at the deepest validation loss both runs "
-              "of each pair reached, where the training curves allow); only cells whose eta_QK stays at or below the "
+              "of each pair reached, where the training curves allow; on ← R1 and R2, read at the endpoints, only where "
+              "the slower eta_OV had more steps than its reference); only cells whose eta_QK stays at or below the "
               "largest base rate at which ratio-1 training was stable count; a word needs a region: at least "
               f"{claims.threshold_text('MIN_REGION_CELLS')} points of the plane that agree (one point, by either "
-              "route, is a near-tie that another seed set can turn); reproduced: it holds in every cell compared, and they are a region; holds where: "
+              "route, is a near-tie that another seed set can turn), and it must stand when any one seed is left out "
+              "(else inconclusive: one seed decides it); reproduced: it holds in every cell compared, and they are a region; holds where: "
               "in a region of some (named, as (eta_OV, eta_QK)); not reproduced: it holds in no region and a region "
               "contradicts it (or held only in part: some of its measures); inconclusive: otherwise (no region "
               "decided); not tested: no cell compared (a reference with fewer than "
@@ -258,6 +273,41 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
             out[cid] = claims.Verdict("not reproduced", PLANE_RULE, why, effect=effect)
         else:
             out[cid] = claims.Verdict("inconclusive", PLANE_RULE, why, effect=effect)
+    return out
+
+
+_CELL = ["route", "optimizer", "eta_ov", "ratio", "claim"]  # one row of cell_outcomes
+
+
+def one_seed_out(outcomes: pd.DataFrame, without: Mapping[int, pd.DataFrame], ceiling: Mapping[str, float]
+                 ) -> dict[str, claims.Verdict]:
+    """:func:`plane_verdicts` of ``outcomes`` (every seed), each word checked against the plane read
+    with one seed left out (``without[seed]``: :func:`cell_outcomes` of the runs without it). A cell
+    in which leaving the seed out leaves fewer seed pairs or reference seeds than the rules' minimum
+    keeps its outcome (a shortfall the minimum already governs); every other cell takes its
+    outcome without the seed. A word other than 'inconclusive' or 'not tested' that another word
+    replaces when some one seed is left out is decided by that seed: it becomes 'inconclusive', its
+    reason naming the seed and the word without it (the effect is kept)."""
+    full = plane_verdicts(outcomes, ceiling)
+    key = outcomes.set_index(_CELL).index
+    turned: dict[str, list[tuple[int, claims.Verdict]]] = {}
+    for seed, loo in without.items():
+        ok = loo[(loo["pairs"] >= claims.MIN_SEEDS) & (loo["ref_trained"] >= claims.MIN_SEEDS)]
+        mixed = pd.concat([outcomes[~key.isin(ok.set_index(_CELL).index)], ok], ignore_index=True)
+        for cid, w in plane_verdicts(mixed, ceiling).items():
+            if cid in full and w.verdict != full[cid].verdict:
+                turned.setdefault(cid, []).append((seed, w))
+    out = {}
+    for cid, v in full.items():
+        turns = turned.get(cid, [])
+        if turns and v.verdict not in ("inconclusive", "not tested"):
+            s, w = turns[0]
+            seeds = ", ".join(str(t) for t, _ in turns)
+            out[cid] = claims.Verdict("inconclusive", v.rule, f"{v.reason}; {v.label} with every seed, but {w.label} "
+                                      f"without seed {s} (turned by leaving out seed{'s' if len(turns) > 1 else ''} "
+                                      f"{seeds}): one seed decides it", effect=v.effect)
+        else:
+            out[cid] = v
     return out
 
 
@@ -450,5 +500,5 @@ def recipe(plane: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
 
 
 __all__ = ["recipe", "fmt_change", "pairs_of", "add_matched", "MATCHED", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS", "CLAIM_EFFECT", "OUTCOMES", "PLANE_RULE", "TUNED_LINE_RULE",
-           "rate", "plane_phase", "cell_outcomes", "qk_ceiling", "cell_name", "plane_verdicts", "region_table",
+           "rate", "plane_phase", "cell_outcomes", "qk_ceiling", "cell_name", "plane_verdicts", "one_seed_out", "region_table",
            "tied_rates", "tuned_line", "plot_plane"]

@@ -208,3 +208,51 @@ def test_a_word_needs_a_region_of_cells():
     out2 = rate_plane.cell_outcomes(rate_plane.plane_phase(_table(acc2)))
     assert rate_plane.plane_verdicts(out2, {"adamw": 1.0})["R1"].verdict == "not reproduced"
     assert "MIN_REGION_CELLS" not in rate_plane.PLANE_RULE and "at least 2 points" in rate_plane.PLANE_RULE
+
+
+def test_a_word_that_one_seed_turns_is_inconclusive():
+    # accuracy falls by 0.1 at every higher ratio for seeds 0-2 and by 0.03 for seed 3: with all four
+    # the fall clears -0.02 (R1 contradicted at every point); without seed 0, 1 or 2 the interval of
+    # the three left straddles it, without seed 3 it does not
+    def acc(e, r, s):
+        return 0.8 - (0.0 if r == 1.0 else (0.03 if s == 3 else 0.1))
+    t = _table(acc)
+    ceiling = {"adamw": 1.0}
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    assert rate_plane.plane_verdicts(out, ceiling)["R1"].verdict == "not reproduced"
+    loo = {s: rate_plane.cell_outcomes(rate_plane.plane_phase(t[t["seed"] != s])) for s in SEEDS}
+    v = rate_plane.one_seed_out(out, loo, ceiling)["R1"]
+    assert v.verdict == "inconclusive" and "one seed decides it" in v.reason
+    assert "not reproduced with every seed, but inconclusive without seed 0" in v.reason
+    assert "seeds 0, 1, 2)" in v.reason and v.effect == rate_plane.plane_verdicts(out, ceiling)["R1"].effect
+    # a clear fall for every seed stands with any one left out
+    t2 = _table(lambda e, r, s: 0.8 - (0.0 if r == 1.0 else 0.1 + s / 1000))
+    out2 = rate_plane.cell_outcomes(rate_plane.plane_phase(t2))
+    loo2 = {s: rate_plane.cell_outcomes(rate_plane.plane_phase(t2[t2["seed"] != s])) for s in SEEDS}
+    assert rate_plane.one_seed_out(out2, loo2, ceiling)["R1"].verdict == "not reproduced"
+    # seed 3 never trained at ratio 1: leaving out another seed leaves two pairs, fewer than the rules'
+    # minimum; that shortfall is the minimum's to judge, so those cells keep their outcome
+    t3 = _table(lambda e, r, s: 0.8 - (0.0 if r == 1.0 else 0.1 + s / 1000), trained=lambda o, e, r, s: s != 3 or r > 1)
+    out3 = rate_plane.cell_outcomes(rate_plane.plane_phase(t3))
+    assert set(out3[out3["claim"] == "R2"]["pairs"]) == {3}
+    loo3 = {s: rate_plane.cell_outcomes(rate_plane.plane_phase(t3[t3["seed"] != s])) for s in SEEDS}
+    assert rate_plane.one_seed_out(out3, loo3, ceiling)["R1"].verdict == "not reproduced"
+
+
+def test_the_fixed_qk_route_needs_more_steps_for_the_slower_ov_to_read_endpoints():
+    # every run identical: R1 holds everywhere; with equal budgets the ← cells are not read on R1/R2
+    t = _table(lambda e, r, s: 0.8 + s / 1000)
+    plane = rate_plane.plane_phase(t)
+    equal = {("adamw", e): 1000 for e in (1e-4, 1e-3, 1e-2)}
+    out = rate_plane.cell_outcomes(plane, budgets=equal)
+    down = out[out["route"] == "ov_down"]
+    assert set(down[down["claim"].isin(["R1", "R2"])]["verdict"]) == {"not tested"}
+    assert "no more than its reference" in down[down["claim"] == "R1"]["reason"].iloc[0]
+    assert set(out[out["route"] == "qk_up"]["verdict"]) != {"not tested"}
+    # R3 is read at matched loss: the budget rule leaves it alone
+    assert set(down[down["claim"] == "R3"]["verdict"]) == set(
+        rate_plane.cell_outcomes(plane)[lambda o: (o["route"] == "ov_down") & (o["claim"] == "R3")]["verdict"])
+    # twice the steps per decade below the top rate: the slower eta_OV had more, its endpoints are read
+    scaled = {("adamw", 1e-4): 4000, ("adamw", 1e-3): 2000, ("adamw", 1e-2): 1000}
+    out2 = rate_plane.cell_outcomes(plane, budgets=scaled)
+    assert set(out2[(out2["route"] == "ov_down") & (out2["claim"] == "R1")]["verdict"]) == {"reproduced"}

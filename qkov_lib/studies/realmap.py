@@ -266,13 +266,27 @@ class MapResult:
     intervention: pd.DataFrame | None = None
 
 
+def _plane(table: pd.DataFrame, chance_rate: float, curves: pd.DataFrame | None,
+           necessary: Mapping[tuple[str, float], bool | None] | None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The rate plane of a run table (with ``trained``) and its cells' outcomes: both routes' changes
+    (:func:`.rate_plane.plane_phase`), at matched validation loss where ``curves`` (of the trained runs)
+    allow, and every cell's R1-R3 outcome (:func:`.rate_plane.cell_outcomes`, with each run's step ``budget``
+    where the table has it)."""
+    plane = rate_plane.plane_phase(table, chance=chance_rate)
+    if curves is not None and len(curves):
+        plane = rate_plane.add_matched(plane, trajectory.at_deepest_common_loss(curves, rate_plane.pairs_of(plane)))
+    budgets = ({(o, rate_plane.rate(e)): int(b) for o, e, b in zip(table["optimizer"], table["eta_ov"], table["budget"])}
+               if "budget" in table else None)
+    return plane, rate_plane.cell_outcomes(plane, necessary, budgets)
+
+
 def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Cell, nn.Module] | None = None,
             test: Batch | None = None, histories: Mapping[protocol.Cell, Any] | None = None) -> MapResult:
     """The protocol's analysis of a run table (:func:`.protocol.train_grid`): trained-run flag, validation-chosen
     base rates, phase table, the necessity check on ``test`` (:func:`necessity_table`, when ``models`` and
     ``test`` are given), column verdicts (R3 untested where the head is not necessary), and the rate plane: both
-    routes' changes, every cell's outcome, the stable ceiling, the claims' verdicts over the plane and the
-    tuned-rate line with its tied rates."""
+    routes' changes, every cell's outcome, the stable ceiling, the claims' verdicts over the plane (each checked
+    with every one seed left out, :func:`.rate_plane.one_seed_out`) and the tuned-rate line with its tied rates."""
     table = table.assign(trained=protocol.trained(table, chance_rate), eta_qk=(table["eta_ov"] * table["ratio"]
                                                                                ).map(rate_plane.rate))
     selected = protocol.select_base_rates(table)
@@ -286,15 +300,14 @@ def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Ce
                             for o, e, n in zip(ref["optimizer"], ref["eta_ov"], ref["necessary"])}
         result.intervention = intervention_frame(result, test)
     result.cells = protocol.cell_verdicts(phase, necessary=result.necessary)
-    result.plane = rate_plane.plane_phase(table, chance=chance_rate)
-    if result.histories:
-        cur = trained_curves(result)
-        if len(cur):
-            result.plane = rate_plane.add_matched(result.plane, trajectory.at_deepest_common_loss(
-                cur, rate_plane.pairs_of(result.plane)))
-    result.outcomes = rate_plane.cell_outcomes(result.plane, result.necessary)
+    cur = trained_curves(result) if result.histories else None
+    result.plane, result.outcomes = _plane(table, chance_rate, cur, result.necessary)
     result.ceiling = rate_plane.qk_ceiling(table)
-    result.verdicts = rate_plane.plane_verdicts(result.outcomes, result.ceiling)
+    seeds = sorted(table["seed"].unique()) if table["seed"].nunique() > 1 else []
+    # each word must stand with any one seed left out (the ceiling stays that of every seed)
+    result.verdicts = rate_plane.one_seed_out(result.outcomes, {
+        int(s): _plane(table[table["seed"] != s], chance_rate, None if cur is None else cur[cur["seed"] != s],
+                       result.necessary)[1] for s in seeds}, result.ceiling)
     result.tied = rate_plane.tied_rates(table, selected)
     result.tuned = rate_plane.tuned_line(result.cells, result.tied)
     return result
@@ -317,6 +330,7 @@ def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.d
         desc=desc or ds.name, models_out=models, threads=cfg.get("threads"), max_stack=int(cfg.get("max_stack", 64)),
         processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1, histories_out=histories,
         taus=(protocol.MAP_TAU,))
+    table = table.assign(budget=[run_steps(cfg, o, e) for o, e in zip(table["optimizer"], table["eta_ov"])])
     result = analyse(table, chance(val), models, ds.test.to(device), histories)
     result.val = val
     return result
