@@ -12,7 +12,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from qkov_lib.tooling import cache
+from qkov_lib.tooling import bookrun, cache
 
 
 def _lib(tmp_path: Path) -> Path:
@@ -230,9 +230,11 @@ def _page(root: Path, stem: str, params: str, body: str) -> None:
     name = stem.split("_", 1)[1]
     (root / "book" / f"{stem}.md").write_text(
         _HEAD + f"# {stem}\n```{{code-cell}} ipython3\n:tags: [parameters]\nresults_path = None\n{params}\n```\n"
-        f"```{{code-cell}} ipython3\nimport json, os, time\nlog = {str(root / 'log')!r}\n"
-        f"open(log, 'a').write(f'{name} start {{time.monotonic()}} {{os.nice(0)}}\\n')\n{body}\n"
-        f"open(log, 'a').write(f'{name} end {{time.monotonic()}} {{os.nice(0)}}\\n')\n"
+        f"```{{code-cell}} ipython3\nimport json, os, pathlib, time\nimport qkov_lib\nlog = {str(root / 'log')!r}\n"
+        f"ag = pathlib.Path('/proc/self/autogroup')\n"
+        f"group = int(ag.read_text().split()[-1]) if ag.exists() else os.nice(0)\n"
+        f"open(log, 'a').write(f'{name} start {{time.monotonic()}} {{os.nice(0)}} {{group}}\\n')\n{body}\n"
+        f"open(log, 'a').write(f'{name} end {{time.monotonic()}} {{os.nice(0)}} {{group}}\\n')\n"
         f"json.dump({{'chapter': {stem!r}}}, open(results_path, 'w'))\n```\n")
 
 
@@ -250,31 +252,34 @@ def _run_book(root: Path, failing: bool = False) -> None:
           f"open({str(root / 'seen')!r}, 'w').write(' '.join(seen))")
 
 
-def _events(root: Path) -> dict[tuple[str, str], tuple[float, int]]:
-    """``(page, "start"|"end") -> (monotonic seconds, niceness)`` from the pages' log."""
-    return {(n, w): (float(t), int(k)) for n, w, t, k in (x.split() for x in (root / "log").read_text().splitlines())}
+def _events(root: Path) -> dict[tuple[str, str], tuple[float, int, int]]:
+    """``(page, "start"|"end") -> (monotonic seconds, niceness, its session's niceness)`` from the pages'
+    log (the session's: Linux autogroup scheduling; the process niceness where there is none)."""
+    return {(n, w): (float(t), int(k), int(g))
+            for n, w, t, k, g in (x.split() for x in (root / "log").read_text().splitlines())}
 
 
 def test_run_plan_orders_wide_pages_first_and_summaries_last(tmp_path: Path):
     _run_book(tmp_path)
-    plan = cache.run_plan(tmp_path, jobs=2)
+    plan = bookrun.run_plan(tmp_path, jobs=2)
     assert [(p.name, p.slots, p.reads_others) for p in plan] == [
         ("wide", 2, False), ("a", 1, False), ("b", 1, False), ("c", 1, False), ("summary", 1, True)]
     with pytest.raises(ValueError, match="jobs must be a positive integer"):
-        cache.run_plan(tmp_path, jobs=0)
+        bookrun.run_plan(tmp_path, jobs=0)
 
 
 def test_run_book_runs_one_slot_pages_beside_the_wide_one_at_low_priority_and_summaries_after(tmp_path: Path):
     _run_book(tmp_path)
     lines: list[str] = []
-    times = cache.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
+    times = bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
     assert set(times) == {"a", "wide", "b", "c", "summary"}
     assert all(t["wall_s"] > 0 and t["cpu_s"] > 0 for t in times.values())
     ev = _events(tmp_path)
     span = {n: (ev[(n, "start")][0], ev[(n, "end")][0]) for n in times}
     # the training page at normal priority; the one-slot pages beside it at low priority, two at most at once
     assert ev[("wide", "start")][1] == 0 and ev[("summary", "start")][1] == 0
-    assert all(ev[(n, "start")][1] == cache.BACKGROUND_NICE for n in ("a", "b", "c"))
+    assert all(ev[(n, "start")][1:] == (bookrun.BACKGROUND_NICE,) * 2 for n in ("a", "b", "c"))
+    assert ev[("wide", "start")][2] == 0
     assert any(span[n][0] < span["wide"][1] for n in ("a", "b", "c"))
     narrow = sorted(span[n] for n in ("a", "b", "c"))
     assert not (narrow[2][0] < narrow[0][1] and narrow[2][0] < narrow[1][1])
@@ -286,15 +291,15 @@ def test_run_book_runs_one_slot_pages_beside_the_wide_one_at_low_priority_and_su
     assert any(x.startswith("[book] b started at niceness") for x in lines)
     # one job: one page at a time, none niced
     (tmp_path / "log").unlink()
-    cache.run_book(tmp_path, tmp_path / "out1", jobs=1, log=lambda _: None)
+    bookrun.run_book(tmp_path, tmp_path / "out1", jobs=1, log=lambda _: None)
     ev1 = sorted(_events(tmp_path).items(), key=lambda kv: kv[1][0])
-    assert [k[1] for k, _ in ev1] == ["start", "end"] * 5 and {v[1] for v in dict(ev1).values()} == {0}
+    assert [k[1] for k, _ in ev1] == ["start", "end"] * 5 and {v[1:] for v in dict(ev1).values()} == {(0, 0)}
 
 
 def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
     _run_book(tmp_path, failing=True)
-    with pytest.raises(cache.BookRunFailed, match="broken page") as e:
-        cache.run_book(tmp_path, tmp_path / "out", jobs=2, log=lambda _: None)
+    with pytest.raises(bookrun.BookRunFailed, match="broken page") as e:
+        bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lambda _: None)
     assert list(e.value.failures) == ["b"]
     ended = {n for n, w in _events(tmp_path) if w == "end"}
     assert ended == {"a", "wide", "c", "summary"}

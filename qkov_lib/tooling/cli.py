@@ -92,14 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "chapters":
         from qkov_lib.tooling.sweeps import chapter_name
 
-        pages = [p.src for p in qcache.run_plan(REPO_ROOT)] if args.run_order else qcache.chapters(REPO_ROOT)
+        if args.run_order:
+            from qkov_lib.tooling.bookrun import run_plan
+
+            pages = [p.src for p in run_plan(REPO_ROOT)]
+        else:
+            pages = qcache.chapters(REPO_ROOT)
         print("\n".join(chapter_name(p) for p in pages))
         return 0
     if args.cmd == "book":
         if args.jobs < 1:
             print(f"qkov book: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
             return 2
-        return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict, jobs=args.jobs)
+        if args.mode != "run":
+            return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
+        from qkov_lib.tooling import bookrun
+
+        executed = Path(args.executed) if args.executed else REPO_ROOT / "_build" / "results"
+        try:
+            bookrun.run_book(REPO_ROOT, executed, args.jobs)
+        except bookrun.BookRunFailed as e:
+            print("\n  ".join(["qkov book: chapters failed, nothing was built:",
+                                *(f"{k}: {v}" for k, v in e.failures.items())]), file=sys.stderr)
+            return 1
+        return qcache.build_book(REPO_ROOT, "executed", executed, strict=not args.no_strict)
     if args.cmd == "cache":
         if args.action == "key":
             parts = qcache.key_parts()
