@@ -23,11 +23,18 @@ def dtap_grid(hists: Mapping[tuple[str, float], np.ndarray], rows: Sequence[str]
               row_label: str = "", col_label: str = "eta_QK/eta_OV", vmax: float | None = None) -> plt.Figure:
     """DTAP heatmaps (attention on relevant tokens vs. confidence in the gold class), one panel
     per (row, col) key of ``hists``; each panel is a (bins, bins) array of fractions with the
-    attention bin as row index. Colour is the fraction of instances (log-like scale)."""
+    attention bin as row index. Colour is the fraction of instances (log-like scale). A panel with
+    no histogram (e.g. no run reached that training loss) is left blank; with none at all the
+    figure says so."""
     setup()
-    bins = next(iter(hists.values())).shape[0]
     fig, axes = plt.subplots(len(rows), len(cols), figsize=(2.4 * len(cols) + 1.2, 2.3 * len(rows) + 0.6),
                              squeeze=False, facecolor=FACE, sharex=True, sharey=True)
+    if not hists:
+        for ax in axes.flat:
+            ax.set_axis_off()
+        fig.text(0.5, 0.5, "no run to draw (none reached these training losses)", ha="center", va="center")
+        return fig
+    bins = next(iter(hists.values())).shape[0]
     vmax = vmax or max(float(h.max()) for h in hists.values())
     from matplotlib.colors import PowerNorm
 

@@ -55,3 +55,11 @@ def test_role_bars_stack_the_roles_per_ratio():
         plotting.role_bars({"adamw": f}, ["subject", "verb"])
     with pytest.raises(ValueError, match="no role table"):
         plotting.role_bars({"adamw": pd.DataFrame()}, ["subject"])
+
+
+def test_dtap_grid_without_any_histogram_is_a_blank_figure_that_says_so():
+    # a dry run: no run reached the ladder's training losses (the sweep chapter's matched maps)
+    fig = plotting.dtap_grid({}, rows=["FAFO", "CACO"], cols=[0.5, 0.1], col_label="training loss")
+    assert fig.get_facecolor()[:3] == (1.0, 1.0, 1.0)
+    assert all(not ax.axison for ax in fig.axes)
+    assert any("no run to draw" in t.get_text() for t in fig.texts)
