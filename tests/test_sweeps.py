@@ -302,13 +302,18 @@ def test_killing_a_parallel_sweep_leaves_no_worker_and_a_rerun_completes_it(chap
     hold.write_text("")
     grid = "[1, 2, 100, 101]"  # two quick runs, then two that wait on `hold`
     env = {**os.environ, "SWEEP_TEST_HOLD": str(hold), "OMP_NUM_THREADS": "1"}
-    parent = subprocess.Popen([sys.executable, "-m", "qkov_lib.tooling.cli", "sweep", str(chapter), "-j", "2", "-g", "x", grid,
-                               "-p", "y", "1", "--profile", "test", "--out", str(out)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "sweep.log"
+    with log.open("w") as fh:
+        parent = subprocess.Popen([sys.executable, "-m", "qkov_lib.tooling.cli", "sweep", str(chapter), "-j", "2", "-g", "x",
+                                   grid, "-p", "y", "1", "--profile", "test", "--out", str(out)], env=env,
+                                  stdout=fh, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
         while not all(Path(f"{hold}.started-{x}").exists() for x in (100, 101)):
-            assert parent.poll() is None and time.monotonic() < deadline, "the held runs never started"
+            if parent.poll() is not None or time.monotonic() > deadline:
+                records = {p.name: json.loads(p.read_text()).get("error") for p in (out / "records").glob("*.json")}
+                pytest.fail(f"the held runs never started (sweep rc {parent.poll()}); its output:\n"
+                            f"{log.read_text()[-3000:]}\nrecords: {records}")
             time.sleep(0.2)
         workers = _children(parent.pid)
         kernels = set().union(*(_children(w) for w in workers))

@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -354,6 +354,37 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+@contextlib.contextmanager
+def _signals_noted() -> Iterator[list[int]]:
+    """While inside (main thread only): SIGINT and SIGTERM are noted in the list it yields, not
+    raised where they land. The pool loop raises them itself between two polls: an exception
+    that a signal raises inside ``concurrent.futures`` (a future's condition taken, not yet
+    released) leaves that lock held, and the pool's shutdown then waits on it for ever."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        noted.append(signum)
+
+    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield noted
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _raise_noted(noted: list[int]) -> None:
+    """Raise what the first noted signal would have raised: KeyboardInterrupt for SIGINT,
+    SystemExit(128 + signal) for SIGTERM."""
+    if noted:
+        if noted[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + noted[0])
+
+
 def folder_lock(out_dir: str | os.PathLike) -> contextlib.AbstractContextManager[Path]:
     """Hold an exclusive ``flock`` on ``<out_dir>/.sweep.lock`` (with this process's PID in it)
     while inside (:func:`qkov_lib.tooling.results.output_lock`, the lock ``qkov run`` takes on
@@ -390,6 +421,55 @@ class SweepResult:
     failed: int
     paths: dict[str, Path] = field(default_factory=dict)
     wall_time_s: float = 0.0
+
+
+def _run_parallel(pending: Sequence[RunSpec], executor: str, out: Path, name: str, workers: int,
+                  executor_params: Mapping[str, Any], poll_s: float | None,
+                  finish: Callable[[dict[str, Any]], None]) -> None:
+    """Run ``pending`` on a pool of ``workers`` processes (``local``) or as submitit jobs, and
+    hand each record to ``finish`` as it ends. Ctrl-C and SIGTERM are noted and raised between
+    two polls (:func:`_signals_noted`); on any exception the local workers are killed first."""
+    pool = None
+    with _signals_noted() as noted:
+        try:
+            if executor == "local":
+                import multiprocessing as mp
+                from concurrent.futures import ProcessPoolExecutor
+
+                ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
+                pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
+                                           initargs=(os.getpid(),))
+                handles = [(s, pool.submit(execute_run, s)) for s in pending]
+                poll = poll_s or 0.2
+            else:
+                ex = _submitit_executor(executor, out, name, workers, executor_params)
+                with ex.batch():
+                    jobs = [ex.submit(execute_run, s) for s in pending]
+                handles = list(zip(pending, jobs))
+                poll = poll_s or (1.0 if executor == "submitit-local" else 15.0)
+            while handles:
+                _raise_noted(noted)
+                still = []
+                for s, h in handles:
+                    if not h.done():
+                        still.append((s, h))
+                        continue
+                    try:
+                        rec = h.result()
+                    except Exception as exc:  # noqa: BLE001 -- worker/job died: record it, go on
+                        rec = _failed_record(s, exc)
+                    finish(rec)
+                handles = still
+                if handles:
+                    time.sleep(poll)
+            _raise_noted(noted)
+        except BaseException:  # Ctrl-C, SIGTERM, an error: no run goes on without us
+            if pool is not None:
+                _kill_workers(pool)
+            raise
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
 
 
 def plan(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Sequence[Any]]],
@@ -494,44 +574,7 @@ def sweep(chapter: str | os.PathLike, grid: Mapping[str, Sequence[Any]] | Sequen
             for s in pending:
                 finish(execute_run(s))
         elif pending:
-            pool = None
-            try:
-                if executor == "local":
-                    import multiprocessing as mp
-                    from concurrent.futures import ProcessPoolExecutor
-
-                    ctx = mp.get_context("fork" if sys.platform != "win32" else "spawn")
-                    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init,
-                                               initargs=(os.getpid(),))
-                    handles = [(s, pool.submit(execute_run, s)) for s in pending]
-                    poll = poll_s or 0.2
-                else:
-                    ex = _submitit_executor(executor, out, name, workers, executor_params or {})
-                    with ex.batch():
-                        jobs = [ex.submit(execute_run, s) for s in pending]
-                    handles = list(zip(pending, jobs))
-                    poll = poll_s or (1.0 if executor == "submitit-local" else 15.0)
-                while handles:
-                    still = []
-                    for s, h in handles:
-                        if not h.done():
-                            still.append((s, h))
-                            continue
-                        try:
-                            rec = h.result()
-                        except Exception as exc:  # noqa: BLE001 -- worker/job died: record it, go on
-                            rec = _failed_record(s, exc)
-                        finish(rec)
-                    handles = still
-                    if handles:
-                        time.sleep(poll)
-            except BaseException:  # Ctrl-C, SIGTERM, an error: no run goes on without us
-                if pool is not None:
-                    _kill_workers(pool)
-                raise
-            finally:
-                if pool is not None:
-                    pool.shutdown(wait=True, cancel_futures=True)
+            _run_parallel(pending, executor, out, name, workers, executor_params or {}, poll_s, finish)
         bar.close()
 
         records = [load_record(out, s.run_id) or _failed_record(s, RuntimeError("no record was written"))
