@@ -14,7 +14,8 @@ Recognised attention modules ("families"):
   ``query``/``key``/``value`` with ``attention.output.dense``, T5, DistilBERT, and the
   ``to_q``/``to_k``/``to_v``/``to_out`` of diffusers' and x-transformers' ``Attention``, with
   diffusers' joint-attention ``add_q_proj`` ... ``to_add_out``, its qk-norms ``norm_q`` ...,
-  x-transformers' memory key/values and qk-norm scales). A parent needs a Q and a K child (a lone
+  x-transformers' memory key/values and qk-norm scales; the ``q_norm``/``k_norm`` of Hugging Face's
+  Qwen3, OLMo 2, Gemma 3 ... go with Q and K, :data:`FAMILY_NORMS`). A parent needs a Q and a K child (a lone
   ``out_proj`` head stays ``other``); a child takes every parameter below it (LoRA adapters of
   ``q_proj`` are ``qk``). diffusers' ``fuse_projections()`` ``to_qkv`` / ``to_kv`` /
   ``to_added_qkv`` are split by the sizes of the projections they concatenate.
@@ -63,6 +64,7 @@ from qkov_lib.knob_layouts import (  # the layouts are re-exported: part of knob
     DIFFUSERS_FUSED,
     FUSED_LAYOUTS,
     PART_GROUP,
+    FAMILY_NORMS,
     SEPARATE_FAMILIES,
     TRANSFORMER_LENS_PARTS,
     UNSUPPORTED_PACKED,
@@ -447,7 +449,7 @@ def _plan_module(plan: _Plan, mname: str, m: nn.Module) -> None:
         present = {c: part for c, part in table.items() if c in children}
         if {"Q", "K"} <= set(present.values()):
             plan.attention[mname] = fam
-            for name, part in table.items():
+            for name, part in {**table, **FAMILY_NORMS.get(fam, {})}.items():
                 plan.part(m, mname, name, part, fam)
             for name, sources in DIFFUSERS_FUSED.items():  # [to_q; to_k; to_v] of fuse_projections()
                 if getattr(m, "fused_projections", False) is True and name in children \

@@ -41,6 +41,10 @@ SEPARATE_FAMILIES: tuple[tuple[str, dict[str, str]], ...] = (
       "q_rmsnorm": "Q", "k_rmsnorm": "K", "value_rmsnorm": "V",
       "mem_k": "K", "mem_v": "V", "qk_norm_q_scale": "Q", "qk_norm_k_scale": "K"}),
 )
+# normalisations inside a separate-projection family, placed once its Q and K children matched
+# (never enough to recognise a module by): Hugging Face's qk-norms (Qwen3, OLMo 2, Gemma 3, Cohere
+# ...) act on Q and K before the scores, like timm's and diffusers' qk-norms
+FAMILY_NORMS: dict[str, dict[str, str]] = {"q_proj/k_proj/v_proj/o_proj": {"q_norm": "Q", "k_norm": "K"}}
 # diffusers' Attention.fuse_projections() (set fused_projections=True): a fused projection that is
 # the concatenation of its siblings' weights, [to_q; to_k; to_v] ..., the siblings staying in place
 DIFFUSERS_FUSED: dict[str, tuple[str, ...]] = {

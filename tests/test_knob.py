@@ -606,6 +606,12 @@ REAL: dict[str, RealCase] = {
                          num_key_value_heads=1, intermediate_size=16, vocab_size=20, max_position_embeddings=8),
                       hf_run, r"layers\.(\d+)\.self_attn\.[qkv]_proj\.weight$", r"self_attn\.o_proj\.",
                       "q_proj/k_proj/v_proj/o_proj"),
+    # Hugging Face qk-norms (RMSNorm gains on Q and K per head, before the scores) go with Q and K
+    "qwen3": RealCase(hf("Qwen3Model", "Qwen3Config", num_hidden_layers=2, hidden_size=E, num_attention_heads=H,
+                         num_key_value_heads=1, head_dim=E // H, intermediate_size=16, vocab_size=20,
+                         max_position_embeddings=8),
+                      hf_run, r"layers\.(\d+)\.self_attn\.([qkv]_proj|[qk]_norm)\.weight$", r"self_attn\.o_proj\.",
+                      "q_proj/k_proj/v_proj/o_proj"),
     "t5": RealCase(hf("T5EncoderModel", "T5Config", num_layers=2, d_model=E, d_kv=E // H, num_heads=H, d_ff=16,
                       vocab_size=20),
                    hf_run, r"block\.(\d+)\.layer\.0\.SelfAttention\.[qkv]\.weight$", r"SelfAttention\.o\.", "q/k/v/o (T5)"),
@@ -682,7 +688,8 @@ def qk_features(model: nn.Module, case: RealCase, ids: torch.Tensor) -> dict[str
             if l == layer:
                 grad = params[n].grad  # None: not in the graph of the probabilities at all (V)
                 grad = torch.zeros_like(params[n]) if grad is None else grad
-                masks[n] = (grad != 0).any(dim=case.in_dim)
+                # a weight: per output feature; a 1-D gain (qk-norm): per element
+                masks[n] = (grad != 0).any(dim=case.in_dim) if grad.dim() > 1 else grad != 0
     model.zero_grad()
     return masks
 
@@ -693,7 +700,7 @@ def rate_map(name: str, shape: tuple[int, ...], case: RealCase, masks: dict[str,
     everything else (eta_other)."""
     biases = {bias_name(w): w for w in masks}
     if name in masks:
-        qk = masks[name].unsqueeze(case.in_dim)
+        qk = masks[name].unsqueeze(case.in_dim) if len(shape) > 1 else masks[name]
     elif name in biases:
         qk = masks[biases[name]]
     else:
