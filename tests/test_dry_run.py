@@ -150,6 +150,37 @@ def test_time_steps_separates_the_seconds_per_step_from_the_fixed_seconds(monkey
         cost.time_steps(run, "fake", CPU, (8, 2))
 
 
+def _probe_with(monkeypatch, costs: dict[int, list[float]], repeats: int) -> tuple[cost.Probe, set[int]]:
+    """:func:`cost.time_steps` of a fake run whose calls with k steps take the CPU seconds
+    ``costs[k]`` in turn; also the torch thread counts the run saw."""
+    clock, threads = [0.0], set()
+    monkeypatch.setattr(cost.time, "process_time", lambda: clock[0])
+
+    def run(k):
+        threads.add(torch.get_num_threads())
+        clock[0] += costs[k].pop(0)
+
+    return cost.time_steps(run, "fake", CPU, (3, 12), repeats=repeats), threads
+
+
+def test_a_probe_whose_longer_run_was_no_slower_gives_an_upper_bound_not_a_free_step(monkeypatch):
+    """Noise larger than the steps (a 12-step run no slower than a 3-step one) once gave SQuAD's
+    map 0 s per step and an estimate 6.7x short: the probe keeps the fastest of its repeats and,
+    if the longer run is still no slower, the longer run's seconds per step, with no fixed part.
+    It runs on one torch thread (a second one's spin-waits count as CPU seconds) and restores
+    the thread count after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        p, threads = _probe_with(monkeypatch, {1: [0.2], 3: [2.0], 12: [1.2]}, repeats=1)  # the 3-step run stalled
+        assert p.seconds_per_step == pytest.approx(1.2 / 12) and p.seconds_per_run == 0.0
+        assert threads == {1} and torch.get_num_threads() == 2
+        p, _ = _probe_with(monkeypatch, {1: [0.2], 3: [2.0, 0.5], 12: [1.4, 1.2]}, repeats=2)  # a repeat without it
+        assert p.seconds_per_step == pytest.approx(0.7 / 9) and p.seconds_per_run == pytest.approx(0.5 - 3 * 0.7 / 9)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_probe_of_the_synthetic_chapter_trains_its_own_model():
     p = cost.probe("synthetic", "synthetic", profiles.resolve(synthetic.PROFILES, "test"), CPU)
     # SyntheticModel of the test task: FAFO attention and readout over the one-hot embedding
