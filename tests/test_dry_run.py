@@ -309,11 +309,13 @@ def test_every_chapter_that_trains_is_listed():
 # every run capped at profiles.DRY_RUN_STEPS steps and ERASER at profiles.DRY_RUN_SAMPLES instances.
 # Measured one chapter at a time on 2 CPU cores that other jobs shared (/usr/bin/time -v): SVA 9 min
 # wall, 3.5 GiB peak; HateXplain 12 min, 5.7 GiB; the sweep 13 min, 9.6 GiB (its dry run found an
-# empty DTAP grid, fixed); synthetic 8 min, theory chapters 1 and 6 min. Too slow for the unit tests,
-# which CI runs twice: set QKOV_DRY_RUN_CHAPTERS to "1" (all four below) or to the chapters to run.
-# .ci/run runs SVA and the sweep; it leaves out HateXplain and SQuAD (the real-data chapter whose map
-# SVA already exercises; SQuAD's the largest) to keep CI well inside its 90 minutes on a machine twice
-# as slow; `make book PROFILE=full DRY_RUN=1` runs every chapter.
+# empty DTAP grid, fixed; 10 min, 9.6 GiB alone on a faster machine); synthetic 8 min, theory
+# chapters 1 and 6 min; SQuAD 55 CPU minutes, 7.4 GiB (in `make book PROFILE=full DRY_RUN=1`: most of
+# it evaluating 200 runs on its full validation and test splits). Too slow for the unit tests, which
+# CI runs twice: set QKOV_DRY_RUN_CHAPTERS to "1" (all four below) or to the chapters to run.
+# .ci/run runs SVA and the sweep; it leaves out HateXplain and SQuAD (real-data chapters whose map
+# code SVA already exercises, the two slowest) to keep CI well inside its 90 minutes on a machine
+# twice as slow; `make book PROFILE=full DRY_RUN=1` runs every chapter.
 DRY_CHAPTERS = ["sva", "hatexplain", "squad", "sweep"]
 _DRY_ASKED = os.environ.get("QKOV_DRY_RUN_CHAPTERS", "")
 
