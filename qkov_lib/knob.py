@@ -62,9 +62,9 @@ from torch.nn.utils import parametrize
 
 from qkov_lib.knob_layouts import (  # the layouts are re-exported: part of knob's interface
     DIFFUSERS_FUSED,
+    FAMILY_NORMS,
     FUSED_LAYOUTS,
     PART_GROUP,
-    FAMILY_NORMS,
     SEPARATE_FAMILIES,
     TRANSFORMER_LENS_PARTS,
     UNSUPPORTED_PACKED,

@@ -337,21 +337,28 @@ def _worker_init(parent: int) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """While inside (main thread only): SIGTERM raises SystemExit(143) instead of ending the
-    process at once, so the sweep's clean-up (killing its workers) runs."""
+def _handling(signals: Sequence[int], handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """While inside (main thread only, where Python runs signal handlers): ``handler`` for each
+    of ``signals``; the previous handlers are restored on the way out."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    old = {s: signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, previous in old.items():
+            signal.signal(s, previous)
+
+
+def _sigterm_as_exit() -> contextlib.AbstractContextManager[None]:
+    """While inside (main thread only): SIGTERM raises SystemExit(143) instead of ending the
+    process at once, so the sweep's clean-up (killing its workers) runs."""
 
     def stop(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    old = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    return _handling((signal.SIGTERM,), stop)
 
 
 @contextlib.contextmanager
@@ -361,19 +368,8 @@ def _signals_noted() -> Iterator[list[int]]:
     that a signal raises inside ``concurrent.futures`` (a future's condition taken, not yet
     released) leaves that lock held, and the pool's shutdown then waits on it for ever."""
     noted: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    with _handling((signal.SIGINT, signal.SIGTERM), lambda signum, frame: noted.append(signum)):
         yield noted
-        return
-
-    def note(signum: int, frame: Any) -> None:
-        noted.append(signum)
-
-    old = {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield noted
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
 
 
 def _raise_noted(noted: list[int]) -> None:
