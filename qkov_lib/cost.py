@@ -178,7 +178,7 @@ def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: 
              for o in cfg["optimizers"] for e in cfg[f"{o}_rates"]]
     if natural is not None and natural.get("linzen", True):
         parts.append(Part("natural prefixes", len(natural["ratios"]) * len(natural["seeds"]), int(natural["steps"]),
-                          "map"))
+                          "map", int(natural.get("processes") or 1)))
     return parts
 
 

@@ -148,14 +148,23 @@ def _stack_units(cells: Sequence[Cell], max_stack: int, steps: Callable[[Cell], 
                  ) -> list[tuple[str, list[Cell]]]:
     """The stacks of :func:`train_grid`: ``(label, cells)``, cells of one optimizer (and one step
     budget, ``steps(cell)``, when budgets differ: a stack runs one step loop), at most ``max_stack``
-    each, in the order of ``cells``."""
+    each. A group larger than ``max_stack`` is dealt into the fewest stacks of near-equal size, every
+    k-th cell to the same stack (for a grid ordered rate × ratio × seed: the same cells of other seeds), so
+    the stacks hold the same mix of rates and ratios and take about as long: two processes then finish
+    together, where stacks cut in order would give one process the slow low rates and the other the runs
+    that stop early or diverge."""
+    if max_stack < 1:
+        raise ValueError(f"max_stack must be at least 1, got {max_stack}")
     groups: dict[tuple[str, int | None], list[Cell]] = {}
     for c in cells:
         groups.setdefault((c.optimizer, None if steps is None else int(steps(c))), []).append(c)
     budgets = {opt for opt, _ in groups}
     many = {opt: sum(o == opt for o, _ in groups) > 1 for opt in budgets}
-    return [(f"{opt}{f' {n} steps' if many[opt] else ''} {i // max_stack + 1}", group[i:i + max_stack])
-            for (opt, n), group in groups.items() for i in range(0, len(group), max_stack)]
+    units = []
+    for (opt, n), group in groups.items():
+        k = -(-len(group) // max_stack)
+        units += [(f"{opt}{f' {n} steps' if many[opt] else ''} {i + 1}", group[i::k]) for i in range(k)]
+    return units
 
 
 def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, config, measure, desc: str,

@@ -221,6 +221,25 @@ def test_train_grid_in_two_processes_gives_the_numbers_and_models_of_one_thread(
         P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, processes=0)
 
 
+def test_stack_units_deal_a_large_group_into_equal_stacks_with_every_rate_and_ratio():
+    """36 cells of one optimizer (3 rates x 3 ratios x 4 seeds) in stacks of at most 18: two stacks of 18,
+    each with all 9 (rate, ratio) pairs (seeds 0 and 2 in one, 1 and 3 in the other), so two processes
+    get the same work; cut in order, the first stack would hold the lowest rates only."""
+    cells = P.grid(["adamw", "sgd"], {"adamw": [1e-4, 1e-3, 1e-2], "sgd": [0.03, 0.3, 3.0]}, [1, 10, 100], [0, 1, 2, 3])
+    units = P._stack_units(cells, 18)
+    assert [(label, len(u)) for label, u in units] == [("adamw 1", 18), ("adamw 2", 18), ("sgd 1", 18), ("sgd 2", 18)]
+    for _, u in units:
+        assert len({(c.eta_ov, c.ratio) for c in u}) == 9
+    assert {c.seed for c in units[0][1]} == {0, 2} and {c.seed for c in units[1][1]} == {1, 3}
+    assert sorted(units[0][1] + units[1][1], key=cells.index) == cells[:36]  # every cell once
+    # round-robin over two processes: each gets one stack of each optimizer
+    assert [label for i, (label, _) in enumerate(units) if i % 2 == 0] == ["adamw 1", "sgd 1"]
+    assert [len(u) for _, u in P._stack_units(cells[:19], 18)] == [10, 9]  # near-equal, not 18 + 1
+    assert [len(u) for _, u in P._stack_units(cells, 64)] == [36, 36]
+    with pytest.raises(ValueError, match="max_stack must be at least 1"):
+        P._stack_units(cells, 0)
+
+
 def _column_verdicts(t, **kw):
     t = t.assign(trained=P.trained(t, chance=0.5)) if "trained" not in t else t
     return P.cell_verdicts(P.phase_table(t, chance=kw.pop("chance", None)), **kw).set_index(

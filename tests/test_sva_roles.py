@@ -3,6 +3,7 @@ natural-prefix grid: roles worked out by hand on template sentences of different
 non-overlapping masks that cover exactly the keys, masses against direct sums, the seeded
 validation split, the natural-prefix grid's rows and determinism, and clear errors."""
 
+import pandas as pd
 import pytest
 import torch
 
@@ -156,5 +157,8 @@ def test_natural_grid_runs_and_is_deterministic():
     assert list(a["n_attractors"].unique()) == ["all", "1", "2", "3"]
     assert a["n"][a["n_attractors"] == "all"].eq(40).all() and set(a["ratio"]) == {1.0, 10.0}
     assert a.equals(b)  # exact: the same code on the same seeds and thread count twice
+    # two one-thread processes (two stacks of two models): the numbers of one process
+    two = sr.natural_grid(ds, {**cfg, "processes": 2})
+    pd.testing.assert_frame_equal(a, two)
     with pytest.raises(ValueError, match="has no n_attractors"):
         sr.attractor_accuracy(sr.make_natural_model(ds, cfg, 0), type(ds)(**{**ds.__dict__, "test_info": {}}))

@@ -20,6 +20,7 @@ stopping on validation loss), :func:`attractor_accuracy` tests it on Linzen's at
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -87,9 +88,11 @@ def role_mass(attn: Tensor, roles: Sequence[str], key_mask: Tensor) -> dict[str,
 NATURAL_PROFILES: dict[str, dict[str, dict]] = profile_table(
     dict(linzen=True, max_len=48, min_freq=2, data_seed=0, val_frac=0.1, d_model=64, kernel=3, layers=2, encoder="conv",
          parameterization="FAFO", init_scale=1e-2, optimizer="adamw", eta_ov=1e-3, eta_other=None, weight_decay=0.0,
-         batch_size=64, log_every=100, patience=5, ratios=[1.0, 10.0], seeds=[0], threads=1),
+         batch_size=64, log_every=100, patience=5, ratios=[1.0, 10.0], seeds=[0], threads=1, processes=1),
     dict(steps=40, n_train=400, n_test=400, log_every=10, patience=None),
-    dict(steps=3000, n_train=None, n_test=None, seeds=[0, 1, 2, 3], threads=2),
+    # cpu: two one-thread processes of four models each (as the maps: no slower than two threads on an
+    # idle machine, twice as fast when another job holds a core)
+    dict(steps=3000, n_train=None, n_test=None, seeds=[0, 1, 2, 3], processes=2),
     dict(steps=8000, n_train=None, n_test=None, seeds=list(range(5)), ratios=[1.0, 3.0, 10.0, 30.0, 100.0]),
 )
 
@@ -124,6 +127,18 @@ def make_natural_model(ds: TextDataset, cfg: Mapping[str, Any], seed: int) -> nn
                        parameterization=cfg["parameterization"], init_scale=cfg["init_scale"])
 
 
+def _natural_model(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device, seed: int) -> nn.Module:
+    return make_natural_model(ds, cfg, seed).to(device)
+
+
+def _natural_cell_config(cfg: Mapping[str, Any], cell: protocol.Cell) -> TrainConfig:
+    return natural_train_config(cfg, cell.ratio, cell.seed)
+
+
+def _no_measure(model: nn.Module, data: Batch) -> dict[str, float]:
+    return {}  # the natural grid reads its histories and the attractor sets instead
+
+
 def natural_train_config(cfg: Mapping[str, Any], ratio: float, seed: int) -> TrainConfig:
     """The :class:`TrainConfig` of one natural-prefix run (only ``ratio`` and ``seed`` vary)."""
     return TrainConfig.from_profile(cfg, ratio=ratio, seed=seed, progress=False, log_subsample=2000,
@@ -150,16 +165,20 @@ def natural_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device |
     :func:`qkov_lib.protocol.train_grid` (one stack) on ``ds.train`` minus the validation part
     (``cfg["val_frac"]``), with early stopping on validation loss when ``cfg["patience"]``. One row
     per run and number of attractors (:func:`attractor_accuracy`) with the run's best validation
-    loss and accuracy and the step it was taken from. A diverged run is an error."""
+    loss and accuracy and the step it was taken from. A diverged run is an error. On a CPU with
+    ``cfg["processes"]`` > 1 the runs are dealt into that many stacks, each in a one-thread process."""
     device = device or torch.device("cpu")
     train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
     cells = protocol.profile_cells(cfg, cfg["ratios"], cfg["seeds"])
     models: dict[protocol.Cell, nn.Module] = {}
     hists: dict[protocol.Cell, History] = {}
+    processes = int(cfg.get("processes") or 1) if device.type == "cpu" else 1
+    # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
     frame = protocol.train_grid(
-        cells, lambda s: make_natural_model(ds, cfg, s).to(device), train.to(device), val.to(device),
-        ds.test.to(device), lambda c: natural_train_config(cfg, c.ratio, c.seed), lambda m, b: {},
-        max_stack=len(cells), desc=ds.name, models_out=models, threads=cfg.get("threads"), histories_out=hists)
+        cells, functools.partial(_natural_model, ds, cfg, device), train.to(device), val.to(device),
+        ds.test.to(device), functools.partial(_natural_cell_config, cfg), _no_measure,
+        max_stack=-(-len(cells) // processes), desc=ds.name, models_out=models, threads=cfg.get("threads"),
+        processes=processes, histories_out=hists)
     protocol.raise_if_diverged(frame, f"{ds.name} natural prefixes")
     frames = []
     for c in cells:

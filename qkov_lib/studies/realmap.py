@@ -49,9 +49,9 @@ RATIOS = [1.0, 3.0, 10.0, 30.0, 100.0]
 
 # Shared by every dataset: both optimizers, early stopping on validation loss (every eval_every
 # steps, best weights restored), sufficiency on n_eraser instances; the analysed head fed by a
-# convolution over the keys, token-local values. On CPU the two optimizers' stacks train in two
-# one-thread processes: on an idle 2-core machine as fast as one stack on two threads, and twice
-# as fast as that when another job holds a core (benchmarks/bench_map_threads.py).
+# convolution over the keys, token-local values. On CPU the stacks train in two one-thread processes:
+# on an idle 2-core machine as fast as one stack on two threads, and twice as fast as that when
+# another job holds a core (benchmarks/bench_map_threads.py).
 COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=[0, 1, 2, 3], parameterization="FAFO",
                init_scale=1e-2, batch_size=64, weight_decay=0.0, eta_other=None, data_seed=0, val_frac=0.1,
                eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
@@ -66,6 +66,11 @@ _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 1e-2], sgd_ra
 _FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1, adamw_rates=[1e-5, 1e-4, 1e-3, 1e-2],
              sgd_rates=[0.003, 0.03, 0.3, 3.0], step_growth=2.0, max_step_scale=2.0)
 
+# cpu: each optimizer's 36 runs in two stacks of 18 (dealt by seed, so both hold every rate and ratio),
+# one of each optimizer per process, so that the two processes finish together (a stack of 18 costs no
+# more per model-step than one of 36, benchmarks/README.md)
+_CPU = dict(max_stack=18)
+
 # cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most:
 # 72 runs of up to 800 steps). Base rates a decade apart with ratios 1, 10, 100: every cell of the rate plane
 # is reached both ways (eta_QK raised at fixed eta_OV, eta_OV lowered at fixed eta_QK), and the lowest
@@ -74,14 +79,14 @@ _SVA_PROFILES = profile_table(
     dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2, adamw_steps=2000,
          sgd_steps=2000),
     dict(_TEST, n_train=400, n_test=200),
-    dict(n_train=None, n_test=None),
+    dict(_CPU, n_train=None, n_test=None),
     dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None),
 )
 _HATEXPLAIN_PROFILES = profile_table(
     dict(COMMON, d_model=32, max_len=64, min_freq=2, adamw_steps=1000, sgd_steps=1000, eval_every=100,
          plausibility=True),
     dict(_TEST, d_model=16, n_train=300, n_test=100, n_val=100),
-    dict(n_train=None, n_test=None, n_val=None),
+    dict(_CPU, n_train=None, n_test=None, n_val=None),
     dict(_FULL, d_model=64, max_len=128, n_train=None, n_test=None, n_val=None, n_eraser=1924, adamw_steps=4800,
          sgd_steps=4800),
 )
@@ -90,7 +95,7 @@ _SQUAD_PROFILES = profile_table(
          ov_init=1.0, d_model=32, max_len=128, min_freq=10, oov_buckets=1000, batch_size=32, adamw_steps=800,
          sgd_steps=800, eval_every=100, patience=3),
     dict(_TEST, adamw_steps=20, sgd_steps=20, n_train=300, n_test=100, layers=1),
-    dict(n_train=20000, n_test=3100),
+    dict(_CPU, n_train=20000, n_test=3100),
     # full: 16 models a stack, not 64: a stack evaluates on every validation question at once (about
     # 250 MB a model on SQuAD's 4,910 questions of 128 tokens; 64 would not fit in 24 GB)
     dict(_FULL, d_model=64, layers=3, batch_size=64, n_train=None, n_test=None, adamw_steps=8000, sgd_steps=8000,
