@@ -251,3 +251,27 @@ def test_an_output_folder_that_cannot_be_written_names_no_notebook(src, tmp_path
     err = capsys.readouterr().err
     assert f"cannot write to the output folder {out}" in err and "Permission denied" in err
     assert ".ipynb" not in err and not started and not list(out.iterdir())
+
+
+def test_a_run_that_ends_does_not_remove_the_running_folder_of_a_run_just_started(tmp_path: Path):
+    """Two runs of different names into one folder (``make book`` runs chapters side by side): run c has
+    made its running folder and papermill has not yet written there when run a publishes, and another
+    run b fails. Neither may remove c's folder (both once removed the shared, empty ``.running``, and c's
+    papermill failed: "output folder .../.running doesn't exist")."""
+    from qkov_lib.tooling import results as R
+
+    out = tmp_path / "out"
+    out.mkdir()
+    files = {n: (out / f"{n}.json", out / f"{n}.ipynb") for n in "abc"}
+    for n in "abc":
+        R.start_run(*files[n])
+    R.running_path(files["a"][0]).write_text(json.dumps({"chapter": "a"}))
+    R.running_path(files["a"][1]).write_text(notebook({}))
+    R.publish_run(*files["a"])
+    R.record_failure(*files["b"], "RuntimeError: broken", {"chapter": "b"})
+    assert R.running_path(files["c"][1]).parent.is_dir()
+    assert (out / "a.json").is_file() and (out / "b.failed.json").is_file()
+    R.running_path(files["c"][0]).write_text(json.dumps({"chapter": "c"}))
+    R.running_path(files["c"][1]).write_text(notebook({}))
+    R.publish_run(*files["c"])
+    assert not (out / ".running").exists()  # the last run out tidies the shared folder away

@@ -21,7 +21,7 @@ from qkov_lib.runtime import REPO_ROOT, git_commit, pick_device, versions
 
 RESULTS_ENV = "QKOV_RESULTS_DIR"
 FAILED_SUFFIX = ".failed.json"  # <name>.failed.json: the results file of a run that failed
-RUNNING_DIR = ".running"  # <folder>/.running/<file>: what a run writes until it has succeeded
+RUNNING_DIR = ".running"  # <folder>/.running/<name>/<file>: what a run writes until it has succeeded
 
 
 def default_results_path(chapter: str) -> Path:
@@ -114,10 +114,12 @@ def mark_failed(path: str | os.PathLike, error: str, to: str | os.PathLike | Non
 
 def running_path(path: str | os.PathLike) -> Path:
     """Where a run writes the file that becomes ``path`` once it has succeeded:
-    ``<folder>/.running/<file name>``. No reader of ``<folder>/*.json`` sees it, and it keeps its
-    name, so a notebook that prints where its results went names the file it wrote."""
+    ``<folder>/.running/<name>/<file name>`` (``<name>``: the file's stem, the run's name). No reader
+    of ``<folder>/*.json`` sees it, and it keeps its name, so a notebook that prints where its results
+    went names the file it wrote. A folder per run, so that a run tidying up its own never removes the
+    folder another run (of another name, in the same output folder) is about to write into."""
     p = Path(path)
-    return p.parent / RUNNING_DIR / p.name
+    return p.parent / RUNNING_DIR / p.stem / p.name
 
 
 @contextlib.contextmanager
@@ -151,7 +153,15 @@ def start_run(results: Path, notebook: Path) -> None:
     """Before a run (under its :func:`output_lock`): make the running folder and remove what an
     earlier attempt of the same name left there (killed before it could clean up) and its failed
     record, which this run supersedes. The finished ``results`` and ``notebook`` stay."""
-    running_path(results).parent.mkdir(parents=True, exist_ok=True)
+    folder = running_path(results).parent
+    for _ in range(5):  # another run may remove the empty .running between our two mkdirs: make it again
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            break
+        except FileNotFoundError:
+            continue
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
     for p in (running_path(results), running_path(notebook), failed_path(results), failed_path(notebook)):
         p.unlink(missing_ok=True)
 
@@ -181,8 +191,11 @@ def publish_run(results: Path, notebook: Path) -> None:
 
 
 def _remove_if_empty(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        folder.rmdir()  # only when empty: a run of another name may be writing there
+    """Remove a run's own running folder, then ``.running`` itself, each only when empty: a run of
+    another name may hold its own folder there."""
+    for f in (folder, folder.parent):
+        with contextlib.suppress(OSError):
+            f.rmdir()
 
 
 def record_failure(results: Path, notebook: Path, error: str, fallback: Mapping[str, Any]) -> tuple[Path | None, Path | None]:
