@@ -309,3 +309,33 @@ def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
     assert (tmp_path / "out" / "b.failed.json").is_file() and not (tmp_path / "out" / "b.json").exists()
     assert json.loads((tmp_path / "book_times.json").read_text())["failed"] == {"b": e.value.failures["b"]}
     assert "broken page" in (tmp_path / "book_logs" / "b.log").read_text()
+
+
+def test_run_plan_starts_the_costliest_one_slot_page_first(tmp_path: Path):
+    _run_book(tmp_path)
+    plan = bookrun.run_plan(tmp_path, jobs=2, costs={"c": 10.0, "a": 5.0, "wide": 99.0, "summary": 99.0})
+    # the wide page first and the summary last whatever their costs; b (no cost) after those with one
+    assert [p.name for p in plan] == ["wide", "c", "a", "b", "summary"]
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"pages": {"b": {"wall_s": 1.0, "cpu_s": 3.0}, "c": {"wall_s": 9.0, "cpu_s": 2.0}}}))
+    assert bookrun.page_costs(times) == {"b": 3.0, "c": 2.0}
+    assert [p.name for p in bookrun.run_plan(tmp_path, 2, bookrun.page_costs(times))] == ["wide", "b", "c", "a", "summary"]
+    times.write_text("{not json")
+    assert bookrun.page_costs(times) == {} and bookrun.page_costs(tmp_path / "missing.json") == {}
+    # the book's own measured times name every page and start its costliest one-slot page first
+    root = Path(__file__).resolve().parents[1]
+    measured = bookrun.page_costs(root / bookrun.MEASURED_TIMES)
+    plan = bookrun.run_plan(root, 2, measured)
+    assert {p.name for p in plan} <= set(measured)
+    narrow = [p.name for p in plan if p.slots == 1 and not p.reads_others]
+    assert narrow[0] == max(narrow, key=measured.get)
+
+
+def test_run_book_orders_its_one_slot_pages_by_an_earlier_runs_times(tmp_path: Path):
+    _run_book(tmp_path)
+    (tmp_path / "book_times.json").write_text(json.dumps(
+        {"pages": {n: {"wall_s": 1.0, "cpu_s": c} for n, c in (("a", 1.0), ("b", 2.0), ("c", 3.0))}}))
+    lines: list[str] = []
+    bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
+    starts = [x.split()[1] for x in lines if " started" in x]
+    assert starts == ["wide", "c", "b", "a", "summary"]

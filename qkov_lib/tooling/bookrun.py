@@ -5,6 +5,7 @@ notebooks (``qkov book --mode run``, what ``make book`` does)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,10 +33,29 @@ class Page:
     reads_others: bool
 
 
-def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1) -> list[Page]:
+#: CPU seconds per page of a measured ``cpu`` build (``_build/book_times.json`` of a clean clone), under the
+#: book's root: the order of the one-slot pages when a run has no times of its own (:func:`page_costs`)
+MEASURED_TIMES = "benchmarks/book_times.json"
+
+
+def page_costs(times_file: str | os.PathLike | None) -> dict[str, float]:
+    """``{page name: CPU seconds}`` from a ``book_times.json`` of :func:`run_book` (``pages`` ->
+    ``cpu_s``); empty when the file is missing or unreadable, since the costs only order the pages."""
+    try:
+        pages = json.loads(Path(times_file).read_text())["pages"]
+        return {str(k): float(v["cpu_s"]) for k, v in pages.items()}
+    except (TypeError, OSError, ValueError, KeyError, AttributeError):
+        return {}
+
+
+def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1, costs: Mapping[str, float] | None = None
+             ) -> list[Page]:
     """The book's executable pages in the order :func:`run_book` starts them: first the pages that
-    read no other page's results, those that take every slot before the others, each group in book
-    order; then the pages that read the others' results, in book order, one at a time. ``jobs``:
+    read no other page's results, those that take every slot first, in book order, then the one-slot
+    pages, costliest first by ``costs`` (``{name: CPU seconds}``; pages without a cost after those
+    with one, in book order); then the pages that read the others' results, in book order, one at a
+    time. The one-slot pages run beside the training pages in the cores they leave, so the costliest
+    must start first: started last, it runs alone on one core when the others have ended. ``jobs``:
     the processes the run may use at once, at least 1."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
@@ -45,8 +65,9 @@ def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1) -> list[Page]:
         pages.append(Page(src, src.stem.split("_", 1)[-1], jobs if "processes" in params else 1,
                           "results_dir" in params))
     first = [p for p in pages if not p.reads_others]
-    return ([p for p in first if p.slots > 1] + [p for p in first if p.slots == 1]
-            + [p for p in pages if p.reads_others])
+    costs = costs or {}
+    narrow = sorted((p for p in first if p.slots == 1), key=lambda p: -costs.get(p.name, -1.0))  # stable
+    return [p for p in first if p.slots > 1] + narrow + [p for p in pages if p.reads_others]
 
 
 class BookRunFailed(RuntimeError):
@@ -76,7 +97,9 @@ def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None 
     ``<root>/_build/results``: each page's ``<name>.ipynb`` and results file ``<name>.json``; its
     output in ``<out>/../book_logs/<name>.log``).
 
-    With ``jobs`` = 1 the pages run one at a time, in plan order. With more, the pages that take
+    With ``jobs`` = 1 the pages run one at a time, in plan order (the one-slot pages costliest first
+    by the CPU seconds of ``<out>/../book_times.json`` from an earlier run, else of
+    ``<root>/``:data:`MEASURED_TIMES`). With more, the pages that take
     every slot (they train in several processes themselves) run one at a time at normal priority,
     and from the start the one-slot pages run beside them, up to ``jobs`` at once, at niceness
     :data:`BACKGROUND_NICE`: they use the cores a training page leaves idle and yield to it while it
@@ -87,8 +110,9 @@ def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None 
     "cpu_s"}}`` (wall seconds; CPU seconds of the page's process and everything it ran) of the pages
     that succeeded, in the order they ended, also written to ``<out>/../book_times.json``."""
     log = log or (lambda line: print(line, flush=True))
-    plan = run_plan(root, jobs)
     out = Path(out) if out is not None else Path(root) / "_build" / "results"
+    # the one-slot pages costliest first: by this output's last run, else by the measured cpu build
+    plan = run_plan(root, jobs, page_costs(out.parent / "book_times.json") or page_costs(Path(root) / MEASURED_TIMES))
     logs = out.parent / "book_logs"
     logs.mkdir(parents=True, exist_ok=True)
     times: dict[str, dict[str, float]] = {}
