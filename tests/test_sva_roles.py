@@ -157,8 +157,10 @@ def test_natural_grid_runs_and_is_deterministic():
     assert list(a["n_attractors"].unique()) == ["all", "1", "2", "3"]
     assert a["n"][a["n_attractors"] == "all"].eq(40).all() and set(a["ratio"]) == {1.0, 10.0}
     assert a.equals(b)  # exact: the same code on the same seeds and thread count twice
-    # two one-thread processes (two stacks of two models): the numbers of one process
+    # two one-thread processes (two stacks of two models): the numbers of one process (one stack of
+    # four). Close, not exact: a stack of another size may sum in another order on another CPU
     two = sr.natural_grid(ds, {**cfg, "processes": 2})
-    pd.testing.assert_frame_equal(a, two)
+    pd.testing.assert_frame_equal(a, two, check_exact=False, rtol=1e-5, atol=1e-8)
+    assert a[["best_step", "stop_step"]].equals(two[["best_step", "stop_step"]])
     with pytest.raises(ValueError, match="has no n_attractors"):
         sr.attractor_accuracy(sr.make_natural_model(ds, cfg, 0), type(ds)(**{**ds.__dict__, "test_info": {}}))

@@ -163,10 +163,11 @@ def attractor_accuracy(model: nn.Module, ds: TextDataset) -> pd.DataFrame:
 def natural_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device | None = None) -> pd.DataFrame:
     """Train one :func:`make_natural_model` per ``(ratio, seed)`` of ``cfg`` through
     :func:`qkov_lib.protocol.train_grid` (one stack, or one per process: below) on ``ds.train``
-    minus the validation part (``cfg["val_frac"]``), with early stopping on validation loss when ``cfg["patience"]``. One row
-    per run and number of attractors (:func:`attractor_accuracy`) with the run's best validation
-    loss and accuracy and the step it was taken from. A diverged run is an error. On a CPU with
-    ``cfg["processes"]`` > 1 the runs are dealt into that many stacks, each in a one-thread process."""
+    minus the validation part (``cfg["val_frac"]``), with early stopping on validation loss when
+    ``cfg["patience"]``. One row per run and number of attractors (:func:`attractor_accuracy`) with
+    the run's best validation loss and accuracy and the step it was taken from. A diverged run is an
+    error. On a CPU with ``cfg["processes"]`` > 1 the runs are dealt into that many stacks, each in a
+    one-thread process."""
     device = device or torch.device("cpu")
     train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
     cells = protocol.profile_cells(cfg, cfg["ratios"], cfg["seeds"])
