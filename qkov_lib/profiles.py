@@ -11,9 +11,9 @@ fraction lies in (0, 1)) and needs no profile table, so ``qkov run`` and ``qkov 
 to ``-p``/``-g`` values before a kernel starts; :func:`resolve` applies it to every resolved
 setting, and checks the type of each override against the profile's value.
 
-A dry run (:func:`set_dry_run`, :func:`cap_steps`) keeps a profile's models, data sizes and grids
-but caps every step count, so the ``full`` profile's shapes and code paths run on a CPU in
-minutes.
+A dry run (:func:`set_dry_run`, :func:`cap_steps`) keeps a profile's models, training data and grids
+but caps every step count, and evaluates on :data:`DRY_RUN_EVAL_ROWS` rows of each evaluation
+split, so the ``full`` profile's shapes and code paths run on a CPU in minutes.
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ _EVERY_KEY = re.compile(r"(^|_)every$")
 #: score's code path and shapes, not its precision; the splits themselves keep their size
 DRY_RUN_SAMPLES = 64
 _SAMPLE_KEY = re.compile(r"^n_eraser$")
+#: rows of each evaluation split (validation, test) in a dry run, evenly spaced
+#: (:func:`qkov_lib.data.text.dry_run_split`): evaluating every run of a full grid on SQuAD's 4,910
+#: validation questions every few steps costs most of a dry run and shows no shape the sample does not
+#: (stacked evaluation runs in chunks of fewer rows); the training splits keep their size
+DRY_RUN_EVAL_ROWS = 512
 _dry_run: bool = False  # set by set_dry_run: every later resolve() caps its steps
 
 #: Allowed values of the categorical parameters the chapters share (a list-valued parameter of

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from qkov_lib import cost, profiles
+from qkov_lib.data import sources
+from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.studies import agreement_roles, realmap, reduction, synthetic, synthetic_sweeps
 from qkov_lib.tooling import cache, chapters, results
 
@@ -31,6 +33,36 @@ def _no_dry_run(monkeypatch):
 def fake_probe(per_step=0.01, per_run=2.0, n_params=100):
     """A stand-in for :func:`cost.probe`: fixed seconds, nothing trained."""
     return lambda name, chapter, cfg, device: cost.Probe(name, str(device), per_step, per_run, n_params, 2**20)
+
+
+# --- the evaluation sample ----------------------------------------------------------------------
+REAL, WHY = sources.find_data_dir()
+
+
+@pytest.mark.skipif(REAL is None, reason=WHY)
+def test_a_dry_run_evaluates_spread_rows_of_each_evaluation_split_and_keeps_the_training_split():
+    """SQuAD's dry run had spent most of its 55 CPU minutes evaluating 200 runs on 4,910 validation
+    questions every 10 steps; a dry run now evaluates evenly spaced rows, its training split,
+    vocabulary and padded length unchanged, and says so in the dataset's notes."""
+    cfg = realmap.map_config("hatexplain", "full")
+    full, full_val = realmap.load_splits("hatexplain", cfg)
+    profiles.set_dry_run(True)
+    dry, dry_val = realmap.load_splits("hatexplain", cfg)
+    n = profiles.DRY_RUN_EVAL_ROWS
+    assert len(full.test) > n and len(full_val) > n
+    assert len(dry.test) == len(dry_val) == n
+    for a, b in ((dry.test, full.test), (dry_val, full_val)):
+        idx = torch.linspace(0, len(b) - 1, n).round().long()
+        assert torch.equal(a.tokens, b.tokens[idx]) and torch.equal(a.y, b.y[idx])
+        assert torch.equal(a.relevant, b.relevant[idx]) and torch.equal(a.key_mask, b.key_mask[idx])
+    assert torch.equal(dry.train.tokens, full.train.tokens) and dry.vocab == full.vocab
+    assert {k: len(v) for k, v in dry.test_info.items()} == {k: n for k in full.test_info}
+    assert "Dry run" in dry.notes[-1] and not any("Dry run" in x for x in full.notes)
+    # the registry's loader too (the multi-layer chapter's and the natural prefixes' test splits)
+    sva_dry = load_text_dataset("sva", max_len=16, n_train=300, n_test=None, seed=0)
+    profiles.set_dry_run(False)
+    assert len(sva_dry.test) == n and sva_dry.train.tokens.shape[1] == sva_dry.test.tokens.shape[1]
+    assert len(load_text_dataset("sva", max_len=16, n_train=300, n_test=None, seed=0).test) > n
 
 
 # --- the cap ----------------------------------------------------------------------------------

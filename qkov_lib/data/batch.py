@@ -47,6 +47,14 @@ class Batch:
         return Batch(**{k: (v.to(device) if v is not None else None) for k, v in vals.items()})
 
 
+def spread(n_total: int, n: int) -> Tensor:
+    """``min(n, n_total)`` evenly spaced indices in ``[0, n_total)`` (all when ``n >= n_total``):
+    a fixed subset that covers test files sorted by condition or source."""
+    if n >= n_total:
+        return torch.arange(n_total)
+    return torch.linspace(0, n_total - 1, n).round().long().unique()
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, length: int | None = None) -> tuple[Tensor, Tensor]:
     """Left-pad integer sequences to ``length`` (default: the longest); returns
     ``(tokens (N, T) long, is_real (N, T) bool)``."""

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qkov_lib.data import hatexplain, squad, sva
-from qkov_lib.data.text import TextDataset
+from qkov_lib.data.text import TextDataset, dry_run_dataset
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,12 @@ def load_text_dataset(name: str, data_dir=None, max_len: int | None = None, min_
     exact subject index, "sva_linzen" = Linzen's numpred.val train pool with the attractor test sets, or
     one registered later) from ``data_dir`` or ``$QKOV_DATA_DIR``. ``max_len`` caps the padded length
     including the query (default: :attr:`DatasetSpec.max_len`); ``n_train``/``n_test`` subsample with
-    ``seed`` (None: all); further keywords go to the dataset's loader (see its module)."""
+    ``seed`` (None: all); further keywords go to the dataset's loader (see its module). In a dry run the
+    test split is :func:`~qkov_lib.data.text.dry_run_dataset`'s sample."""
     if name not in REGISTRY:
         raise ValueError(f"unknown dataset {name!r}; expected one of {', '.join(REGISTRY)}")
     max_len = REGISTRY[name].max_len if max_len is None else max_len
     if not isinstance(max_len, int) or max_len < 2:
         raise ValueError(f"max_len must be an integer >= 2 (words + query), got {max_len!r}")
     args = dict(data_dir=data_dir, max_len=max_len, min_freq=min_freq, n_train=n_train, n_test=n_test, seed=seed, **kw)
-    return REGISTRY[name].load(**args)
+    return dry_run_dataset(REGISTRY[name].load(**args))

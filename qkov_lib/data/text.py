@@ -20,13 +20,14 @@ from __future__ import annotations
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from qkov_lib.data.batch import Batch, left_pad
+from qkov_lib import profiles
+from qkov_lib.data.batch import Batch, left_pad, spread
 
 PAD, UNK, QUERY = "<pad>", "<unk>", "<query>"
 SPECIALS: tuple[str, ...] = (PAD, UNK, QUERY)
@@ -227,6 +228,30 @@ def finish(name: str, train: Sequence[Example], test: Sequence[Example], class_n
 
     return TextDataset(name, batches["train"], batches["test"], vocab.itos, list(class_names), rep, info(train),
                        info(test), list(notes), query_is_key)
+
+
+def dry_run_split(split: Batch) -> Batch:
+    """An evaluation split (validation or test) as a dry run evaluates it: in a dry run
+    (:func:`qkov_lib.profiles.dry_run_active`), its :data:`~qkov_lib.profiles.DRY_RUN_EVAL_ROWS` evenly
+    spaced rows (:func:`~qkov_lib.data.batch.spread`, so every condition of a sorted test file stays),
+    with the padded length kept; otherwise, or when it is no longer, ``split`` itself."""
+    if not profiles.dry_run_active() or len(split) <= profiles.DRY_RUN_EVAL_ROWS:
+        return split
+    return split.index(spread(len(split), profiles.DRY_RUN_EVAL_ROWS).to(split.tokens.device))
+
+
+def dry_run_dataset(ds: TextDataset) -> TextDataset:
+    """``ds`` with its test split (and ``test_info``) as :func:`dry_run_split` evaluates it, its
+    training split, vocabulary and padded length unchanged, and a note that says so; ``ds`` itself
+    outside a dry run."""
+    test = dry_run_split(ds.test)
+    if test is ds.test:
+        return ds
+    idx = spread(len(ds.test), profiles.DRY_RUN_EVAL_ROWS).tolist()
+    note = (f"Dry run: evaluated on {len(test):,} evenly spaced of the {len(ds.test):,} test instances "
+            "(the training split keeps its size).")
+    return replace(ds, test=test, test_info={k: [v[i] for i in idx] for k, v in ds.test_info.items()},
+                   notes=[*ds.notes, note], report=dict(ds.report))
 
 
 def count(report: dict[str, int], key: str, n: int = 1) -> None:

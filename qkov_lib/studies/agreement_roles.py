@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from qkov_lib import claims, protocol
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.sva import ROLE_CODES
-from qkov_lib.data.text import TextDataset
+from qkov_lib.data.text import TextDataset, dry_run_split
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.metrics import mass_by_role
 from qkov_lib.profiles import profile_table
@@ -170,6 +170,7 @@ def natural_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device |
     one-thread process."""
     device = device or torch.device("cpu")
     train, val = split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
+    val = dry_run_split(val)  # a dry run evaluates a sample (its test split is one already: the loader's)
     cells = protocol.profile_cells(cfg, cfg["ratios"], cfg["seeds"])
     models: dict[protocol.Cell, nn.Module] = {}
     hists: dict[protocol.Cell, History] = {}

@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 
 from qkov_lib import faithfulness as fa
-from qkov_lib.data.batch import Batch
+from qkov_lib.data.batch import Batch, spread
 from qkov_lib.data.text import TextDataset
 from qkov_lib.metrics import (FOCUS_CELLS, attention_names, confidence, dtap_histogram, prediction_metrics,
                               relevant_mass, summarize)
@@ -38,14 +38,6 @@ TAU_SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 FRACS = [0.01, 0.05, 0.1, 0.2, 0.5]
 ATTENTIONS = ("model", "uniform", "random")
 CHAPTERS = {"squad": "05_squad", "hatexplain": "06_hatexplain", "sva": "07_sva"}
-
-
-def spread(n_total: int, n: int) -> torch.Tensor:
-    """``min(n, n_total)`` evenly spaced indices in ``[0, n_total)`` (all when ``n >= n_total``):
-    a fixed subset that covers test files sorted by condition or source."""
-    if n >= n_total:
-        return torch.arange(n_total)
-    return torch.linspace(0, n_total - 1, n).round().long().unique()
 
 
 def baseline_attention(kind: str, key_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

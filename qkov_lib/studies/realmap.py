@@ -27,7 +27,7 @@ from torch import nn
 from qkov_lib import claims, head_model, rate_plane
 from qkov_lib import faithfulness as fa
 from qkov_lib.data.batch import Batch
-from qkov_lib.data.text import TextDataset
+from qkov_lib.data.text import TextDataset, dry_run_dataset, dry_run_split
 from qkov_lib.data import registry
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.runtime import seed_everything
@@ -130,9 +130,11 @@ def check_dataset(name: str) -> None:
 
 
 def load_splits(name: str, cfg: Mapping[str, Any], data_dir=None) -> tuple[TextDataset, Batch]:
-    """``(dataset, validation batch)`` of dataset ``name`` for a map config (:attr:`MapSpec.load`)."""
+    """``(dataset, validation batch)`` of dataset ``name`` for a map config (:attr:`MapSpec.load`); in a
+    dry run both evaluation splits are samples (:func:`~qkov_lib.data.text.dry_run_split`)."""
     check_dataset(name)
-    return MAPS[name].load(cfg, data_dir)
+    ds, val = MAPS[name].load(cfg, data_dir)
+    return dry_run_dataset(ds), dry_run_split(val)
 
 
 def hold_out_validation(ds: TextDataset, cfg: Mapping[str, Any]) -> tuple[TextDataset, Batch]:
