@@ -44,6 +44,31 @@ def test_masks_and_match_feature_by_hand():
     assert squad.question_match(t, SEP)[0].nonzero().flatten().tolist() == [7, 9, 11, 12]  # nothing ignored
 
 
+def test_question_match_is_the_set_of_question_words_on_random_rows_and_under_vmap():
+    """Against its definition, row by row with Python sets: a context word matches when its id is
+    the id of a non-ignored question word of the same row (rows with no question, no context, repeated
+    words and ids above every question id included), also on a stack of batches under vmap."""
+    gen = torch.Generator().manual_seed(0)
+    n, T = 200, 16
+    tokens = torch.randint(4, V, (n, T), generator=gen)
+    for i in range(n):
+        q_len, c_len = int(torch.randint(0, 6, (1,), generator=gen)), int(torch.randint(0, 8, (1,), generator=gen))
+        pads = T - 2 - q_len - c_len
+        tokens[i, :pads] = 0
+        tokens[i, pads + q_len] = SEP
+        tokens[i, -1] = 2
+    for ignore in (None, IGNORE):
+        got = squad.question_match(tokens, SEP, ignore)
+        for i, row in enumerate(tokens.tolist()):
+            cut = row.index(SEP)
+            asked = {t for t in row[:cut] if t != 0 and (ignore is None or not ignore[t])}
+            want = [cut < j < T - 1 and row[j] in asked for j in range(T)]
+            assert got[i].tolist() == want
+    stack = tokens.view(4, 50, T)
+    assert torch.equal(torch.func.vmap(lambda t: squad.question_match(t, SEP, IGNORE))(stack),
+                       squad.question_match(tokens, SEP, IGNORE).view(4, 50, T))
+
+
 def test_ignore_table_and_oov_buckets():
     vocab = ["<pad>", "<unk>", "<query>", "<sep>", "<q:what>", "<oov:0>", "the", "?", "rhine"]
     assert squad.ignore_table(vocab).tolist() == [True, True, True, True, True, False, True, True, False]

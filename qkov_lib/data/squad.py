@@ -239,9 +239,12 @@ def question_match(tokens: Tensor, sep_id: int, ignore: Tensor | None = None) ->
     q = question_mask(tokens, sep_id)
     if ignore is not None:
         q = q & ~ignore[tokens]
-    # (N, T, T): key i equals question word j; the question is short but padded to T, which is cheap at T <= 256
-    same = (tokens[..., :, None] == tokens[..., None, :]) & q[..., None, :]
-    return same.any(-1) & context_mask(tokens, sep_id)
+    # each row's question ids sorted (-1 elsewhere, no id), each key looked up in them: O(T log T) a row,
+    # not the (N, T, T) table of every key against every position (a stack of models trains on its own
+    # minibatch each, so that table was (models, N, T, T) every step)
+    ids = torch.where(q, tokens, -1).sort(-1).values
+    found = ids.gather(-1, torch.searchsorted(ids, tokens).clamp_max(tokens.shape[-1] - 1))
+    return (found == tokens) & context_mask(tokens, sep_id)
 
 
 def ignore_table(vocab: list[str], words: frozenset[str] = STOPWORDS) -> Tensor:
