@@ -179,9 +179,10 @@ class QKOVAttention(nn.Module):
         return out
 
     # --- forward ------------------------------------------------------------------------
-    def scores(self, x: Tensor) -> Tensor:
-        """Raw attention scores ``x_i^T W_QK x_q`` (B, T) for the query at position -1."""
-        q = x[:, -1]
+    def scores(self, x: Tensor, query: Tensor | None = None) -> Tensor:
+        """Raw attention scores ``x_i^T W_QK x_q`` (B, T) of the keys ``x`` (B, T, d) for the query
+        ``x_q`` = ``query`` (B, d), by default the last position ``x[:, -1]``."""
+        q = x[:, -1] if query is None else query
         # contract the query side first: W_K^T (W_Q x_q) is one d-vector per sequence, so the keys
         # cost O(T d) instead of projecting every key, O(T d r); and a multiply-and-sum (vecdot)
         # instead of batched (T, d) @ (d, 1) products, whose per-matrix overhead dominates here

@@ -101,6 +101,23 @@ def test_logits_are_the_readout_of_the_head_output_by_hand(readout, relative):
                 assert abs(float(logits[i, T - 1 - p] - full[i, b.tokens[i, p]])) < 1e-12
 
 
+@pytest.mark.parametrize("enc", ENCODERS, ids=lambda e: e["encoder"])
+@pytest.mark.parametrize("query", ["question", "last"])
+def test_attention_row_is_the_softmax_of_the_scores_with_the_query_at_the_last_position(enc, query):
+    """The attention row by its definition: the head's scores of the key vectors with the last one
+    replaced by the query vector (the query scored against itself there), masked to the keys and
+    normalised; the model scores the keys and the query's own column apart, so this compares the two."""
+    b, m = tiny_batch(), model(query=query, **enc)
+    with torch.no_grad():
+        _, attn = m(b.tokens, b.key_mask)
+        k = m.keys(b.tokens)
+        x = k.clone()
+        x[:, -1] = m.query_vector(b.tokens, k)
+        s = m.head.scores(x).masked_fill(~b.key_mask, float("-inf"))
+    assert torch.allclose(attn, torch.softmax(s, -1), rtol=0, atol=1e-14)
+    assert torch.equal(m.head.scores(x), m.head.scores(x, x[:, -1]))  # the query defaults to the last position
+
+
 def test_relative_readout_scores_every_word_zero_under_flat_attention():
     b, m = tiny_batch(), model(relative=True)
     k = b.key_mask.to(F64)
