@@ -5,6 +5,7 @@ buckets on a three-question fixture file, with clear errors on bad input."""
 
 import gzip
 import json
+import warnings
 
 import pytest
 import torch
@@ -64,6 +65,10 @@ def test_question_match_is_the_set_of_question_words_on_random_rows_and_under_vm
             asked = {t for t in row[:cut] if t != 0 and (ignore is None or not ignore[t])}
             want = [cut < j < T - 1 and row[j] in asked for j in range(T)]
             assert got[i].tolist() == want
+    with warnings.catch_warnings():  # a column-major view (as a stack's minibatch may be) warns of no copy
+        warnings.simplefilter("error")
+        assert torch.equal(squad.question_match(tokens.t().contiguous().t(), SEP, IGNORE),
+                           squad.question_match(tokens, SEP, IGNORE))
     stack = tokens.view(4, 50, T)
     assert torch.equal(torch.func.vmap(lambda t: squad.question_match(t, SEP, IGNORE))(stack),
                        squad.question_match(tokens, SEP, IGNORE).view(4, 50, T))
