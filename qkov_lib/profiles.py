@@ -36,6 +36,10 @@ _EVERY_KEY = re.compile(r"(^|_)every$")
 #: score's code path and shapes, not its precision; the splits themselves keep their size
 DRY_RUN_SAMPLES = 64
 _SAMPLE_KEY = re.compile(r"^n_eraser$")
+#: logged points of a run that logs on a log-spaced grid (``n_logs``) in a dry run: 0, two between, the end
+#: (a 20-step run with the full multi-layer profile's 20 points evaluated its monitor after 14 of them)
+DRY_RUN_LOGS = 4
+_LOGS_KEY = re.compile(r"^n_logs$")
 #: rows of each evaluation split (validation, test) in a dry run, evenly spaced
 #: (:func:`qkov_lib.data.text.dry_run_split`): evaluating every run of a full grid on SQuAD's 4,910
 #: validation questions every few steps costs most of a dry run and shows no shape the sample does not
@@ -132,9 +136,9 @@ def dry_run_active() -> bool:
 def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any]:
     """A copy of the settings ``cfg`` with every step count (a key ending in ``steps``) at most
     ``cap``, every interval (a key ending in ``every``: evaluation, logging) at most ``cap // 2``,
-    so a capped run still evaluates before its end, and the instances scored one by one after
-    each run (``n_eraser``) at most :data:`DRY_RUN_SAMPLES`. Everything else (models, data sizes,
-    grids) is kept."""
+    so a capped run still evaluates before its end, the log-spaced points of a run (``n_logs``) at
+    most :data:`DRY_RUN_LOGS`, and the instances scored one by one after each run (``n_eraser``) at
+    most :data:`DRY_RUN_SAMPLES`. Everything else (models, data sizes, grids) is kept."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
         raise ValueError(f"the dry-run step cap must be an integer >= 2, got {cap!r}")
     out = dict(cfg)
@@ -147,6 +151,8 @@ def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any
             out[key] = min(int(value), cap // 2)
         elif _SAMPLE_KEY.search(key):
             out[key] = min(int(value), DRY_RUN_SAMPLES)
+        elif _LOGS_KEY.search(key):
+            out[key] = min(int(value), DRY_RUN_LOGS)
     return out
 
 

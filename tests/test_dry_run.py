@@ -70,11 +70,11 @@ def test_cap_steps_caps_step_counts_and_intervals_and_keeps_everything_else():
     cfg = {"steps": 20000, "adamw_steps": 8000, "sgd_steps": 10, "variant_steps": 10000, "warmup_steps": 20,
            "eval_every": 500, "log_every": 4, "n_train": None, "n_test": 20000, "ratios": [1.0, 10.0],
            "d_model": 128, "max_len": 128, "batch_size": 64, "variants": [{"name": "x", "steps": 9}], "t_max": 1e200,
-           "n_eraser": 2000, "n_val": None}
+           "n_eraser": 2000, "n_val": None, "n_logs": 20}
     out = profiles.cap_steps(cfg, 20)
     assert out == {**cfg, "steps": 20, "adamw_steps": 20, "variant_steps": 20, "eval_every": 10,
-                   "n_eraser": profiles.DRY_RUN_SAMPLES}
-    assert profiles.cap_steps({"n_eraser": 10}, 20) == {"n_eraser": 10}
+                   "n_eraser": profiles.DRY_RUN_SAMPLES, "n_logs": profiles.DRY_RUN_LOGS}
+    assert profiles.cap_steps({"n_eraser": 10, "n_logs": 3}, 20) == {"n_eraser": 10, "n_logs": 3}
     assert cfg["steps"] == 20000  # a copy: the profile is untouched
     assert profiles.cap_steps({"steps": 7, "eval_every": 100}, 3) == {"steps": 3, "eval_every": 1}
 
