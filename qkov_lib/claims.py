@@ -928,17 +928,32 @@ R2_RULE = (f"changes at the highest ratio with a trained run, against ratio 1, p
            "tested: nothing measured")
 
 
+def _r2_metrics(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None
+                ) -> tuple[list[tuple[str, Change, float, int]], list[str], list[str]]:
+    """R2's measured metrics ``(name, change, margin, sign)`` and the names of those that improve
+    (whole interval beyond the margin) and of those that fail (whole interval short of it)."""
+    items = [("AC@0.5", d_ac, MIN_GAIN_AC, 1), ("ACMC@0.5", d_acmc, MIN_GAIN_ACMC, 1),
+             ("sufficiency", d_sufficiency, MIN_GAIN_SUFF, -1)]
+    measured = [(name, c, gain, sign) for name, c, gain, sign in items if _has(c)]
+    up = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean - c.half_width >= gain]
+    down = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean + c.half_width < gain]
+    return measured, up, down
+
+
+def r2_contradicted(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> bool:
+    """Whether some measured R2 metric stays short of its margin over its whole interval: the claim
+    that all three rise is then contradicted, whatever the others do (a metric whose interval
+    straddles its margin contradicts nothing)."""
+    return bool(_r2_metrics(d_ac, d_acmc, d_sufficiency)[2])
+
+
 def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> Verdict:
     """R2 from the paired changes at the highest trained ratio against ratio 1 of AC@0.5 and
     ACMC@0.5 (fractions, up is better) and of the sufficiency score (down is better); None
     when not measured."""
-    items = [("AC@0.5", d_ac, MIN_GAIN_AC, 1), ("ACMC@0.5", d_acmc, MIN_GAIN_ACMC, 1),
-             ("sufficiency", d_sufficiency, MIN_GAIN_SUFF, -1)]
-    measured = [(name, c, gain, sign) for name, c, gain, sign in items if _has(c)]
+    measured, up, down = _r2_metrics(d_ac, d_acmc, d_sufficiency)
     if not measured:
         return Verdict("not tested", R2_RULE, "nothing measured at a higher ratio")
-    up = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean - c.half_width >= gain]
-    down = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean + c.half_width < gain]
     n_min = min(c.n for _, c, _, _ in measured)
     each = ", ".join(f"{name} {c.text(percent=False)}" for name, c, _, _ in measured)
     why = f"{len(up)}/{len(measured)} improved beyond their margin ({each})"

@@ -159,11 +159,22 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
                          "eta_qk": rate(p["eta_qk"]), "ratio": float(p["ratio"]), "ref_eta_ov": key[1],
                          "claim": cid, "verdict": word, "outcome": outcome,
                          "effect": float(p.get(col, math.nan)), "effect_ci": float(p.get(f"{col}_ci", math.nan)),
-                         "reason": reason, "trained": n, "ref_trained": n_ref,
+                         "reason": reason, "contradicts": _contradicts(cid, word, p), "trained": n, "ref_trained": n_ref,
                          "pairs": min((c.n for c in map(ch, used[cid]) if c is not None), default=0),
                          "all_AC": float(p.get("d_all_AC@0.5", math.nan)),
                          "all_AC_ci": float(p.get("d_all_AC@0.5_ci", math.nan))})
     return pd.DataFrame(rows)
+
+
+def _contradicts(cid: str, word: str, p: pd.Series) -> bool:
+    """Whether a cell's outcome ``word`` for claim ``cid`` counts against the claim on the plane: 'not
+    reproduced', or R2 holding in part (some of its measures) while another measure stays short of its
+    margin over its whole interval; a part hold whose other measures straddle their margins is undecided."""
+    if word == "not reproduced":
+        return True
+    ch = lambda k: protocol._change(p, k)  # noqa: E731
+    return cid == "R2" and word == "holds where" and claims.r2_contradicted(ch("d_AC@0.5"), ch("d_ACMC@0.5"),
+                                                                             ch("d_sufficiency"))
 
 
 def qk_ceiling(table: pd.DataFrame) -> dict[str, float]:
@@ -199,8 +210,9 @@ PLANE_RULE = ("each cell above ratio 1 is compared with the ratio-1 run of its r
               "route, is a near-tie that another seed set can turn), and it must stand when any one seed is left out "
               "(else inconclusive: one seed decides it); reproduced: it holds in every cell compared, and they are a region; holds where: "
               "in a region of some (named, as (eta_OV, eta_QK)); not reproduced: it holds in no region and a region "
-              "contradicts it (or held only in part: some of its measures); inconclusive: otherwise (no region "
-              "decided); not tested: no cell compared (a reference with fewer than "
+              "contradicts it (or held there only in part: some of its measures, another one short of its margin); "
+              "inconclusive: otherwise (no region decided; a cell where some measures held and the others straddle "
+              "their margins decides nothing); not tested: no cell compared (a reference with fewer than "
               f"{claims.MIN_SEEDS} trained seeds is inconclusive; a cell that trains where its reference never did "
               "is counted as rescued, not compared)")
 
@@ -245,14 +257,20 @@ def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict
         rescued = g[g["outcome"] == "rescued"]
         counts = ", ".join(f"{(read['outcome'] == o).sum()} {o}" for o in OUTCOMES if (read["outcome"] == o).any())
         why = f"{len(read)} cells within the stable range: {counts or 'none'}"
-        if len(part):  # a cell where only some of the claim's measures held: named, but the claim did not hold
+        # a cell where only some of the claim's measures held is named, but the claim did not hold there: it
+        # counts against the claim where another measure fell short of its margin, else it decides nothing
+        short = part["contradicts"].astype(bool) if "contradicts" in part else pd.Series(True, index=part.index)
+        if len(part):
             why += f"; in part (some of its measures) at {_cells(part)}"
+            if not short.all():
+                why += f" (the others undecided at {_cells(part[~short])})"
         if len(past):
             why += f"; {len(past)} cells past the stable ceiling, not read"
         if len(rescued):
             why += f"; training rescued by the higher ratio at {_cells(rescued)}"
         effect = _effect(read[read["verdict"] != "not tested"], cid)
-        against = pd.concat([fails, part])
+        against = pd.concat([fails, part[short]])
+        open_ = pd.concat([open_, part[~short]])
         compared = len(holds) + len(against) + len(open_)
         # a region counts points of the plane: one point reached by both routes is the same runs
         n_holds, n_against, enough = _points(holds), _points(against), claims.MIN_REGION_CELLS

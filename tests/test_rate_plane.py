@@ -179,6 +179,31 @@ def test_a_claim_that_holds_only_in_part_is_not_a_region_where_it_holds():
     assert "in part at" in v2.region
 
 
+def test_a_part_hold_whose_other_measures_straddle_their_margins_decides_nothing():
+    """Sufficiency improves by 0.1 in every cell while AC@0.5 and ACMC@0.5 move by +-0.5 from seed to
+    seed (intervals far wider than their margins): the claim that all three rise is neither shown
+    nor contradicted there. Before, such cells counted against the claim, and two of them made a
+    'not reproduced' region that another seed set's noise could make or unmake (SVA's R2, seeds 0-3
+    against 4-7)."""
+    t = _table(lambda e, r, s: 0.5 + s / 1000)
+    up = t["ratio"] > 1
+    swing = np.where(t["seed"] % 2 == 0, 0.5, -0.5)
+    for m in ("AC@0.5", "ACMC@0.5"):
+        t.loc[up, m] = t.loc[up, m] + swing[up]
+    t.loc[up, "sufficiency"] -= 0.1
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    r2 = out[out["claim"] == "R2"]
+    assert set(r2["verdict"]) == {"holds where"} and not r2["contradicts"].any()
+    v = rate_plane.plane_verdicts(out, {"adamw": 1.0})["R2"]
+    assert v.verdict == "inconclusive"
+    assert "in part (some of its measures) at adamw (0.0001, 0.001)↑" in v.reason and "the others undecided" in v.reason
+    # the same cells with AC@0.5 short of its margin in every seed do count against it
+    t.loc[up, "AC@0.5"] = 0.4
+    out = rate_plane.cell_outcomes(rate_plane.plane_phase(t))
+    assert out[out["claim"] == "R2"]["contradicts"].all()
+    assert rate_plane.plane_verdicts(out, {"adamw": 1.0})["R2"].verdict == "not reproduced"
+
+
 def test_recipe_reads_a_plane_back_from_a_results_file():
     import json
 
