@@ -72,6 +72,11 @@ def test_question_match_is_the_set_of_question_words_on_random_rows_and_under_vm
     stack = tokens.view(4, 50, T)
     assert torch.equal(torch.func.vmap(lambda t: squad.question_match(t, SEP, IGNORE))(stack),
                        squad.question_match(tokens, SEP, IGNORE).view(4, 50, T))
+    # shared rows and a per-model ignore table (a stack's buffer), as a stacked evaluation calls it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        per_model = torch.func.vmap(lambda ign: squad.question_match(tokens, SEP, ign))(IGNORE.expand(3, -1))
+    assert torch.equal(per_model, squad.question_match(tokens, SEP, IGNORE).expand(3, -1, -1))
 
 
 def test_ignore_table_and_oov_buckets():

@@ -243,7 +243,10 @@ def question_match(tokens: Tensor, sep_id: int, ignore: Tensor | None = None) ->
     # not the (N, T, T) table of every key against every position (a stack of models trains on its own
     # minibatch each, so that table was (models, N, T, T) every step)
     ids = torch.where(q, tokens, -1).sort(-1).values
-    found = ids.gather(-1, torch.searchsorted(ids, tokens.contiguous()).clamp_max(tokens.shape[-1] - 1))
+    # the keys with the ids' batching, materialised: under vmap a stack's ignore table is a per-model
+    # buffer, so ids are per model while shared tokens are not, and searchsorted warns on the expanded input
+    keys = (torch.zeros_like(ids) + tokens).contiguous()
+    found = ids.gather(-1, torch.searchsorted(ids, keys).clamp_max(tokens.shape[-1] - 1))
     return (found == tokens) & context_mask(tokens, sep_id)
 
 
