@@ -23,7 +23,7 @@ metric's changes in absolute coordinates with the iso-ratio diagonals.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -159,20 +159,20 @@ def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], boo
                          "eta_qk": rate(p["eta_qk"]), "ratio": float(p["ratio"]), "ref_eta_ov": key[1],
                          "claim": cid, "verdict": word, "outcome": outcome,
                          "effect": float(p.get(col, math.nan)), "effect_ci": float(p.get(f"{col}_ci", math.nan)),
-                         "reason": reason, "contradicts": _contradicts(cid, word, p), "trained": n, "ref_trained": n_ref,
+                         "reason": reason, "contradicts": _contradicts(cid, word, ch), "trained": n, "ref_trained": n_ref,
                          "pairs": min((c.n for c in map(ch, used[cid]) if c is not None), default=0),
                          "all_AC": float(p.get("d_all_AC@0.5", math.nan)),
                          "all_AC_ci": float(p.get("d_all_AC@0.5_ci", math.nan))})
     return pd.DataFrame(rows)
 
 
-def _contradicts(cid: str, word: str, p: pd.Series) -> bool:
+def _contradicts(cid: str, word: str, ch: Callable[[str], claims.Change | None]) -> bool:
     """Whether a cell's outcome ``word`` for claim ``cid`` counts against the claim on the plane: 'not
     reproduced', or R2 holding in part (some of its measures) while another measure stays short of its
-    margin over its whole interval; a part hold whose other measures straddle their margins is undecided."""
+    margin over its whole interval; a part hold whose other measures straddle their margins is undecided.
+    ``ch(key)``: the cell's paired change of a plane column (as :func:`cell_outcomes` reads it)."""
     if word == "not reproduced":
         return True
-    ch = lambda k: protocol._change(p, k)  # noqa: E731
     return cid == "R2" and word == "holds where" and claims.r2_contradicted(ch("d_AC@0.5"), ch("d_ACMC@0.5"),
                                                                              ch("d_sufficiency"))
 

@@ -235,22 +235,30 @@ def dry_run_split(split: Batch) -> Batch:
     (:func:`qkov_lib.profiles.dry_run_active`), its :data:`~qkov_lib.profiles.DRY_RUN_EVAL_ROWS` evenly
     spaced rows (:func:`~qkov_lib.data.batch.spread`, so every condition of a sorted test file stays),
     with the padded length kept; otherwise, or when it is no longer, ``split`` itself."""
+    rows = _dry_run_rows(split)
+    return split if rows is None else split.index(rows.to(split.tokens.device))
+
+
+def _dry_run_rows(split: Batch) -> torch.Tensor | None:
+    """The rows of ``split`` a dry run evaluates (:func:`~qkov_lib.data.batch.spread`), or None when it
+    evaluates them all (no dry run, or a split no longer than the sample)."""
     if not profiles.dry_run_active() or len(split) <= profiles.DRY_RUN_EVAL_ROWS:
-        return split
-    return split.index(spread(len(split), profiles.DRY_RUN_EVAL_ROWS).to(split.tokens.device))
+        return None
+    return spread(len(split), profiles.DRY_RUN_EVAL_ROWS)
 
 
 def dry_run_dataset(ds: TextDataset) -> TextDataset:
     """``ds`` with its test split (and ``test_info``) as :func:`dry_run_split` evaluates it, its
     training split, vocabulary and padded length unchanged, and a note that says so; ``ds`` itself
     outside a dry run."""
-    test = dry_run_split(ds.test)
-    if test is ds.test:
+    rows = _dry_run_rows(ds.test)
+    if rows is None:
         return ds
-    idx = spread(len(ds.test), profiles.DRY_RUN_EVAL_ROWS).tolist()
-    note = (f"Dry run: evaluated on {len(test):,} evenly spaced of the {len(ds.test):,} test instances "
+    note = (f"Dry run: evaluated on {len(rows):,} evenly spaced of the {len(ds.test):,} test instances "
             "(the training split keeps its size).")
-    return replace(ds, test=test, test_info={k: [v[i] for i in idx] for k, v in ds.test_info.items()},
+    idx = rows.tolist()
+    return replace(ds, test=ds.test.index(rows.to(ds.test.tokens.device)),
+                   test_info={k: [v[i] for i in idx] for k, v in ds.test_info.items()},
                    notes=[*ds.notes, note], report=dict(ds.report))
 
 
