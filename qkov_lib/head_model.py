@@ -294,6 +294,39 @@ def for_dataset(ds: TextDataset, d_model: int, generator: torch.Generator | None
     return HeadModel(ds.vocab_size, d_model, ds.n_classes, ds.max_len, generator=generator, **options)
 
 
+@torch.no_grad()
+def predict_by_length(model: HeadModel, data: Batch, rows: int = 512) -> tuple[Tensor, Tensor]:
+    """``(attention (N, T), probabilities (N, C) float64)`` of ``model`` on ``data``, as
+    :func:`qkov_lib.train.predict`, computed on the rows shortest first, ``rows`` at a time, each group cut
+    to its longest row: the left-padding columns every row of the group has are dropped. A
+    :class:`HeadModel`'s output does not depend on left padding (positions count back from the query and
+    from the first word, padding is zeroed before the encoder and gets no attention), so the result is the
+    same up to float rounding, at the cost of the rows' real lengths instead of ``T``. Rows come back in
+    their own order; attention is zero on the dropped columns."""
+    from qkov_lib.train import predict
+
+    if not isinstance(model, HeadModel):
+        raise TypeError(f"predict_by_length needs a HeadModel (its output ignores left padding), got {type(model).__name__}")
+    N, T = data.tokens.shape
+    lengths = T - (data.tokens != PAD_ID).int().argmax(1)  # from the first real token on (left padding)
+    lengths = torch.where((data.tokens != PAD_ID).any(1), lengths, torch.ones_like(lengths))
+    order = torch.argsort(lengths, stable=True)
+    attn = torch.zeros(N, T, dtype=model.embed.weight.dtype, device=data.tokens.device)
+    probs = None
+    for i in range(0, N, rows):
+        idx = order[i:i + rows]
+        t = int(lengths[idx].max())
+        b = data.index(idx)
+        a, p = predict(model, Batch(b.tokens[:, T - t:], b.key_mask[:, T - t:], b.relevant[:, T - t:], b.y, b.weight))
+        attn[idx, T - t:] = a.to(attn.dtype)
+        if probs is None:
+            probs = torch.empty(N, p.shape[1], dtype=p.dtype, device=p.device)
+        probs[idx] = p
+    if probs is None:
+        raise ValueError("predict_by_length needs at least one row")
+    return attn, probs
+
+
 # --- SQuAD as a word task ------------------------------------------------------------------
 def _word_batch(b: Batch, sep_id: int) -> tuple[Batch, dict[str, int], Tensor]:
     """The rows of a SQuAD position batch whose answer-start word occurs once among its context

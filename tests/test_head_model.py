@@ -17,7 +17,7 @@ from qkov_lib import head_model as hm
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.text import Example, finish
 from qkov_lib.models import PARAMETERIZATIONS, named_groups
-from qkov_lib.train import TrainConfig, train, train_stacked
+from qkov_lib.train import TrainConfig, predict, train, train_stacked
 
 F64 = torch.float64
 SEP, V, T = 3, 14, 12
@@ -99,6 +99,22 @@ def test_logits_are_the_readout_of_the_head_output_by_hand(readout, relative):
             assert torch.isfinite(logits[i]).nonzero()[:, 0].tolist() == finite
             for p in firsts:
                 assert abs(float(logits[i, T - 1 - p] - full[i, b.tokens[i, p]])) < 1e-12
+
+
+@pytest.mark.parametrize("enc", ENCODERS, ids=lambda e: e["encoder"])
+@pytest.mark.parametrize("readout", ["words", "class"])
+def test_prediction_by_length_is_the_padded_prediction(enc, readout):
+    """Rows taken shortest first, two at a time, each pair cut to its longer row: the same attention and
+    probabilities as the padded rows (a HeadModel ignores left padding), in the rows' own order, zero
+    attention on the dropped columns."""
+    b, m = tiny_batch(), model(readout=readout, **enc)
+    b = b.index(torch.tensor([2, 0, 1, 2]))  # lengths 9, 11, 10, 9: taken as rows 0, 3 / 2, 1
+    a0, p0 = predict(m, b)
+    a1, p1 = hm.predict_by_length(m, b, rows=2)
+    assert torch.allclose(a0, a1, rtol=0, atol=1e-12) and torch.allclose(p0, p1, rtol=0, atol=1e-12)
+    assert (a1[b.tokens == 0] == 0).all()
+    with pytest.raises(TypeError, match="needs a HeadModel"):
+        hm.predict_by_length(torch.nn.Linear(2, 2), b)
 
 
 @pytest.mark.parametrize("enc", ENCODERS, ids=lambda e: e["encoder"])

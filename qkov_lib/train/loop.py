@@ -274,6 +274,7 @@ def loss_fn(logits: Tensor, y: Tensor, weight: Tensor | None) -> Tensor:
 @torch.no_grad()
 def predict(model: nn.Module, data: Batch, chunk: int = 4096) -> tuple[Tensor, Tensor]:
     """``(attention (N, T), probabilities (N, C))`` of ``model`` on ``data``, in chunks."""
+    retain_freed_memory()  # every chunk allocates activations of the same sizes again
     was = model.training
     model.eval()
     attn, probs = [], []
