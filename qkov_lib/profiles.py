@@ -64,7 +64,7 @@ _NUMERIC: tuple[tuple[re.Pattern, Any, str], ...] = tuple((re.compile(p), f, w) 
      lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     (r"(^|_)seeds?$", lambda v: float(v).is_integer() and v >= 0, "an integer >= 0"),
     (r"(^|_)steps$|^n_(?!val$)|^d_|^dim_|^max_len|_max_len$|^batch_size$|^eval_every$|^log_every$|^patience$"
-     r"|^kernel$|^window$|^min_freq$|^threads$|^processes$|^layers$|^oov_buckets$|^check_points$|^log_subsample$",
+     r"|^kernel$|^window$|^min_freq$|^threads$|^processes$|^layers$|^oov_buckets$|^check_points$|^log_subsample$|^monitor_rows$",
      lambda v: float(v).is_integer() and v >= 1, "an integer >= 1"),
     (r"_frac$", lambda v: 0 < v < 1, "a number in (0, 1)"),
     (r"^weight_decay$|^dropout$", lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),

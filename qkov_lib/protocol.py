@@ -107,7 +107,8 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
                max_stack: int = 64,
                desc: str = "map", models_out: dict[Cell, nn.Module] | None = None,
                threads: int | None = None, processes: int = 1,
-               histories_out: dict[Cell, History] | None = None, taus: Sequence[float] = ()) -> pd.DataFrame:
+               histories_out: dict[Cell, History] | None = None, taus: Sequence[float] = (),
+               monitor: Batch | None = None) -> pd.DataFrame:
     """Train every cell and measure it: one row per cell with its settings, ``diverged``,
     ``stop_step``, the validation metrics (``val_<metric>``) and the test metrics.
 
@@ -120,7 +121,9 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
     trained model that did not diverge and every run's :class:`~qkov_lib.train.History`, keyed by
     its cell (for later analyses); ``threads`` sets torch's intra-op threads while training and
     measuring; ``taus`` (thresholds in [0, 1]) add ``AC@tau``/``ACMC@tau`` to the logged records
-    (:func:`~qkov_lib.train.loop.train_stacked`).
+    (:func:`~qkov_lib.train.loop.train_stacked`). ``monitor``, if given, is what the training logs and
+    early stopping evaluate instead of ``val`` (e.g. a fixed sample of its rows); the trained models are
+    still measured on the whole of ``val``.
 
     ``processes`` > 1 trains the stacks in that many spawned processes at once, each with one
     torch thread (:func:`_train_in_processes`; ``make_model``, ``config`` and ``measure`` must
@@ -131,9 +134,11 @@ def train_grid(cells: Sequence[Cell], make_model: Callable[[int], nn.Module], tr
         raise ValueError(f"processes must be a positive integer, got {processes!r}")
     units = _stack_units(cells, max_stack, steps=lambda c: config(c).steps)
     if processes > 1 and len(units) > 1:
-        done = _train_in_processes(units, make_model, train, val, test, config, measure, desc, processes, taus)
+        done = _train_in_processes(units, make_model, train, val, test, config, measure, desc, processes, taus,
+                                   monitor)
     else:
-        done = [_train_unit(u, make_model, train, val, test, config, measure, desc, threads, taus=taus) for u in units]
+        done = [_train_unit(u, make_model, train, val, test, config, measure, desc, threads, taus=taus,
+                            monitor=monitor) for u in units]
     rows = []
     for unit_rows, unit_models, unit_hists in done:
         rows += unit_rows
@@ -169,12 +174,13 @@ def _stack_units(cells: Sequence[Cell], max_stack: int, steps: Callable[[Cell], 
 
 def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, config, measure, desc: str,
                 threads: int | None, on_step: Callable[[int], None] | None = None, taus: Sequence[float] = (),
-                ) -> tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]:
+                monitor: Batch | None = None) -> tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]:
     """Train and measure one stack of :func:`_stack_units`: its rows, its non-diverged models and
-    every run's history."""
+    every run's history (logged on ``monitor`` if given, else on ``val``)."""
     label, chunk = unit
     models = [make_model(c.seed) for c in chunk]
-    hists = train_stacked(models, train, [config(c) for c in chunk], val=val, on_nonfinite="freeze",
+    watch = val if monitor is None else monitor
+    hists = train_stacked(models, train, [config(c) for c in chunk], val=watch, on_nonfinite="freeze",
                           desc=f"{desc} {label}", progress=on_step is None, threads=threads, on_step=on_step,
                           taus=taus)
     rows, kept = [], {}
@@ -194,7 +200,7 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
 _STEP_REPORT = 20  # a worker reports its progress every this many optimizer steps
 
 
-def _worker(units, make_model, train, val, test, config, measure, desc, queue, taus=()) -> None:
+def _worker(units, make_model, train, val, test, config, measure, desc, queue, taus=(), monitor=None) -> None:
     """One process of :func:`_train_in_processes`: train ``units`` (``(index, unit)`` pairs) on one
     torch thread; send ``("step", n)`` progress, ``("unit", index, payload)`` per finished stack
     (rows and models through :func:`torch.save`) or ``("error", text)``."""
@@ -208,7 +214,8 @@ def _worker(units, make_model, train, val, test, config, measure, desc, queue, t
                 if (step + 1) % _STEP_REPORT == 0:
                     queue.put(("step", _STEP_REPORT))
 
-            got = _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=report, taus=taus)
+            got = _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=report, taus=taus,
+                              monitor=monitor)
             buf = io.BytesIO()
             torch.save(got, buf)
             queue.put(("unit", index, buf.getvalue()))
@@ -217,7 +224,7 @@ def _worker(units, make_model, train, val, test, config, measure, desc, queue, t
 
 
 def _train_in_processes(units, make_model, train, val, test, config, measure, desc: str, processes: int,
-                        taus: Sequence[float] = (),
+                        taus: Sequence[float] = (), monitor: Batch | None = None,
                         ) -> list[tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]]:
     """:func:`_train_unit` of every unit, spread round-robin over ``processes`` spawned one-thread
     processes (spawn, not fork: a process forked after torch ran with two threads can hang in the
@@ -231,7 +238,7 @@ def _train_in_processes(units, make_model, train, val, test, config, measure, de
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     shares = [[(i, u) for i, u in enumerate(units) if i % processes == w] for w in range(processes)]
-    procs = [ctx.Process(target=_worker, args=(share, make_model, train, val, test, config, measure, desc, q, taus),
+    procs = [ctx.Process(target=_worker, args=(share, make_model, train, val, test, config, measure, desc, q, taus, monitor),
                          daemon=True) for share in shares if share]
     totals = [config(u[1][0]).steps for u in units]  # a stack runs at most its first config's steps
     out: dict[int, tuple] = {}

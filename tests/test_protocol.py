@@ -189,6 +189,31 @@ def test_train_grid_without_validation_keeps_histories_and_names_diverged_cells(
     P.raise_if_diverged(f.iloc[:1], "demo")  # nothing diverged: no error
 
 
+def test_train_grid_monitors_on_the_monitor_rows_and_measures_on_the_whole_validation_split():
+    """monitor: the logs and early stopping evaluate it (each logged val_loss is the loss on those rows),
+    the final val_* columns are measured on all of val (they differ from the monitor's); in two processes
+    the same numbers as in one."""
+    train, val, test = P.synthetic_demo(n=300)
+    watch = val.index(torch.arange(0, len(val), 3))
+    cells = P.grid(["adamw"], {"adamw": [0.05]}, [1, 10], [0])
+    hists, models = {}, {}
+    f = P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, histories_out=hists,
+                     models_out=models, monitor=watch)
+    for c, row in zip(cells, f.itertuples()):
+        m = models[c]
+        assert row.val_attn_relevant == pytest.approx(evaluate(m, val)["attn_relevant"])
+        assert row.val_attn_relevant != pytest.approx(evaluate(m, watch)["attn_relevant"])  # not the monitor's
+        last = hists[c].records[-1]
+        if hists[c].stop_step is None:  # trained to the end: the last log is of these weights
+            assert last["val_loss"] == pytest.approx(evaluate(m, watch)["loss"])
+    whole_h = {}
+    P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, histories_out=whole_h)
+    for c in cells:  # without a monitor the logs are on all of val
+        assert whole_h[c].records[-1]["val_loss"] != pytest.approx(hists[c].records[-1]["val_loss"])
+    two = P.train_grid(cells, _tiny_model, train, val, test, _tiny_config, _tiny_measure, processes=2, monitor=watch)
+    pd.testing.assert_frame_equal(f, two)
+
+
 def test_profile_cells_read_the_optimizer_and_rate_through_train_config():
     cells = P.profile_cells({"optimizer": "adamw", "eta_ov": 1e-3, "steps": 5}, [1, 10], [0, 1])
     assert cells == [P.Cell("adamw", 1e-3, r, s) for r in (1.0, 10.0) for s in (0, 1)]

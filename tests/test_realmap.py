@@ -10,6 +10,7 @@ import torch
 
 from qkov_lib import claims, profiles, rate_plane
 from qkov_lib.data import registry
+from qkov_lib.data.batch import Batch
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.studies import realmap as M
 
@@ -456,3 +457,21 @@ def test_curves_of_a_map_where_nothing_trained_are_empty_and_draw_nothing():
     res = M.analyse(t, 0.5, histories=hist)
     assert M.trained_curves(res).empty and M.plot_attention_curves(res) is None
     assert M.matched_loss_table(res).empty or "val loss" not in " ".join(M.matched_loss_table(res).index.get_level_values("at"))
+
+
+def test_the_monitor_is_evenly_spaced_validation_rows_or_all_of_them():
+    """monitor_rows: that many evenly spaced rows (the first and last among them), None or a number not
+    below the split's size: all rows (None); a bad value: a clear error. The chapter's phrase says which."""
+    n = 10
+    val = Batch(torch.arange(n)[:, None].repeat(1, 3), torch.ones(n, 3, dtype=torch.bool),
+                torch.zeros(n, 3, dtype=torch.bool), torch.arange(n))
+    watch = M.monitor_split(val, 4)
+    assert watch.y.tolist() == [0, 3, 6, 9] and M.monitor_text(val, 4) == "4 evenly spaced of the 10"
+    assert M.monitor_split(val, None) is None and M.monitor_split(val, 10) is None
+    assert M.monitor_text(val, None) == M.monitor_text(val, 50) == "all 10"
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="monitor_rows must be a positive integer or None"):
+            M.monitor_split(val, bad)
+    assert M.map_config("squad", "cpu")["monitor_rows"] == 512 and M.map_config("squad", "full")["monitor_rows"] is None
+    with pytest.raises(ValueError, match="monitor_rows"):
+        M.map_config("sva", "cpu", monitor_rows=0)
