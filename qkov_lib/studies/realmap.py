@@ -326,7 +326,8 @@ def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Ce
 def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.device | None = None,
             desc: str | None = None) -> MapResult:
     """Train the map of ``cfg`` (optimizers × their base rates × ratios × ``map_seeds``) on ``ds.train`` with
-    early stopping on ``val``, measure every run on ``val`` and ``ds.test``, and :func:`analyse` it."""
+    early stopping on ``val`` (on its :func:`monitor_split` rows when ``cfg["monitor_rows"]`` is set), measure
+    every run on the whole of ``val`` and on ``ds.test``, and :func:`analyse` it."""
     device = device or torch.device("cpu")
     cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
     watch = monitor_split(val, cfg.get("monitor_rows"))
