@@ -235,7 +235,7 @@ def measure(model: nn.Module, data: Batch, n_eraser: int, fracs: Sequence[float]
         s = summarize(attn[has], probs[has], data.relevant[has], data.y[has], [protocol.MAP_TAU])
         out.update({k: s[k] for k in protocol.phase_metrics() if k in s and k not in out})
     if n_eraser > 0:
-        idx = attention_analysis.spread(len(data), n_eraser).to(attn.device)
+        idx = spread(len(data), n_eraser).to(attn.device)
         out["sufficiency"] = float(fa.faithfulness(model, data.index(idx), attn[idx], fracs)["sufficiency"])
     return out
 
