@@ -9,6 +9,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from qkov_lib.metrics import seed_half_width
+
 FACE = "white"
 
 
@@ -64,10 +66,21 @@ def dtap_grid(hists: Mapping[tuple[str, float], np.ndarray], rows: Sequence[str]
     return fig
 
 
+def seed_band(values) -> tuple[float, float]:
+    """``(low, high)``: the mean of ``values`` (one per seed) minus and plus its 95% Student-t
+    half-width (:func:`qkov_lib.metrics.seed_half_width`); a single value is its own band. A
+    closed form, where seaborn's default bootstrap resamples every point of every curve a
+    thousand times."""
+    v = np.asarray(values, dtype=float)
+    mean, half = float(v.mean()), seed_half_width(v)
+    return (mean, mean) if not np.isfinite(half) else (mean - half, mean + half)
+
+
 def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style: str | None = None,
                     col_wrap: int | None = None, logx: bool = True) -> plt.Figure:
     """Line plots of ``metrics`` against ``step`` from a long history table (one line per
-    ``hue``/``style`` value, mean over the remaining columns such as seeds, with a band)."""
+    ``hue``/``style`` value, mean over the remaining columns such as seeds, with a band: the 95%
+    Student-t interval of that mean, :func:`seed_band`, the interval the book's verdicts use)."""
     setup()
     n = len(metrics)
     ncols = col_wrap or n
@@ -76,8 +89,7 @@ def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style:
     data = hist[hist["step"] > 0] if logx else hist
     for k, m in enumerate(metrics):
         ax = axes.flat[k]
-        sns.lineplot(data=data, x="step", y=m, hue=hue, style=style, ax=ax, errorbar=("ci", 95), seed=0,
-                     legend=(k == n - 1))
+        sns.lineplot(data=data, x="step", y=m, hue=hue, style=style, ax=ax, errorbar=seed_band, legend=(k == n - 1))
         if logx:
             ax.set_xscale("log")
         ax.set_title(m)

@@ -29,17 +29,20 @@ def test_training_curves_one_axis_per_metric():
     assert fig.axes[0].get_xscale() == "log"
 
 
-def test_training_curve_bands_are_the_same_in_every_build():
-    rng = np.random.default_rng(0)
-    hist = pd.DataFrame({"step": np.tile([1, 10, 100], 8), "loss": rng.random(24), "seed": np.repeat(range(8), 3),
-                         "ratio": 1})
-
-    def bands():
-        fig = plotting.training_curves(hist, ["loss"], hue="ratio")
-        return [p.get_paths()[0].vertices.copy() for p in fig.axes[0].collections]
-
-    a, b = bands(), bands()
-    assert a and all(np.array_equal(x, y) for x, y in zip(a, b))  # bootstrap intervals are seeded
+def test_training_curve_bands_are_the_seed_t_interval_of_the_mean():
+    # two seeds at each step: mean 0.5 and 3, t(0.975, 1 dof) = 12.706 times sd / sqrt(2)
+    hist = pd.DataFrame({"step": [1, 1, 10, 10], "loss": [0.4, 0.6, 2.0, 4.0], "seed": [0, 1, 0, 1], "ratio": 1})
+    fig = plotting.training_curves(hist, ["loss"], hue="ratio")
+    band = fig.axes[0].collections[0].get_paths()[0].vertices
+    t = 12.7062047
+    lows = {round(x): y for x, y in band[: len(band) // 2]}  # fill_between: the lower edge, then the upper
+    highs = {round(x): y for x, y in band[len(band) // 2:]}
+    assert min(lows[1], highs[1]) == pytest.approx(0.5 - t * 0.1, rel=1e-6)
+    assert max(lows[10], highs[10]) == pytest.approx(3.0 + t * 1.0, rel=1e-6)
+    assert plotting.seed_band([0.3]) == (0.3, 0.3)  # one seed: no interval, the line alone
+    a = plotting.seed_band([1.0, 2.0, 6.0])
+    assert a == pytest.approx((3.0 - 4.302653 * np.std([1, 2, 6], ddof=1) / np.sqrt(3),
+                               3.0 + 4.302653 * np.std([1, 2, 6], ddof=1) / np.sqrt(3)), rel=1e-6)
 
 
 def test_role_bars_stack_the_roles_per_ratio():
