@@ -240,7 +240,7 @@ def _page(root: Path, stem: str, params: str, body: str) -> None:
 
 def _run_book(root: Path, failing: bool = False) -> None:
     (root / "book").mkdir(parents=True)
-    stems = ["01_a", "02_wide", "03_b", "04_c", "08_summary"]
+    stems = ["01_a", "02_wide", "03_b", "04_c", "08_summary", "09_recap"]
     (root / "_toc.yml").write_text("format: jb-book\nroot: book/01_a\nchapters:\n"
                                    + "".join(f"  - file: book/{s}\n" for s in stems[1:]))
     _page(root, "01_a", "", "time.sleep(1.5)")
@@ -250,6 +250,7 @@ def _run_book(root: Path, failing: bool = False) -> None:
     _page(root, "08_summary", "results_dir = None",
           f"import pathlib\nseen = sorted(p.name for p in pathlib.Path({str(root / 'out')!r}).glob('*.json'))\n"
           f"open({str(root / 'seen')!r}, 'w').write(' '.join(seen))")
+    _page(root, "09_recap", "results_dir = None", "time.sleep(1.5)")
 
 
 def _events(root: Path) -> dict[tuple[str, str], tuple[float, int, int]]:
@@ -259,11 +260,17 @@ def _events(root: Path) -> dict[tuple[str, str], tuple[float, int, int]]:
             for n, w, t, k, g in (x.split() for x in (root / "log").read_text().splitlines())}
 
 
+def _first(lines: list[str], prefix: str) -> int:
+    """Index of the first of ``lines`` that starts with ``prefix``."""
+    return next(i for i, x in enumerate(lines) if x.startswith(prefix))
+
+
 def test_run_plan_orders_wide_pages_first_and_summaries_last(tmp_path: Path):
     _run_book(tmp_path)
     plan = bookrun.run_plan(tmp_path, jobs=2)
     assert [(p.name, p.slots, p.reads_others) for p in plan] == [
-        ("wide", 2, False), ("a", 1, False), ("b", 1, False), ("c", 1, False), ("summary", 1, True)]
+        ("wide", 2, False), ("a", 1, False), ("b", 1, False), ("c", 1, False), ("summary", 1, True),
+        ("recap", 1, True)]
     with pytest.raises(ValueError, match="jobs must be a positive integer"):
         bookrun.run_plan(tmp_path, jobs=0)
 
@@ -272,7 +279,7 @@ def test_run_book_runs_one_slot_pages_beside_the_wide_one_at_low_priority_and_su
     _run_book(tmp_path)
     lines: list[str] = []
     times = bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
-    assert set(times) == {"a", "wide", "b", "c", "summary"}
+    assert set(times) == {"a", "wide", "b", "c", "summary", "recap"}
     assert all(t["wall_s"] > 0 and t["cpu_s"] > 0 for t in times.values())
     ev = _events(tmp_path)
     span = {n: (ev[(n, "start")][0], ev[(n, "end")][0]) for n in times}
@@ -286,9 +293,13 @@ def test_run_book_runs_one_slot_pages_beside_the_wide_one_at_low_priority_and_su
     assert all(next(i for x, i in at.items() if x.startswith(f"[book] {n} started")) < wide_done for n in ("a", "b"))
     narrow = sorted(span[n] for n in ("a", "b", "c"))
     assert not (narrow[2][0] < narrow[0][1] and narrow[2][0] < narrow[1][1])
-    # the summary started after every other page ended, and saw all their results files
-    assert span["summary"][0] >= max(e for n, (_, e) in span.items() if n != "summary")
-    assert (tmp_path / "seen").read_text().split() == ["a.json", "b.json", "c.json", "wide.json"]
+    # the summaries started after every other page ended, beside each other (the second launched
+    # before the first was reaped), and saw all the other pages' results files
+    others_end = max(e for n, (_, e) in span.items() if n not in ("summary", "recap"))
+    assert min(span["summary"][0], span["recap"][0]) >= others_end and ev[("recap", "start")][1] == 0
+    assert _first(lines, "[book] recap started") < _first(lines, "[book] summary done")
+    seen = (tmp_path / "seen").read_text().split()
+    assert [x for x in seen if x != "recap.json"] == ["a.json", "b.json", "c.json", "wide.json"]
     assert (tmp_path / "out" / "summary.ipynb").is_file()
     assert json.loads((tmp_path / "book_times.json").read_text())["jobs"] == 2
     assert any(x.startswith("[book] b started at niceness") for x in lines)
@@ -296,7 +307,7 @@ def test_run_book_runs_one_slot_pages_beside_the_wide_one_at_low_priority_and_su
     (tmp_path / "log").unlink()
     bookrun.run_book(tmp_path, tmp_path / "out1", jobs=1, log=lambda _: None)
     ev1 = sorted(_events(tmp_path).items(), key=lambda kv: kv[1][0])
-    assert [k[1] for k, _ in ev1] == ["start", "end"] * 5 and {v[1:] for v in dict(ev1).values()} == {(0, 0)}
+    assert [k[1] for k, _ in ev1] == ["start", "end"] * 6 and {v[1:] for v in dict(ev1).values()} == {(0, 0)}
 
 
 def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
@@ -305,7 +316,7 @@ def test_run_book_runs_every_page_then_names_the_failures(tmp_path: Path):
         bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lambda _: None)
     assert list(e.value.failures) == ["b"]
     ended = {n for n, w in _events(tmp_path) if w == "end"}
-    assert ended == {"a", "wide", "c", "summary"}
+    assert ended == {"a", "wide", "c", "summary", "recap"}
     assert (tmp_path / "out" / "b.failed.json").is_file() and not (tmp_path / "out" / "b.json").exists()
     assert json.loads((tmp_path / "book_times.json").read_text())["failed"] == {"b": e.value.failures["b"]}
     assert "broken page" in (tmp_path / "book_logs" / "b.log").read_text()
@@ -315,11 +326,11 @@ def test_run_plan_starts_the_costliest_one_slot_page_first(tmp_path: Path):
     _run_book(tmp_path)
     plan = bookrun.run_plan(tmp_path, jobs=2, costs={"c": 10.0, "a": 5.0, "wide": 99.0, "summary": 99.0})
     # the wide page first and the summary last whatever their costs; b (no cost) after those with one
-    assert [p.name for p in plan] == ["wide", "c", "a", "b", "summary"]
+    assert [p.name for p in plan] == ["wide", "c", "a", "b", "summary", "recap"]
     times = tmp_path / "times.json"
     times.write_text(json.dumps({"pages": {"b": {"wall_s": 1.0, "cpu_s": 3.0}, "c": {"wall_s": 9.0, "cpu_s": 2.0}}}))
     assert bookrun.page_costs(times) == {"b": 3.0, "c": 2.0}
-    assert [p.name for p in bookrun.run_plan(tmp_path, 2, bookrun.page_costs(times))] == ["wide", "b", "c", "a", "summary"]
+    assert [p.name for p in bookrun.run_plan(tmp_path, 2, bookrun.page_costs(times))] == ["wide", "b", "c", "a", "summary", "recap"]
     times.write_text("{not json")
     assert bookrun.page_costs(times) == {} and bookrun.page_costs(tmp_path / "missing.json") == {}
     # the book's own measured times name every page and start its costliest one-slot page first
@@ -338,4 +349,4 @@ def test_run_book_orders_its_one_slot_pages_by_an_earlier_runs_times(tmp_path: P
     lines: list[str] = []
     bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
     starts = [x.split()[1] for x in lines if " started" in x]
-    assert starts == ["wide", "c", "b", "a", "summary"]
+    assert starts == ["wide", "c", "b", "a", "summary", "recap"]

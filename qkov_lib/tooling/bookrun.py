@@ -53,8 +53,7 @@ def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1, costs: Mapping[
     """The book's executable pages in the order :func:`run_book` starts them: first the pages that
     read no other page's results, those that take every slot first, in book order, then the one-slot
     pages, costliest first by ``costs`` (``{name: CPU seconds}``; pages without a cost after those
-    with one, in book order); then the pages that read the others' results, in book order, one at a
-    time. The one-slot pages run beside the training pages in the cores they leave, so the costliest
+    with one, in book order); then the pages that read the others' results, in book order. The one-slot pages run beside the training pages in the cores they leave, so the costliest
     must start first: started last, it runs alone on one core when the others have ended. ``jobs``:
     the processes the run may use at once, at least 1."""
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
@@ -104,8 +103,8 @@ def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None 
     and from the start the one-slot pages run beside them, up to ``jobs`` at once, at niceness
     :data:`BACKGROUND_NICE`: they use the cores a training page leaves idle and yield to it while it
     trains (their kernels lower their session's priority too, and run one torch thread). The pages that
-    read the others' results start only when all of those have ended, one
-    at a time. Every page runs even when an earlier one failed; then :class:`BookRunFailed` names
+    read the others' results start only when all of those have ended, up to
+    ``jobs`` at once, at normal priority. Every page runs even when an earlier one failed; then :class:`BookRunFailed` names
     every failure. ``log`` gets a line when a page starts and ends. Returns ``{name: {"wall_s",
     "cpu_s"}}`` (wall seconds; CPU seconds of the page's process and everything it ran) of the pages
     that succeeded, in the order they ended, also written to ``<out>/../book_times.json``."""
@@ -170,10 +169,14 @@ def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None 
                     launch(narrow.pop(0), BACKGROUND_NICE)
                     continue
                 reap()
-        for p in plan:
-            if p.reads_others:
-                launch(p, 0)
-                reap()
+        # the summaries read the other pages' results files, not each other's (a summary writes no
+        # claims, which is all they read), so they run beside one another
+        summaries = [p for p in plan if p.reads_others]
+        while summaries or running:
+            if summaries and len(running) < jobs:
+                launch(summaries.pop(0), 0)
+                continue
+            reap()
     finally:
         for _, proc, _ in running.values():  # interrupted: no page outlives the run
             proc.terminate()
