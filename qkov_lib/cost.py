@@ -144,8 +144,9 @@ def _part_seconds(part: Part, probe: Probe | None) -> float:
 
 # --- the work of each chapter -----------------------------------------------------------------
 def _synthetic(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
+    # the grid trains in the sweep's batched engine
     return [Part("grid", len(cfg["parameterizations"]) * len(cfg["ratios"]) * len(cfg["seeds"]), int(cfg["steps"]),
-                 "synthetic")]
+                 "sweep")]
 
 
 def _reduction(cfg: Mapping[str, Any], **_: Any) -> list[Part]:

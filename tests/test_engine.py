@@ -326,3 +326,19 @@ def test_loss_rises_count_steps_where_the_full_batch_loss_went_up():
     calm = S.run_grid(cfg, steps=300, eta_qk_max=cfg["eta_qk_stable"]).runs[0].test
     assert wild["eta_qk"] == 50.0 and wild["loss_rises"] > 0
     assert calm["eta_qk"] == cfg["eta_qk_stable"] and calm["steps"] == 3000 and calm["loss_rises"] == 0
+
+
+def test_sweep_grid_freezes_a_diverging_run_or_raises_and_names_its_training_set():
+    from qkov_lib.profiles import resolve
+    from qkov_lib.studies import synthetic as exp
+    from qkov_lib.studies import synthetic_sweeps
+
+    cfg = resolve(exp.PROFILES, "test", parameterizations=["FAFO"], ratios=[1.0], steps=15, eta_ov=1e6)
+    runs = synthetic_sweeps.run_grid(cfg).runs  # default: frozen and flagged, the sweep goes on
+    assert [r.test["diverged"] for r in runs] == [1.0]
+    with pytest.raises(NonFiniteError, match="at step"):
+        synthetic_sweeps.run_grid(cfg, on_nonfinite="raise")
+    ok = synthetic_sweeps.run_grid({**cfg, "eta_ov": 0.5}).runs
+    assert [r.train_set for r in ok] == ["exact population"]
+    sampled = synthetic_sweeps.run_grid({**cfg, "eta_ov": 0.5, "train_data": "sample", "n_train": 300}).runs
+    assert [r.train_set for r in sampled] == ["i.i.d. sample of 300"]

@@ -1,5 +1,7 @@
 """Chapter "The synthetic task and the four parameterizations": a grid of full-model runs
-(parameterization x eta_QK/eta_OV x seed) on the distinct/common-token task."""
+(parameterization x eta_QK/eta_OV x seed) on the distinct/common-token task, its tables and
+verdicts. The grid trains in the batched engine (:func:`qkov_lib.studies.synthetic_sweeps.run_grid`);
+:func:`train_one` is the same run through the one-model loop, which that engine is tested to equal."""
 
 from __future__ import annotations
 
@@ -12,12 +14,12 @@ import pandas as pd
 import torch
 
 from qkov_lib.data import synthetic as syn
-from qkov_lib import claims, protocol
+from qkov_lib import claims
 from qkov_lib.metrics import (DEFAULT_TAUS, circuit_scalars, confidence, dtap_distance, dtap_histogram, relevant_mass,
                        seed_half_width, summarize)
 from qkov_lib.models import PARAMETERIZATIONS, SyntheticModel
 from qkov_lib.metrics import tag_frame
-from qkov_lib.runtime import pick_device, seed_everything, torch_threads
+from qkov_lib.runtime import pick_device, seed_everything
 from qkov_lib.train import History, TrainConfig, predict, train
 
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
@@ -94,14 +96,6 @@ def train_one(task: syn.SyntheticTask, parameterization: str, ratio: float, seed
     test = summarize(attn, probs, test_data.relevant, test_data.y, DEFAULT_TAUS)
     a, c = relevant_mass(attn, test_data.relevant), confidence(probs, test_data.y)
     return Run(parameterization, float(ratio), seed, hist, test, dtap_histogram(a.cpu(), c.cpu()).numpy(), train_set)
-
-
-def run_grid(cfg: dict, device: torch.device | None = None) -> list[Run]:
-    """Train every (parameterization, ratio, seed) of ``cfg`` with a progress bar."""
-    task = task_of(cfg)
-    grid = list(itertools.product(cfg["parameterizations"], cfg["ratios"], cfg["seeds"]))
-    with torch_threads(1):  # tiny tensors: a second thread only adds spin-waiting
-        return protocol.run_each([(task, p, r, s, cfg, device) for p, r, s in grid], train_one, "synthetic grid")
 
 
 def runs_frame(runs: Iterable[Run]) -> pd.DataFrame:

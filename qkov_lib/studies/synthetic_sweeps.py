@@ -95,6 +95,12 @@ def variant_cfg(cfg: dict, variant: dict) -> dict:
     return out
 
 
+#: where the batched engine trains and evaluates every run of these grids (the chapters record it):
+#: the CPU, one thread. Each model has a few hundred parameters, so one stacked step of a whole grid
+#: costs milliseconds there; the engine has only been exercised on the CPU.
+DEVICE = torch.device("cpu")
+
+
 class _Builder:
     """Builds runs exactly as :func:`qkov_lib.studies.synthetic.train_one` does (seed ->
     embeddings -> training data -> init, all from one generator), caching per seed what does not
@@ -115,6 +121,12 @@ class _Builder:
             except ValueError:
                 return None
         return self._pop
+
+    def train_set(self) -> str:
+        """What the runs train on, in the words of :attr:`qkov_lib.studies.synthetic.Run.train_set`."""
+        if self.population_or_none() is not None:
+            return "exact population"
+        return f"i.i.d. sample of {self.cfg.get('n_train', 20000)}"
 
     def seed(self, seed: int) -> tuple[torch.Tensor, Batch, torch.Tensor, Batch]:
         """``(E, train data, generator state before the init, test data)`` of ``seed``."""
@@ -173,20 +185,21 @@ class Grid:
 
 
 def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch.Tensor, stop: float,
-         rates: tuple[float, int]) -> base.Run:
+         rates: tuple[float, int], train_set: str) -> base.Run:
     dt = dt.numpy()
     test = {**row, "weak_attn_confident": weak_attention_confident(dt),
             "diverged": float(h.diverged_step is not None), "stop_step": stop, "eta_ov": rates[0],
             "eta_qk": rates[0] * r, "steps": float(rates[1]), "loss_rises": float(h.loss_rises)}
-    return base.Run(p, r, s, h, test, dt)
+    return base.Run(p, r, s, h, test, dt, train_set)
 
 
 def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
              seeds: Sequence[int] | None = None, steps: int | None = None,
              matched_loss: float | Sequence[float] | None = None, desc: str = "sweep",
-             eta_qk_max: float | None = None) -> Grid:
+             eta_qk_max: float | None = None, on_nonfinite: str = "freeze") -> Grid:
     """Train every (parameterization, ratio, seed) with the batched engine and evaluate on each
-    seed's test sample. Diverging runs are frozen, not fatal. Each run's ``test`` dict has the
+    seed's test sample. Diverging runs are frozen, not fatal (``on_nonfinite="raise"``: the first
+    one raises :class:`~qkov_lib.train.NonFiniteError`, naming its step and group). Each run's ``test`` dict has the
     metrics of :func:`qkov_lib.train.evaluate` plus ``weak_attn_confident``, ``diverged`` (0/1),
     its rates and steps (``eta_ov``, ``eta_qk``, ``steps``: the profile's, or with ``eta_qk_max``
     those of :func:`qkov_lib.train.config.stable_rates`) and ``loss_rises`` (steps at which its full-batch training loss
@@ -211,12 +224,12 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
                 for i in idx]
         label = desc if len(set(rate.values())) == 1 else f"{desc}, eta_OV {eta:g} x {n} steps"
         for i, h in zip(idx, engine.train_batched([models[i] for i in idx], data, cfgs, probe=scalar_probe(b.task),
-                                                  snapshot_loss=matched_loss, on_nonfinite="freeze", progress=True,
+                                                  snapshot_loss=matched_loss, on_nonfinite=on_nonfinite, progress=True,
                                                   desc=f"{label} ({len(idx)} runs)")):
             hists[i] = h
     tests = [b.seed(s)[3] for _, _, s in grid]
     rows, dtaps = engine.evaluate_models(models, tests, TAUS)
-    runs = [_run(p, r, s, h, row, dt, float("nan"), rate[r])
+    runs = [_run(p, r, s, h, row, dt, float("nan"), rate[r], b.train_set())
             for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
     levels = [] if matched_loss is None else sorted({float(x) for x in (
         matched_loss if isinstance(matched_loss, (list, tuple)) else [matched_loss])}, reverse=True)
@@ -234,7 +247,8 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
             snap.append(ms)
         rows, dtaps = engine.evaluate_models(snap, tests, TAUS)
         matched[level] = [_run(p, r, s, h, row, dt, float(h.snapshots[level].step) if level in h.snapshots
-                               else float("nan"), rate[r]) for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
+                               else float("nan"), rate[r], b.train_set())
+                           for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
     return Grid(runs, matched)
 
 
