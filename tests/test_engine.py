@@ -342,3 +342,23 @@ def test_sweep_grid_freezes_a_diverging_run_or_raises_and_names_its_training_set
     assert [r.train_set for r in ok] == ["exact population"]
     sampled = synthetic_sweeps.run_grid({**cfg, "eta_ov": 0.5, "train_data": "sample", "n_train": 300}).runs
     assert [r.train_set for r in sampled] == ["i.i.d. sample of 300"]
+
+
+def test_per_model_probes_log_in_the_engine_what_they_log_in_the_loop():
+    from qkov_lib.studies.reduction import _probe
+
+    # FAFO has conserved quantities for both circuits, CACO for none: the probes' keys differ
+    names = ["FAFO", "CACO", "FACO"]
+    ref = [_model(n, s) for n, s in zip(names, (0, 1, 2))]
+    cfgs = [_cfg("gd", r, s) for r, s in zip((1.0, 10.0, 3.0), (0, 1, 2))]
+    data = syn.population(TASK)
+    ref_hists = [train(m, data, c, probe=_probe(TASK, m.E, 0.1, 0.1)) for m, c in zip(ref, cfgs)]
+    models = [_model(n, s) for n, s in zip(names, (0, 1, 2))]
+    probe = engine.per_model_probe(models, [_probe(TASK, m.E, 0.1, 0.1) for m in models])
+    hists = engine.train_batched(models, data, cfgs, probe=probe)
+    _assert_same(ref, ref_hists, models, hists)
+    for h, g in zip(ref_hists, hists):
+        assert set(g.frame().columns) == set(h.frame().columns)  # a key a probe lacks is not logged for it
+    assert "drift_qk" in hists[0].frame() and "drift_qk" not in hists[1].frame()
+    with pytest.raises(ValueError, match="2 probes for 3 models"):
+        engine.per_model_probe(models, [_probe(TASK, m.E, 0.1, 0.1) for m in models[:2]])

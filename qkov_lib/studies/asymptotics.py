@@ -17,10 +17,9 @@ from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.models import SyntheticModel
 from qkov_lib import claims as C
-from qkov_lib import protocol
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
-from qkov_lib.train import TrainConfig, train
+from qkov_lib.train import TrainConfig, engine
 from qkov_lib.studies.trajectory import at_levels
 from qkov_lib.studies.reduction import PARAMS, _fig, _probe, sizes_of, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
 
@@ -184,32 +183,38 @@ def line_check(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float], single_n: in
 def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
     """Full-model GD at ``eta_ov`` for every parameterization x ``full_ratios``: from the
     library's random balanced init (``init_scale``, one run per seed, as in the synthetic
-    chapter) and from the symmetric state ``(w0, q0)``; the final population metrics and scalars."""
+    chapter) and from the symmetric state ``(w0, q0)``; the final population metrics and scalars.
+    All runs train together in the batched engine (:func:`qkov_lib.train.engine.train_batched`,
+    tested to equal the one-model loop), each logged by the reduction chapter's probe."""
     task = task_of(cfg)
     data = syn.population(task)
+    grid = list(itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]]))
 
-    def one(p: str, r: float, init: str) -> dict:
+    def build(p: str, init: str) -> tuple[SyntheticModel, int]:
         E = syn.make_embeddings(task, dtype=torch.float64)
         if init == "symmetric":
             model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=0.0, dtype=torch.float64)
             model.attention.set_effective(*dy.symmetric_effective(cfg["w0"], cfg["q0"], task))
-            seed = 0
-        else:
-            seed = int(init.split()[1])
-            gen = seed_everything(seed)
-            model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=cfg["init_scale"],
-                                   generator=gen, dtype=torch.float64)
-        tc = TrainConfig.from_profile(cfg, optimizer="gd", ratio=r, steps=int(cfg["full_steps"]), seed=seed,
-                                      progress=False)
-        h = train(model, data, tc, probe=_probe(task, E, cfg["w0"], cfg["q0"]))
-        fin = h.final
-        return {"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
-                "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
-                "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"],
-                **{f"common@{lv:g}": c for lv, c in common_at_losses(h.frame(), T5_LOSSES).items()}}
+            return model, 0
+        seed = int(init.split()[1])
+        return SyntheticModel(E, task.n_classes, parameterization=p, init_scale=cfg["init_scale"],
+                              generator=seed_everything(seed), dtype=torch.float64), seed
 
-    grid = itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]])
-    return pd.DataFrame(protocol.run_each(grid, one, "full-model runs", progress))
+    built = [build(p, init) for p, _, init in grid]
+    models = [m for m, _ in built]
+    cfgs = [TrainConfig.from_profile(cfg, optimizer="gd", ratio=r, steps=int(cfg["full_steps"]), seed=seed, progress=False)
+            for (_, r, _), (_, seed) in zip(grid, built)]
+    probe = engine.per_model_probe(models, [_probe(task, m.E, cfg["w0"], cfg["q0"]) for m in models])
+    hists = engine.train_batched(models, data, cfgs, probe=probe, desc=f"full-model runs ({len(grid)})",
+                                 progress=progress)
+    rows = []
+    for (p, r, init), (_, seed), h in zip(grid, built, hists):
+        fin = h.final
+        rows.append({"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
+                     "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
+                     "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"],
+                     **{f"common@{lv:g}": c for lv, c in common_at_losses(h.frame(), T5_LOSSES).items()}})
+    return pd.DataFrame(rows)
 
 
 S2_NAMES = {"A": "the first summary (collapsed OV: CACO and FACO)", "B": "the second summary (CAFO and CACO)",

@@ -431,7 +431,33 @@ class EngineHistory(History):
 
 
 BatchedProbe = Callable[["Stack"], dict[str, Sequence[float]]]
-"""Called with the :class:`Stack` at each logged step; returns per-model values (length B)."""
+"""Called with the :class:`Stack` at each logged step; returns per-model values (length B; None:
+the model has no such value)."""
+
+
+def per_model_probe(models: Sequence[SyntheticModel],
+                    probes: Sequence[Callable[[SyntheticModel], dict[str, float]]]) -> BatchedProbe:
+    """A :data:`BatchedProbe` from the one-model probes :func:`qkov_lib.train.train` takes: at each
+    logged step model ``b``'s current stacked weights are copied into ``models[b]`` (the engine
+    writes the final ones back when training ends) and ``probes[b](models[b])`` gives its values;
+    a key that some probes do not return is None for their models, and their log records lack it,
+    as the loop's would. For probes that need the whole model, such as one that tracks conserved
+    quantities from the first logged step on."""
+    models, probes = list(models), list(probes)
+    if len(models) != len(probes):
+        raise ValueError(f"got {len(probes)} probes for {len(models)} models")
+
+    def probe(stack: Stack) -> dict[str, list[float | None]]:
+        values = []
+        for b, (m, p) in enumerate(zip(models, probes)):
+            with torch.no_grad():
+                for name, w in stack.weights_of(b).items():
+                    getattr(m.attention, name).copy_(w)
+            values.append(p(m))
+        keys = dict.fromkeys(k for v in values for k in v)
+        return {k: [None if k not in v else float(v[k]) for v in values] for k in keys}
+
+    return probe
 
 
 def _as_list(x, B: int, what: str) -> list:
@@ -535,7 +561,7 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
         out = {}
         for b in idx:
             rec = {"step": step, **{k: float(v[b]) for k, v in summ.items()}}
-            rec.update({k: float(v[b]) for k, v in extra.items()})
+            rec.update({k: float(v[b]) for k, v in extra.items() if v[b] is not None})  # None: no such value
             out[b] = rec
         return out
 
