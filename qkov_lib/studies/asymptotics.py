@@ -19,9 +19,9 @@ from qkov_lib.models import SyntheticModel
 from qkov_lib import claims as C
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
-from qkov_lib.train import TrainConfig, engine
+from qkov_lib.train import TrainConfig
 from qkov_lib.studies.trajectory import at_levels
-from qkov_lib.studies.reduction import PARAMS, _fig, _probe, sizes_of, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
+from qkov_lib.studies.reduction import PARAMS, _fig, probed_gd, sizes_of, symmetric_model, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
 
 # Chapter 03 (asymptotics): long ODE integrations, fits, S2 runs.
 PROFILES_ASYMPTOTICS: dict[str, dict] = {
@@ -184,36 +184,28 @@ def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
     """Full-model GD at ``eta_ov`` for every parameterization x ``full_ratios``: from the
     library's random balanced init (``init_scale``, one run per seed, as in the synthetic
     chapter) and from the symmetric state ``(w0, q0)``; the final population metrics and scalars.
-    All runs train together in the batched engine (:func:`qkov_lib.train.engine.train_batched`,
-    tested to equal the one-model loop), each logged by the reduction chapter's probe."""
+    All runs train together, logged by the reduction chapter's probe (:func:`~qkov_lib.studies.reduction.probed_gd`)."""
     task = task_of(cfg)
-    data = syn.population(task)
     grid = list(itertools.product(PARAMS, cfg["full_ratios"], ["symmetric"] + [f"random {s}" for s in cfg["full_seeds"]]))
 
     def build(p: str, init: str) -> tuple[SyntheticModel, int]:
-        E = syn.make_embeddings(task, dtype=torch.float64)
         if init == "symmetric":
-            model = SyntheticModel(E, task.n_classes, parameterization=p, init_scale=0.0, dtype=torch.float64)
-            model.attention.set_effective(*dy.symmetric_effective(cfg["w0"], cfg["q0"], task))
-            return model, 0
+            return symmetric_model(task, p, cfg["w0"], cfg["q0"]), 0
         seed = int(init.split()[1])
-        return SyntheticModel(E, task.n_classes, parameterization=p, init_scale=cfg["init_scale"],
-                              generator=seed_everything(seed), dtype=torch.float64), seed
+        return SyntheticModel(syn.make_embeddings(task, dtype=torch.float64), task.n_classes, parameterization=p,
+                              init_scale=cfg["init_scale"], generator=seed_everything(seed), dtype=torch.float64), seed
 
     built = [build(p, init) for p, _, init in grid]
-    models = [m for m, _ in built]
     cfgs = [TrainConfig.from_profile(cfg, optimizer="gd", ratio=r, steps=int(cfg["full_steps"]), seed=seed, progress=False)
             for (_, r, _), (_, seed) in zip(grid, built)]
-    probe = engine.per_model_probe(models, [_probe(task, m.E, cfg["w0"], cfg["q0"]) for m in models])
-    hists = engine.train_batched(models, data, cfgs, probe=probe, desc=f"full-model runs ({len(grid)})",
-                                 progress=progress)
+    frames = probed_gd([m for m, _ in built], cfgs, task, cfg["w0"], cfg["q0"])
     rows = []
-    for (p, r, init), (_, seed), h in zip(grid, built, hists):
-        fin = h.final
+    for (p, r, init), (_, seed), f in zip(grid, built, frames):
+        fin = f.iloc[-1]
         rows.append({"parameterization": p, "ratio": float(r), "init": "symmetric" if init == "symmetric" else "random",
                      "seed": seed, "loss": fin["loss"], "distinct": fin["attn_relevant"], "common": 1 - fin["attn_relevant"],
                      "ov": fin["ov"], "qk": fin["qk"], "off_subspace": fin["off_subspace"],
-                     **{f"common@{lv:g}": c for lv, c in common_at_losses(h.frame(), T5_LOSSES).items()}})
+                     **{f"common@{lv:g}": c for lv, c in common_at_losses(f, T5_LOSSES).items()}})
     return pd.DataFrame(rows)
 
 

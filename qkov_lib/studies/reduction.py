@@ -20,7 +20,7 @@ from qkov_lib import claims as C
 from qkov_lib import protocol
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
-from qkov_lib.train import TrainConfig, train
+from qkov_lib.train import TrainConfig, engine
 
 
 # Chapter 02 (reduction): machine checks. ``eta_max`` is the larger of the two learning rates
@@ -118,36 +118,67 @@ def _probe(task: syn.SyntheticTask, E: torch.Tensor, w0: float, q0: float):
     return probe
 
 
-def train_symmetric(task: syn.SyntheticTask, parameterization: str, w0: float, q0: float, eta_ov: float,
-                    ratio: float, steps: int, n_logs: int = 40) -> pd.DataFrame:
-    """Full-model gradient descent (``qkov_lib.train.train``, float64, exact population loss)
-    from the symmetric state ``(w0, q0)`` (balanced factors); one row per logged step with the
-    loss, attention on the distinct token, the scalars ``ov``/``qk``, the drift of the
-    conserved quantities and the distance from the symmetric subspace."""
+def probed_gd(models: Sequence[SyntheticModel], cfgs: Sequence[TrainConfig], task: syn.SyntheticTask, w0: float,
+              q0: float) -> list[pd.DataFrame]:
+    """Train ``models`` (one task, float64) on the exact population loss with their configs, all
+    together in the batched engine (:func:`qkov_lib.train.engine.train_batched`, tested to equal
+    :func:`qkov_lib.train.train` run one model at a time), each logged by :func:`_probe`. Returns
+    each model's history frame, in order."""
+    probe = engine.per_model_probe(models, [_probe(task, m.E, w0, q0) for m in models])
+    hists = engine.train_batched(models, syn.population(task), list(cfgs), probe=probe, progress=False)
+    return [h.frame() for h in hists]
+
+
+def symmetric_model(task: syn.SyntheticTask, parameterization: str, w0: float, q0: float) -> SyntheticModel:
+    """A float64 model of ``parameterization`` at the symmetric state ``(w0, q0)`` (balanced factors)."""
     E = syn.make_embeddings(task, dtype=torch.float64)
     model = SyntheticModel(E, task.n_classes, parameterization=parameterization, init_scale=0.0, dtype=torch.float64)
     model.attention.set_effective(*dy.symmetric_effective(w0, q0, task))
-    cfg = TrainConfig(optimizer="gd", eta_ov=eta_ov, ratio=float(ratio), steps=int(steps), n_logs=n_logs,
-                      progress=False)
-    hist = train(model, syn.population(task), cfg, probe=_probe(task, E, w0, q0))
-    f = hist.frame()
-    f.insert(0, "ratio", float(ratio))
-    f.insert(0, "parameterization", parameterization)
-    return f
+    return model
+
+
+def symmetric_runs(task: syn.SyntheticTask, runs: Sequence[tuple[str, float, float]], w0: float, q0: float,
+                   steps: int, n_logs: int = 40) -> list[pd.DataFrame]:
+    """Full-model gradient descent (float64, exact population loss) from the symmetric state
+    ``(w0, q0)`` for each ``(parameterization, eta_ov, ratio)`` of ``runs``, all trained together
+    (:func:`probed_gd`); per run one row per logged step with the loss, attention on the distinct
+    token, the scalars ``ov``/``qk``, the drift of the conserved quantities and the distance from the
+    symmetric subspace."""
+    models = [symmetric_model(task, p, w0, q0) for p, _, _ in runs]
+    cfgs = [TrainConfig(optimizer="gd", eta_ov=eta_ov, ratio=float(ratio), steps=int(steps), n_logs=n_logs,
+                        progress=False) for _, eta_ov, ratio in runs]
+    frames = probed_gd(models, cfgs, task, w0, q0)
+    for f, (p, _, ratio) in zip(frames, runs):
+        f.insert(0, "ratio", float(ratio))
+        f.insert(0, "parameterization", p)
+    return frames
+
+
+def train_symmetric(task: syn.SyntheticTask, parameterization: str, w0: float, q0: float, eta_ov: float,
+                    ratio: float, steps: int, n_logs: int = 40) -> pd.DataFrame:
+    """:func:`symmetric_runs` of one run."""
+    return symmetric_runs(task, [(parameterization, eta_ov, ratio)], w0, q0, steps, n_logs)[0]
+
+
+def with_ode(gd: pd.DataFrame, task: syn.SyntheticTask, w0: float, q0: float, eta_ov: float) -> pd.DataFrame:
+    """A :func:`symmetric_runs` frame of one run (its ``parameterization`` and ``ratio`` columns) next to
+    the reduced ODE at the same times (``t`` = step): adds ``w_ode``, ``q_ode``, ``distinct_ode``,
+    ``err_w``, ``err_q``."""
+    p, ratio = str(gd["parameterization"].iloc[0]), float(gd["ratio"].iloc[0])
+    t = gd["step"].to_numpy(dtype=float)
+    ode = dy.integrate(p, w0, q0, dy.Sizes.from_task(task), eta_ov, ratio, t_max=float(t.max()), t_eval=t)
+    gd["w_ode"], gd["q_ode"] = ode["w"].to_numpy(), ode["q"].to_numpy()
+    gd["distinct_ode"] = ode["distinct"].to_numpy()
+    gd["err_w"] = (gd["ov"] - gd["w_ode"]).abs()
+    gd["err_q"] = (gd["qk"] - gd["q_ode"]).abs()
+    return gd
 
 
 def overlay(task: syn.SyntheticTask, parameterization: str, w0: float, q0: float, eta_ov: float, ratio: float,
             steps: int, n_logs: int = 40) -> pd.DataFrame:
     """Full-model GD next to the reduced ODE at the same times (``t`` = step); columns of
     :func:`train_symmetric` plus ``w_ode``, ``q_ode``, ``err_w``, ``err_q``."""
-    gd = train_symmetric(task, parameterization, w0, q0, eta_ov, ratio, steps, n_logs)
-    ode = dy.integrate(parameterization, w0, q0, dy.Sizes.from_task(task), eta_ov, ratio, t_max=float(steps),
-                       t_eval=gd["step"].to_numpy(dtype=float))
-    gd["w_ode"], gd["q_ode"] = ode["w"].to_numpy(), ode["q"].to_numpy()
-    gd["distinct_ode"] = ode["distinct"].to_numpy()
-    gd["err_w"] = (gd["ov"] - gd["w_ode"]).abs()
-    gd["err_q"] = (gd["qk"] - gd["q_ode"]).abs()
-    return gd
+    return with_ode(train_symmetric(task, parameterization, w0, q0, eta_ov, ratio, steps, n_logs), task, w0, q0, eta_ov)
 
 
 def eta_ov_for(eta_max: float, ratio: float) -> float:
@@ -157,11 +188,12 @@ def eta_ov_for(eta_max: float, ratio: float) -> float:
 
 def overlay_grid(cfg: dict) -> pd.DataFrame:
     """:func:`overlay` for every parameterization and ratio of ``cfg``, each with its larger
-    learning rate equal to ``eta_max``."""
+    learning rate equal to ``eta_max``; the runs train together (:func:`symmetric_runs`)."""
     task = task_of(cfg)
-    parts = protocol.run_each([(task, p, cfg["w0"], cfg["q0"], eta_ov_for(cfg["eta_max"], r), r, cfg["steps"], cfg["n_logs"])
-                               for p, r in itertools.product(PARAMS, cfg["ratios"])], overlay, "ODE vs GD")
-    return pd.concat(parts, ignore_index=True)
+    runs = [(p, eta_ov_for(cfg["eta_max"], r), r) for p, r in itertools.product(PARAMS, cfg["ratios"])]
+    frames = symmetric_runs(task, runs, cfg["w0"], cfg["q0"], cfg["steps"], cfg["n_logs"])
+    return pd.concat([with_ode(f, task, cfg["w0"], cfg["q0"], eta) for f, (_, eta, _) in zip(frames, runs)],
+                     ignore_index=True)
 
 
 def step_convergence(cfg: dict, parameterization: str = "FAFO", ratio: float | None = None) -> pd.DataFrame:
@@ -189,7 +221,6 @@ def conservation_random(cfg: dict, parameterization: str = "FAFO", ratio: float 
     flow conserves them exactly; a GD step changes them by ``O(eta^2)``, so the total drift
     over a fixed horizon must shrink in proportion to the step."""
     task = task_of(cfg)
-    data = syn.population(task)
     horizon = cfg["steps"] * cfg["eta_max"]
 
     def one(eta: float) -> dict:
@@ -198,10 +229,11 @@ def conservation_random(cfg: dict, parameterization: str = "FAFO", ratio: float 
                                generator=seed_everything(cfg["seed"]), dtype=torch.float64)
         tc = TrainConfig.from_profile(cfg, optimizer="gd", eta_ov=eta_ov_for(eta, ratio), ratio=ratio,
                                       steps=int(round(horizon / eta)), progress=False)
-        f = train(model, data, tc, probe=_probe(task, E, cfg["w0"], cfg["q0"])).frame()
+        f = probed_gd([model], [tc], task, cfg["w0"], cfg["q0"])[0]
         return {"parameterization": parameterization, "eta_max": eta, "drift_qk": float(f["drift_qk"].max()),
                 "drift_ov": float(f["drift_ov"].max()), "final_loss": float(f["loss"].iloc[-1])}
 
+    # one run per step size: they differ in length, so each trains alone
     return pd.DataFrame(protocol.run_each([(eta,) for eta in cfg["etas_convergence"]], one, "conservation",
                                           progress=False))
 
