@@ -189,7 +189,7 @@ def _multilayer(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
     name = cfg["profile"]
     py, sva, one = (profiles.resolve(t, name) for t in (pythia.PROFILES, pythia.SVA_PROFILES, pythia.ONE_HEAD_PROFILES))
     return [Part("encoder grid", len(cfg["datasets"]) * len(cfg["ratios"]) * len(cfg["seeds"]), int(cfg["steps"]),
-                 "encoder"),
+                 "encoder", int(cfg.get("processes") or 1)),
             Part("Pythia-style grid", len(py["ratios"]) * len(py["seeds"]), int(py["steps"]), "pythia"),
             Part("Pythia-style SVA (Trainer)", len(sva["ratios"]) * len(sva["seeds"]), int(sva["steps"]), "pythia"),
             Part("one-head SVA", len(sva["ratios"]) * len(sva["seeds"]), int(one["steps"]), "encoder")]

@@ -92,12 +92,22 @@ def raise_if_diverged(frame: pd.DataFrame, what: str) -> None:
                            "lower eta_ov or the ratio")
 
 
-def run_each(settings: Iterable[tuple], train_one: Callable[..., Any], desc: str, progress: bool = True) -> list:
+def run_each(settings: Iterable[tuple], train_one: Callable[..., Any], desc: str, progress: bool = True,
+             processes: int = 1) -> list:
     """``[train_one(*s) for s in settings]`` in order, under one progress bar: the grid runner of
     the studies whose models train one at a time through :func:`qkov_lib.train.train` (their own
     parameter groups, batching or probes, which a stack cannot share). Grids of models that can
-    share a stack go through :func:`train_grid`."""
+    share a stack go through :func:`train_grid`.
+
+    ``processes`` > 1 runs the settings in that many spawned processes at once, each with one torch
+    thread (``train_one`` must be a module-level function and the settings must pickle); each run
+    seeds itself, so the results equal those of ``processes=1`` on one thread."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive integer, got {processes!r}")
     settings = list(settings)
+    if processes > 1 and len(settings) > 1:
+        return _in_processes([(train_one, *s) for s in settings], _call_reporting, processes, len(settings), desc, "run",
+                             progress)
     return [train_one(*s) for s in tqdm(settings, desc=desc, disable=not progress)]
 
 
@@ -200,60 +210,53 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
 _STEP_REPORT = 20  # a worker reports its progress every this many optimizer steps
 
 
-def _worker(units, make_model, train, val, test, config, measure, desc, queue, taus=(), monitor=None) -> None:
-    """One process of :func:`_train_in_processes`: train ``units`` (``(index, unit)`` pairs) on one
-    torch thread; send ``("step", n)`` progress, ``("unit", index, payload)`` per finished stack
-    (rows and models through :func:`torch.save`) or ``("error", text)``."""
+def _worker(jobs: list[tuple[int, tuple]], fn: Callable[..., Any], queue) -> None:
+    """One process of :func:`_in_processes`: ``fn(*args, report)`` for each ``(index, args)`` of
+    ``jobs`` on one torch thread, where ``report(n)`` sends ``("step", n)`` progress; sends
+    ``("done", index, payload)`` per finished job (its result through :func:`torch.save`) or
+    ``("error", text)``."""
     import io
     import traceback
 
     torch.set_num_threads(1)
     try:
-        for index, unit in units:
-            def report(step: int) -> None:
-                if (step + 1) % _STEP_REPORT == 0:
-                    queue.put(("step", _STEP_REPORT))
-
-            got = _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=report, taus=taus,
-                              monitor=monitor)
+        for index, args in jobs:
+            got = fn(*args, lambda n: queue.put(("step", n)))
             buf = io.BytesIO()
             torch.save(got, buf)
-            queue.put(("unit", index, buf.getvalue()))
+            queue.put(("done", index, buf.getvalue()))
     except BaseException:  # the parent raises it, with the worker's traceback
         queue.put(("error", traceback.format_exc()))
 
 
-def _train_in_processes(units, make_model, train, val, test, config, measure, desc: str, processes: int,
-                        taus: Sequence[float] = (), monitor: Batch | None = None,
-                        ) -> list[tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]]:
-    """:func:`_train_unit` of every unit, spread round-robin over ``processes`` spawned one-thread
-    processes (spawn, not fork: a process forked after torch ran with two threads can hang in the
-    OpenMP pool); one progress bar over all their steps, which ends full when stacks stop early."""
+def _in_processes(jobs: Sequence[tuple], fn: Callable[..., Any], processes: int, total: int, desc: str,
+                  unit: str, progress: bool = True) -> list:
+    """``[fn(*args, report) for args in jobs]``, in order, the jobs dealt round-robin over
+    ``processes`` spawned one-thread processes (spawn, not fork: a process forked after torch ran
+    with two threads can hang in the OpenMP pool). ``fn`` (module-level, as its arguments must pickle)
+    calls ``report(n)`` for ``n`` more of the ``total`` ``unit``s of the one progress bar, which ends
+    full when jobs report less (stacks that stop early). A failed job raises with the worker's traceback."""
     import io
     import multiprocessing as mp
     import queue as queue_mod
 
-    from tqdm.auto import tqdm
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    shares = [[(i, u) for i, u in enumerate(units) if i % processes == w] for w in range(processes)]
-    procs = [ctx.Process(target=_worker, args=(share, make_model, train, val, test, config, measure, desc, q, taus, monitor),
-                         daemon=True) for share in shares if share]
-    totals = [config(u[1][0]).steps for u in units]  # a stack runs at most its first config's steps
-    out: dict[int, tuple] = {}
-    bar = tqdm(total=sum(totals), desc=f"{desc} ({len(procs)} processes)", unit="step", mininterval=1.0)
+    shares = [[(i, a) for i, a in enumerate(jobs) if i % processes == w] for w in range(processes)]
+    procs = [ctx.Process(target=_worker, args=(share, fn, q), daemon=True) for share in shares if share]
+    out: dict[int, Any] = {}
+    bar = tqdm(total=total, desc=f"{desc} ({len(procs)} processes)", unit=unit, mininterval=1.0, disable=not progress)
     try:
         for p in procs:
             p.start()
-        while len(out) < len(units):
+        while len(out) < len(jobs):
             try:
                 msg = q.get(timeout=10)
             except queue_mod.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"a training process died with exit code {dead[0].exitcode} "
-                                       f"({len(out)} of {len(units)} stacks done)") from None
+                                       f"({len(out)} of {len(jobs)} done)") from None
                 continue
             if msg[0] == "error":
                 raise RuntimeError(f"a training process failed:\n{msg[1]}")
@@ -262,14 +265,42 @@ def _train_in_processes(units, make_model, train, val, test, config, measure, de
                 continue
             _, index, payload = msg
             out[index] = torch.load(io.BytesIO(payload), weights_only=False)
-        bar.update(bar.total - bar.n)  # stacks that stopped early: the bar ends full
+        bar.update(bar.total - bar.n)
     finally:
         bar.close()
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-    return [out[i] for i in range(len(units))]
+    return [out[i] for i in range(len(jobs))]
+
+
+def _train_unit_reporting(unit, make_model, train, val, test, config, measure, desc, taus, monitor, report):
+    """:func:`_train_unit` on one thread, reporting every :data:`_STEP_REPORT` optimizer steps."""
+    def on_step(step: int) -> None:
+        if (step + 1) % _STEP_REPORT == 0:
+            report(_STEP_REPORT)
+
+    return _train_unit(unit, make_model, train, val, test, config, measure, desc, 1, on_step=on_step, taus=taus,
+                       monitor=monitor)
+
+
+def _train_in_processes(units, make_model, train, val, test, config, measure, desc: str, processes: int,
+                        taus: Sequence[float] = (), monitor: Batch | None = None,
+                        ) -> list[tuple[list[dict], dict[Cell, nn.Module], dict[Cell, History]]]:
+    """:func:`_train_unit` of every unit in ``processes`` one-thread processes (:func:`_in_processes`);
+    the progress bar counts optimizer steps (a stack runs at most its first config's steps)."""
+    totals = [config(u[1][0]).steps for u in units]
+    return _in_processes([(u, make_model, train, val, test, config, measure, desc, taus, monitor) for u in units],
+                         _train_unit_reporting, processes, sum(totals), desc, "step")
+
+
+def _call_reporting(fn: Callable[..., Any], *args) -> Any:
+    """``fn(*args[:-1])``, then ``args[-1](1)``: one finished run for :func:`run_each`'s bar."""
+    *call, report = args
+    out = fn(*call)
+    report(1)
+    return out
 
 
 def trained(table: pd.DataFrame, chance: float, metric: str = "val_accuracy") -> pd.Series:

@@ -376,3 +376,26 @@ def test_phase_map_has_one_colour_bar_per_panel_and_labels_that_do_not_overlap()
         cell_w = ax.get_window_extent(renderer).width / len(ax.get_xticks())
         assert max(b.width for b in boxes) < cell_w, f"{ax.get_title()}: a label is wider than its cell"
     plt.close(fig)
+
+
+def _seeded_draw(seed: int, n: int) -> list[float]:
+    """A run that seeds itself; reports the torch threads it ran on last."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g, dtype=torch.float64).tolist() + [torch.get_num_threads()]
+
+
+def _fails_on_two(x: int) -> int:
+    if x == 2:
+        raise ValueError("two is a bad setting")
+    return x
+
+
+def test_run_each_in_two_processes_returns_every_run_in_order_each_on_one_thread():
+    settings = [(s, 3) for s in range(5)]
+    one = P.run_each(settings, _seeded_draw, "draws", progress=False)
+    two = P.run_each(settings, _seeded_draw, "draws", progress=False, processes=2)
+    assert [r[:-1] for r in two] == [r[:-1] for r in one] and {r[-1] for r in two} == {1}
+    with pytest.raises(RuntimeError, match="two is a bad setting"):
+        P.run_each([(1,), (2,), (3,)], _fails_on_two, "bad", progress=False, processes=2)
+    with pytest.raises(ValueError, match="processes must be a positive integer"):
+        P.run_each(settings, _seeded_draw, "draws", processes=0)

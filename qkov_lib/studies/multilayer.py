@@ -38,13 +38,13 @@ DELTA = claims.HEAD_DELTA  # a change of head attention smaller than this counts
 PROFILES: dict[str, dict] = {
     "test": dict(datasets=list(DATASETS), ratios=[1.0, 10.0, 100.0], seeds=[0], n_layers=2, n_heads=2,
                  d_model=16, dim_ff=32, steps=40, batch_size=32, eta_ov=1e-3, eta_other=None, weight_decay=0.01,
-                 n_train=300, n_test=200, max_len_sva=16, max_len_hatexplain=48, n_logs=4, n_monitor=128),
+                 n_train=300, n_test=200, max_len_sva=16, max_len_hatexplain=48, n_logs=4, n_monitor=128, processes=1),
     "cpu": dict(datasets=list(DATASETS), ratios=[1.0, 10.0, 100.0], seeds=[0, 1], n_layers=2, n_heads=4,
                 d_model=64, dim_ff=128, steps=800, batch_size=64, eta_ov=1e-4, eta_other=None, weight_decay=0.01,
-                n_train=None, n_test=None, max_len_sva=16, max_len_hatexplain=64, n_logs=8, n_monitor=256),
+                n_train=None, n_test=None, max_len_sva=16, max_len_hatexplain=64, n_logs=8, n_monitor=256, processes=2),
     "full": dict(datasets=list(DATASETS), ratios=[1.0, 10.0, 100.0], seeds=[0, 1, 2, 3, 4], n_layers=4, n_heads=8,
                  d_model=128, dim_ff=256, steps=6000, batch_size=128, eta_ov=1e-4, eta_other=None, weight_decay=0.01,
-                 n_train=None, n_test=None, max_len_sva=16, max_len_hatexplain=96, n_logs=20, n_monitor=1024),
+                 n_train=None, n_test=None, max_len_sva=16, max_len_hatexplain=96, n_logs=20, n_monitor=1024, processes=1),
 }
 
 
@@ -285,9 +285,14 @@ def load_data(cfg: dict, data_dir=None) -> dict:
 
 
 def run_grid(cfg: dict, datasets: dict, device: torch.device | None = None) -> list[Run]:
-    """Train every (dataset, ratio, seed) of ``cfg`` with a progress bar."""
+    """Train every (dataset, ratio, seed) of ``cfg`` with a progress bar; on a CPU in
+    ``cfg["processes"]`` one-thread processes at once (:func:`qkov_lib.protocol.run_each`: every run
+    seeds itself, so the runs are those of one process on one thread)."""
+    device = device or pick_device()
     grid = list(itertools.product(cfg["datasets"], cfg["ratios"], cfg["seeds"]))
-    return protocol.run_each([(datasets[d], d, r, s, cfg, device) for d, r, s in grid], train_one, "multi-layer grid")
+    processes = int(cfg.get("processes") or 1) if device.type == "cpu" else 1
+    return protocol.run_each([(datasets[d], d, r, s, cfg, device) for d, r, s in grid], train_one, "multi-layer grid",
+                             processes=processes)
 
 
 # --- tables ---------------------------------------------------------------------------------
