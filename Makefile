@@ -8,7 +8,7 @@ PROFILE ?= cpu
 DRY_RUN ?=
 DRY := $(if $(DRY_RUN),QKOV_DRY_RUN=$(DRY_RUN))
 DATA ?= $(abspath ../shared/data)
-# chapters executed at once by `make book` (a chapter whose map trains in several processes runs alone)
+# chapters executed at once by `make book` (a chapter that trains in several processes runs alone)
 JOBS ?= 2
 BIN := $(VENV)/bin
 export QKOV_DATA_DIR ?= $(DATA)

@@ -23,8 +23,8 @@ from qkov_lib.tooling.cache import REPO_ROOT, chapters
 @dataclass(frozen=True)
 class Page:
     """A chapter as :func:`run_book` schedules it: its source, the name its notebook and results
-    file get, the ``slots`` it takes (all of them for a chapter with a ``processes`` parameter: a map
-    trained in several processes, which runs alone) and whether it ``reads_others`` (a ``results_dir``
+    file get, the ``slots`` it takes (all of them for a chapter that trains in several processes
+    itself: one with a ``processes`` parameter) and whether it ``reads_others`` (a ``results_dir``
     parameter: it summarises the other chapters' results files, so it runs after all of them)."""
 
     src: Path
@@ -99,11 +99,10 @@ def run_book(root: str | os.PathLike = REPO_ROOT, out: str | os.PathLike | None 
     With ``jobs`` = 1 the pages run one at a time, in plan order (the one-slot pages costliest first
     by the CPU seconds of ``<out>/../book_times.json`` from an earlier run, else of
     ``<root>/``:data:`MEASURED_TIMES`). With more, the pages that take
-    every slot (the maps, trained in several processes) run one at a time at normal priority,
+    every slot (they train in several processes themselves) run one at a time at normal priority,
     and from the start the one-slot pages run beside them, up to ``jobs`` at once, at niceness
     :data:`BACKGROUND_NICE`: they use the cores a training page leaves idle and yield to it while it
-    trains (their kernels lower their session's priority too, and run one torch thread; processes a
-    one-slot page starts, such as the multi-layer chapter's two training processes, inherit both). The pages that
+    trains (their kernels lower their session's priority too, and run one torch thread). The pages that
     read the others' results start only when all of those have ended, up to
     ``jobs`` at once, at normal priority. Every page runs even when an earlier one failed; then :class:`BookRunFailed` names
     every failure. ``log`` gets a line when a page starts and ends. Returns ``{name: {"wall_s",
