@@ -362,3 +362,15 @@ def test_per_model_probes_log_in_the_engine_what_they_log_in_the_loop():
     assert "drift_qk" in hists[0].frame() and "drift_qk" not in hists[1].frame()
     with pytest.raises(ValueError, match="2 probes for 3 models"):
         engine.per_model_probe(models, [_probe(TASK, m.E, 0.1, 0.1) for m in models[:2]])
+
+
+def test_the_progress_bar_stays_on_screen_only_when_asked(capsys):
+    data = syn.population(TASK)
+
+    def last_frame(leave: bool) -> str:
+        engine.train_batched([_model("FAFO", 0)], data, [_cfg("gd", 1.0, 0, steps=12)], progress=True, leave=leave,
+                             desc="leave test")
+        return capsys.readouterr().err.rstrip("\n").split("\r")[-1]
+
+    assert "leave test" in last_frame(True) and "12/12" in last_frame(True)
+    assert last_frame(False).strip() == ""  # cleared: a sweep's many stacks leave no bars behind

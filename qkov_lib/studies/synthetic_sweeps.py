@@ -196,10 +196,11 @@ def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch
 def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
              seeds: Sequence[int] | None = None, steps: int | None = None,
              matched_loss: float | Sequence[float] | None = None, desc: str = "sweep",
-             eta_qk_max: float | None = None, on_nonfinite: str = "freeze") -> Grid:
+             eta_qk_max: float | None = None, on_nonfinite: str = "freeze", leave: bool = False) -> Grid:
     """Train every (parameterization, ratio, seed) with the batched engine and evaluate on each
     seed's test sample. Diverging runs are frozen, not fatal (``on_nonfinite="raise"``: the first
-    one raises :class:`~qkov_lib.train.NonFiniteError`, naming its step and group). Each run's ``test`` dict has the
+    one raises :class:`~qkov_lib.train.NonFiniteError`, naming its step and group; ``leave``: the
+    progress bars stay on screen). Each run's ``test`` dict has the
     metrics of :func:`qkov_lib.train.evaluate` plus ``weak_attn_confident``, ``diverged`` (0/1),
     its rates and steps (``eta_ov``, ``eta_qk``, ``steps``: the profile's, or with ``eta_qk_max``
     those of :func:`qkov_lib.train.config.stable_rates`) and ``loss_rises`` (steps at which its full-batch training loss
@@ -224,7 +225,7 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
                 for i in idx]
         label = desc if len(set(rate.values())) == 1 else f"{desc}, eta_OV {eta:g} x {n} steps"
         for i, h in zip(idx, engine.train_batched([models[i] for i in idx], data, cfgs, probe=scalar_probe(b.task),
-                                                  snapshot_loss=matched_loss, on_nonfinite=on_nonfinite, progress=True,
+                                                  snapshot_loss=matched_loss, on_nonfinite=on_nonfinite, progress=True, leave=leave,
                                                   desc=f"{label} ({len(idx)} runs)")):
             hists[i] = h
     tests = [b.seed(s)[3] for _, _, s in grid]

@@ -486,7 +486,7 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
                   cfgs: TrainConfig | Sequence[TrainConfig], probe: BatchedProbe | None = None,
                   stop_loss: float | None = None, on_nonfinite: str = "raise", desc: str = "batched",
                   progress: bool | None = None, threads: int | None = DEFAULT_THREADS,
-                  snapshot_loss: float | Sequence[float] | None = None) -> list[EngineHistory]:
+                  snapshot_loss: float | Sequence[float] | None = None, leave: bool = False) -> list[EngineHistory]:
     """Train ``models`` together, as :func:`qkov_lib.train.train` would train each one on
     its data (one shared :class:`Batch`, or one per model) with its config.
 
@@ -500,10 +500,12 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
     the loss first is ``<= level`` (:class:`Snapshot`, in ``EngineHistory.snapshots``) and
     trains on; ``on_nonfinite`` is ``"raise"`` (NonFiniteError, as
     ``train``) or ``"freeze"`` (the model stops, ``diverged_step`` is set, others go on);
-    ``threads`` sets torch's intra-op threads while training (see :func:`torch_threads`)."""
+    ``threads`` sets torch's intra-op threads while training (see :func:`torch_threads`); ``leave``
+    keeps the progress bar on screen once training ends (a chapter's one grid), where a sweep's many
+    stacks clear theirs."""
     with torch_threads(threads):
         return _train_batched(list(models), data, cfgs, probe, stop_loss, on_nonfinite, desc, progress,
-                              snapshot_loss)
+                              snapshot_loss, leave)
 
 
 def _check_target(name: str, value, full_batch: bool, many: bool = False) -> list[float]:
@@ -524,7 +526,7 @@ def _check_target(name: str, value, full_batch: bool, many: bool = False) -> lis
 
 
 def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, on_nonfinite, desc,
-                   progress, snapshot_loss=None) -> list[EngineHistory]:
+                   progress, snapshot_loss=None, leave: bool = False) -> list[EngineHistory]:
     B = len(models)
     cfgs = _as_list(cfgs, B, "configs")
     c0 = check_configs(cfgs, ("optimizer", "steps", "batch_size", "n_logs"))
@@ -590,7 +592,7 @@ def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, o
             hists[k].diverged_step = step
         active = active & ~bad
 
-    bar = tqdm(total=c0.steps, desc=desc, disable=not show, leave=False, mininterval=1.0)
+    bar = tqdm(total=c0.steps, desc=desc, disable=not show, leave=leave, mininterval=1.0)
     step = 0
     for step in range(c0.steps + 1):
         if step in logs:
