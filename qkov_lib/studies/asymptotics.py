@@ -198,7 +198,7 @@ def full_model_runs(cfg: dict, progress: bool = True) -> pd.DataFrame:
     built = [build(p, init) for p, _, init in grid]
     cfgs = [TrainConfig.from_profile(cfg, optimizer="gd", ratio=r, steps=int(cfg["full_steps"]), seed=seed, progress=False)
             for (_, r, _), (_, seed) in zip(grid, built)]
-    frames = probed_gd([m for m, _ in built], cfgs, task, cfg["w0"], cfg["q0"])
+    frames = probed_gd([m for m, _ in built], cfgs, task, cfg["w0"], cfg["q0"], progress, "full-model runs")
     rows = []
     for (p, r, init), (_, seed), f in zip(grid, built, frames):
         fin = f.iloc[-1]

@@ -119,13 +119,14 @@ def _probe(task: syn.SyntheticTask, E: torch.Tensor, w0: float, q0: float):
 
 
 def probed_gd(models: Sequence[SyntheticModel], cfgs: Sequence[TrainConfig], task: syn.SyntheticTask, w0: float,
-              q0: float) -> list[pd.DataFrame]:
+              q0: float, progress: bool = False, desc: str = "gradient descent") -> list[pd.DataFrame]:
     """Train ``models`` (one task, float64) on the exact population loss with their configs, all
     together in the batched engine (:func:`qkov_lib.train.engine.train_batched`, tested to equal
     :func:`qkov_lib.train.train` run one model at a time), each logged by :func:`_probe`. Returns
-    each model's history frame, in order."""
+    each model's history frame, in order; ``progress``: a progress bar ``desc``, left on screen."""
     probe = engine.per_model_probe(models, [_probe(task, m.E, w0, q0) for m in models])
-    hists = engine.train_batched(models, syn.population(task), list(cfgs), probe=probe, progress=False)
+    hists = engine.train_batched(models, syn.population(task), list(cfgs), probe=probe, progress=progress,
+                                 leave=progress, desc=f"{desc} ({len(models)} runs)")
     return [h.frame() for h in hists]
 
 
@@ -138,16 +139,16 @@ def symmetric_model(task: syn.SyntheticTask, parameterization: str, w0: float, q
 
 
 def symmetric_runs(task: syn.SyntheticTask, runs: Sequence[tuple[str, float, float]], w0: float, q0: float,
-                   steps: int, n_logs: int = 40) -> list[pd.DataFrame]:
+                   steps: int, n_logs: int = 40, progress: bool = False) -> list[pd.DataFrame]:
     """Full-model gradient descent (float64, exact population loss) from the symmetric state
     ``(w0, q0)`` for each ``(parameterization, eta_ov, ratio)`` of ``runs``, all trained together
     (:func:`probed_gd`); per run one row per logged step with the loss, attention on the distinct
     token, the scalars ``ov``/``qk``, the drift of the conserved quantities and the distance from the
-    symmetric subspace."""
+    symmetric subspace. ``progress``: a progress bar, left on screen."""
     models = [symmetric_model(task, p, w0, q0) for p, _, _ in runs]
     cfgs = [TrainConfig(optimizer="gd", eta_ov=eta_ov, ratio=float(ratio), steps=int(steps), n_logs=n_logs,
                         progress=False) for _, eta_ov, ratio in runs]
-    frames = probed_gd(models, cfgs, task, w0, q0)
+    frames = probed_gd(models, cfgs, task, w0, q0, progress, "ODE vs GD")
     for f, (p, _, ratio) in zip(frames, runs):
         f.insert(0, "ratio", float(ratio))
         f.insert(0, "parameterization", p)
@@ -191,7 +192,7 @@ def overlay_grid(cfg: dict) -> pd.DataFrame:
     learning rate equal to ``eta_max``; the runs train together (:func:`symmetric_runs`)."""
     task = task_of(cfg)
     runs = [(p, eta_ov_for(cfg["eta_max"], r), r) for p, r in itertools.product(PARAMS, cfg["ratios"])]
-    frames = symmetric_runs(task, runs, cfg["w0"], cfg["q0"], cfg["steps"], cfg["n_logs"])
+    frames = symmetric_runs(task, runs, cfg["w0"], cfg["q0"], cfg["steps"], cfg["n_logs"], progress=True)
     return pd.concat([with_ode(f, task, cfg["w0"], cfg["q0"], eta) for f, (_, eta, _) in zip(frames, runs)],
                      ignore_index=True)
 
