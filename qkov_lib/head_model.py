@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from qkov_lib.data import squad
 from qkov_lib.data.batch import Batch
-from qkov_lib.data.text import PAD_ID, TextDataset
+from qkov_lib.data.text import PAD_ID, TextDataset, real_lengths
 from qkov_lib.models import QKOVAttention
 
 ENCODERS = ("none", "conv", "bigru")
@@ -308,8 +308,7 @@ def predict_by_length(model: HeadModel, data: Batch, rows: int = 512) -> tuple[T
     if not isinstance(model, HeadModel):
         raise TypeError(f"predict_by_length needs a HeadModel (its output ignores left padding), got {type(model).__name__}")
     N, T = data.tokens.shape
-    lengths = T - (data.tokens != PAD_ID).int().argmax(1)  # from the first real token on (left padding)
-    lengths = torch.where((data.tokens != PAD_ID).any(1), lengths, torch.ones_like(lengths))
+    lengths = real_lengths(data.tokens)
     order = torch.argsort(lengths, stable=True)
     attn = torch.zeros(N, T, dtype=model.embed.weight.dtype, device=data.tokens.device)
     probs = None

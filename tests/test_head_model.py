@@ -101,6 +101,14 @@ def test_logits_are_the_readout_of_the_head_output_by_hand(readout, relative):
                 assert abs(float(logits[i, T - 1 - p] - full[i, b.tokens[i, p]])) < 1e-12
 
 
+def test_real_lengths_count_from_the_first_real_token():
+    from qkov_lib.data.text import real_lengths
+
+    tokens = torch.tensor([[0, 0, 5, 6], [0, 0, 0, 0], [3, 0, 4, 1], [0, 7, 0, 2]])
+    assert real_lengths(tokens).tolist() == [2, 1, 4, 3]  # a pad inside a row is kept; padding only: 1
+    assert real_lengths(tokens.view(2, 2, 4)).tolist() == [[2, 1], [4, 3]]  # per row of a stack
+
+
 @pytest.mark.parametrize("enc", ENCODERS, ids=lambda e: e["encoder"])
 @pytest.mark.parametrize("readout", ["words", "class"])
 def test_prediction_by_length_is_the_padded_prediction(enc, readout):

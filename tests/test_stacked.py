@@ -226,3 +226,59 @@ def test_attention_without_the_private_batched_check(monkeypatch):
             train(make()[0], Batch(tokens, bad, bad, data.y), cfgs[0])
     finally:
         runtime._batched_check.cache_clear()
+
+
+def _widths(monkeypatch) -> list[int]:
+    """Record the padded length of every batch the analysed-head models see."""
+    seen, forward = [], HeadModel.forward
+
+    def spy(self, tokens, key_mask, attention=None):
+        seen.append(tokens.shape[-1])
+        return forward(self, tokens, key_mask, attention)
+
+    monkeypatch.setattr(HeadModel, "forward", spy)
+    return seen
+
+
+def test_length_buckets_train_the_same_models_on_shorter_rows(monkeypatch):
+    """A model that ignores left padding trains to the same weights and logs (float64 rounding) when each
+    minibatch runs as groups of rows of similar length cut to their longest row, and its validation rows
+    are cut the same way; those groups are shorter than the padded length."""
+    cfgs = configs("adamw", eta_ov=0.005, log_every=10, log_subsample=None)
+    plain = [token_model("FAFO", c.seed, copy=True) for c in cfgs]
+    h_plain = train_stacked(plain, COPY_DATA, cfgs, val=copy_data(60, 1))
+    seen = _widths(monkeypatch)
+    bucketed = [token_model("FAFO", c.seed, copy=True) for c in cfgs]
+    h_bucketed = train_stacked(bucketed, COPY_DATA, [TrainConfig(**{**c.__dict__, "length_buckets": 3}) for c in cfgs],
+                               val=copy_data(60, 1))
+    assert min(seen) < T, "no group was cut shorter than the padded length"
+    for a, b, ha, hb in zip(plain, bucketed, h_plain, h_bucketed):
+        assert _param_diff(a, b) < 1e-10
+        assert [r["step"] for r in ha.records] == [r["step"] for r in hb.records]
+        for ra, rb in zip(ha.records, hb.records):
+            for k in ra:
+                assert rb[k] == pytest.approx(ra[k], abs=1e-10), k
+
+
+def test_predict_by_length_equals_padded_predict(monkeypatch):
+    from qkov_lib.train import loop
+
+    monkeypatch.setattr(loop, "EVAL_BUDGET", 3 * T * 6 * 10)  # chunks of 10 rows: the shortest are cut
+    stack = loop.ModelStack([token_model("FAFO", s, copy=True) for s in (0, 1, 2)])
+    data = copy_data(50, 2)
+    a, p = stack.predict(data)
+    seen = _widths(monkeypatch)
+    a2, p2 = stack.predict(data, by_length=True)
+    assert min(seen) < T
+    torch.testing.assert_close(p2, p, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a2, a, rtol=0, atol=1e-12)  # rows in their own order, zero on the padding
+
+
+def test_length_buckets_must_be_a_positive_integer_shared_by_a_stack():
+    c = configs("adamw")[0]
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="length_buckets"):
+            TrainConfig(**{**c.__dict__, "length_buckets": bad})
+    with pytest.raises(ValueError, match="differs from config 0 in 'length_buckets'"):
+        train_stacked([token_model("FAFO", 0, copy=True)] * 2, COPY_DATA,
+                      [c, TrainConfig(**{**c.__dict__, "length_buckets": 2})])

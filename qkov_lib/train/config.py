@@ -53,7 +53,13 @@ class TrainConfig:
     fixed random subsample of ``log_subsample`` training rows drawn with ``log_seed`` (None: all
     rows; 0: no training metrics). With validation data, ``patience`` stops a run once its
     validation loss has not improved for that many evaluations; ``restore_best`` then gives it
-    back the weights of its best evaluation."""
+    back the weights of its best evaluation.
+
+    ``length_buckets`` > 1 is for models whose output on a row does not depend on its left padding
+    (:class:`qkov_lib.head_model.HeadModel`): each minibatch is then run as that many groups of rows,
+    shortest first, each group cut to its longest row, and evaluations cut their rows the same way. The
+    loss and metrics are the same up to float rounding; the work follows the rows' real lengths, not the
+    padded length (on data whose rows are mostly much shorter than the longest)."""
 
     optimizer: str = "gd"
     eta_ov: float = 0.5
@@ -71,6 +77,7 @@ class TrainConfig:
     log_seed: int = 0
     patience: int | None = None
     restore_best: bool = True
+    length_buckets: int = 1
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -93,6 +100,8 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) or self.length_buckets < 1:
+            raise ValueError(f"length_buckets must be a positive integer, got {self.length_buckets!r}")
         if self.log_subsample is not None and (not isinstance(self.log_subsample, int) or self.log_subsample < 0):
             raise ValueError(f"log_subsample must be an integer >= 0 or None, got {self.log_subsample!r}")
 

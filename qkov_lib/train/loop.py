@@ -47,6 +47,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
 from qkov_lib.data.batch import Batch
+from qkov_lib.data.text import real_lengths
 from qkov_lib.metrics import DEFAULT_TAUS, summarize
 from qkov_lib.models import group_of, param_groups
 from qkov_lib.runtime import torch_threads
@@ -55,7 +56,8 @@ from qkov_lib.train.optim import StackedOptimizer, rates_of, stack_rates
 
 NONFINITE_MODES = ("raise", "freeze")
 # Configs of one stack must agree on these (they fix the step loop and the optimizer kind).
-SHARED_FIELDS = ("optimizer", "steps", "batch_size", "n_logs", "log_every", "log_subsample", "log_seed")
+SHARED_FIELDS = ("optimizer", "steps", "batch_size", "n_logs", "log_every", "log_subsample", "log_seed",
+                 "length_buckets")
 # Elements of the (models x rows x positions x width) activations per evaluation chunk.
 EVAL_BUDGET = 2**22
 
@@ -211,27 +213,73 @@ class ModelStack:
         return vmap(fn, in_dims=(0, 0, d, d))({**self.frozen, **self.params}, self.buffers, tokens, key_mask)
 
     @torch.no_grad()
-    def predict(self, data: Batch) -> tuple[Tensor, Tensor]:
+    def predict(self, data: Batch, by_length: bool = False) -> tuple[Tensor, Tensor]:
         """``(attention (B, N, ...), probabilities (B, N, C) float64)`` of every model on the
-        shared ``data``, in chunks that keep the activations small."""
+        shared ``data``, in chunks that keep the activations small. ``by_length`` (models that
+        ignore left padding; attention (B, N, T)): the rows shortest first, each chunk cut to its
+        longest row; rows come back in their own order, attention zero on the dropped columns."""
         N, T = data.tokens.shape
         width = max(p.shape[-1] for p in self.params.values())
         chunk = max(1, EVAL_BUDGET // (self.B * T * width))
-        attn, probs = [], []
+        if not by_length:
+            attn, probs = [], []
+            for i in range(0, N, chunk):
+                logits, a = self.forward(data.tokens[i:i + chunk], data.key_mask[i:i + chunk], shared=True)
+                attn.append(a)
+                probs.append(torch.softmax(logits.double(), -1))
+            return torch.cat(attn, 1), torch.cat(probs, 1)
+        lengths = real_lengths(data.tokens)
+        order = torch.argsort(lengths, stable=True)
+        attn = probs = None
         for i in range(0, N, chunk):
-            logits, a = self.forward(data.tokens[i:i + chunk], data.key_mask[i:i + chunk], shared=True)
-            attn.append(a)
-            probs.append(torch.softmax(logits.double(), -1))
-        return torch.cat(attn, 1), torch.cat(probs, 1)
+            idx = order[i:i + chunk]
+            t = int(lengths[idx].max())
+            logits, a = self.forward(data.tokens[idx, T - t:], data.key_mask[idx, T - t:], shared=True)
+            if attn is None:
+                attn = a.new_zeros(self.B, N, T)
+                probs = torch.empty(self.B, N, logits.shape[-1], dtype=torch.float64, device=logits.device)
+            attn[:, idx, T - t:] = a
+            probs[:, idx] = torch.softmax(logits.double(), -1)
+        return attn, probs
+
+
+def row_losses(logits: Tensor, y: Tensor) -> Tensor:
+    """Cross-entropy (B, n) of each row of ``logits`` (B, n, C) against ``y`` (B, n)."""
+    B, n, C = logits.shape
+    return F.cross_entropy(logits.reshape(B * n, C), y.reshape(B * n), reduction="none").view(B, n)
 
 
 def stacked_loss(logits: Tensor, y: Tensor, weight: Tensor | None) -> Tensor:
     """Per-model cross-entropy (B,) of ``logits`` (B, n, C) against ``y`` (B, n): a plain mean,
     or an expectation under ``weight`` (B, n) (population batches), as
     :func:`qkov_lib.train.loss_fn` per model."""
-    B, n, C = logits.shape
-    ce = F.cross_entropy(logits.reshape(B * n, C), y.reshape(B * n), reduction="none").view(B, n)
+    return _mean_loss(row_losses(logits, y), weight)
+
+
+def _mean_loss(ce: Tensor, weight: Tensor | None) -> Tensor:
     return ce.mean(1) if weight is None else (weight.to(ce.dtype) * ce).sum(1)
+
+
+def bucketed_loss(stack: ModelStack, tokens: Tensor, key_mask: Tensor, y: Tensor, weight: Tensor | None,
+                  buckets: int) -> Tensor:
+    """:func:`stacked_loss` of ``stack`` on per-model minibatches ``tokens``/``key_mask``/``y`` (B, n, T),
+    computed on ``buckets`` groups of each model's rows, shortest first, each group cut to the longest row
+    it holds in any model (for models that ignore left padding: the same loss up to float rounding). The
+    rows' losses are put back in their own order before the mean, so only the rows' own values round
+    differently."""
+    B, n, T = tokens.shape
+    lengths = real_lengths(tokens)
+    order = torch.argsort(lengths, dim=-1, stable=True)
+    size = -(-n // buckets)
+    parts = []
+    for i in range(0, n, size):
+        idx = order[:, i:i + size]
+        t = int(lengths.gather(1, idx).max())
+        cols = idx[..., None].expand(-1, -1, t)
+        logits, _ = stack.forward(tokens[..., T - t:].gather(1, cols), key_mask[..., T - t:].gather(1, cols), False)
+        parts.append(row_losses(logits, y.gather(1, idx)))
+    ce = torch.cat(parts, 1).gather(1, torch.argsort(order, dim=-1))
+    return _mean_loss(ce, weight)
 
 
 def _finite_rows(tensors: Mapping[str, Tensor | None], B: int) -> Tensor:
@@ -428,7 +476,7 @@ class _Trainer:
         """:func:`~qkov_lib.metrics.summarize` of every stacked model on ``data``; where only some
         rows have a relevant token, the attention metrics are over those rows (see
         :func:`train_stacked`)."""
-        attn, probs = self.stack.predict(data)
+        attn, probs = self.stack.predict(data, by_length=self.c0.length_buckets > 1)
         out = [summarize(attn[i], probs[i], data.relevant, data.y, self.taus, data.weight) for i in range(self.stack.B)]
         has = data.relevant.any(1)
         if bool(has.any()) and not bool(has.all()):
@@ -501,8 +549,11 @@ class _Trainer:
         st = self.stack
         tokens, key_mask, y, w, shared = self._minibatch()
         st.zero_grad()
-        logits, _ = st.forward(tokens, key_mask, shared)
-        loss = stacked_loss(logits, y, w)
+        if self.c0.length_buckets > 1 and not shared:
+            loss = bucketed_loss(st, tokens, key_mask, y, w, self.c0.length_buckets)
+        else:
+            logits, _ = st.forward(tokens, key_mask, shared)
+            loss = stacked_loss(logits, y, w)
         loss.sum().backward()
         loss = loss.detach()
         bad = ~torch.isfinite(loss)
