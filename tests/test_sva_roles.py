@@ -3,6 +3,7 @@ natural-prefix grid: roles worked out by hand on template sentences of different
 non-overlapping masks that cover exactly the keys, masses against direct sums, the seeded
 validation split, the natural-prefix grid's rows and determinism, and clear errors."""
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -164,3 +165,22 @@ def test_natural_grid_runs_and_is_deterministic():
     assert a[["best_step", "stop_step"]].equals(two[["best_step", "stop_step"]])
     with pytest.raises(ValueError, match="has no n_attractors"):
         sr.attractor_accuracy(sr.make_natural_model(ds, cfg, 0), type(ds)(**{**ds.__dict__, "test_info": {}}))
+
+
+def _natural_frame(acc1: list[float], acc10: list[float]) -> pd.DataFrame:
+    rows = [{"n_attractors": "all", "eta_ov": 1e-3, "ratio": r, "seed": s, "accuracy": a}
+            for r, accs in ((1.0, acc1), (10.0, acc10)) for s, a in enumerate(accs)]
+    return pd.DataFrame(rows)
+
+
+def test_natural_r1_reads_a_drop_at_one_base_rate_as_inconclusive():
+    from qkov_lib import claims
+
+    drop = _natural_frame([0.60, 0.62, 0.58, 0.61], [0.40, 0.43, 0.37, 0.41])  # -20 points, tight
+    d = claims.Change.of(np.array([-0.20, -0.19, -0.21, -0.20]))
+    assert claims.r1_performance_stable([d], [], ratios=[10.0]).verdict == "not reproduced"  # the plain rule
+    v = sr.natural_r1(drop)
+    assert v.verdict == "inconclusive" and "at one base rate (eta_OV 0.001) only" in v.reason
+    assert "-20.0 %" in v.reason and "several base rates" in v.rule
+    same = sr.natural_r1(_natural_frame([0.60, 0.62, 0.58, 0.61], [0.605, 0.622, 0.581, 0.612]))
+    assert same.verdict == "reproduced"  # a stable accuracy still reads as the claim holding
