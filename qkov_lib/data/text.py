@@ -33,6 +33,7 @@ PAD, UNK, QUERY = "<pad>", "<unk>", "<query>"
 SPECIALS: tuple[str, ...] = (PAD, UNK, QUERY)
 PAD_ID, UNK_ID, QUERY_ID = 0, 1, 2
 
+
 def real_lengths(tokens: torch.Tensor) -> torch.Tensor:
     """Per row of left-padded ``tokens`` (..., T): the number of columns from its first non-pad token to
     the end (the columns a model that ignores left padding needs), 1 for a row of padding only."""
