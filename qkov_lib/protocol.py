@@ -210,16 +210,17 @@ def _train_unit(unit: tuple[str, list[Cell]], make_model, train, val, test, conf
 _STEP_REPORT = 20  # a worker reports its progress every this many optimizer steps
 
 
-def _worker(jobs: list[tuple[int, tuple]], fn: Callable[..., Any], queue) -> None:
-    """One process of :func:`_in_processes`: ``fn(*args, report)`` for each ``(index, args)`` of
-    ``jobs`` on one torch thread, where ``report(n)`` sends ``("step", n)`` progress; sends
-    ``("done", index, payload)`` per finished job (its result through :func:`torch.save`) or
-    ``("error", text)``."""
+def _worker(path: str, queue) -> None:
+    """One process of :func:`_in_processes`: reads ``(jobs, fn)`` from the file ``path``, then runs
+    ``fn(*args, report)`` for each ``(index, args)`` of ``jobs`` on one torch thread, where
+    ``report(n)`` sends ``("step", n)`` progress; sends ``("done", index, payload)`` per finished job
+    (its result through :func:`torch.save`) or ``("error", text)``."""
     import io
     import traceback
 
     torch.set_num_threads(1)
     try:
+        jobs, fn = torch.load(path, weights_only=False)
         for index, args in jobs:
             got = fn(*args, lambda n: queue.put(("step", n)))
             buf = io.BytesIO()
@@ -238,12 +239,22 @@ def _in_processes(jobs: Sequence[tuple], fn: Callable[..., Any], processes: int,
     full when jobs report less (stacks that stop early). A failed job raises with the worker's traceback."""
     import io
     import multiprocessing as mp
+    import os
     import queue as queue_mod
+    import tempfile
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     shares = [[(i, a) for i, a in enumerate(jobs) if i % processes == w] for w in range(processes)]
-    procs = [ctx.Process(target=_worker, args=(share, fn, q), daemon=True) for share in shares if share]
+    # each worker reads its jobs from a file: passed as the process's arguments, a large pickle would be
+    # written into a pipe that only the started worker reads, and a worker that dies while starting (a
+    # script without an ``if __name__ == "__main__"`` guard) would leave this process blocked on it
+    tmp = tempfile.TemporaryDirectory(prefix="qkov-jobs-")
+    procs = []
+    for w, share in enumerate(s for s in shares if s):
+        path = os.path.join(tmp.name, f"worker{w}.pt")
+        torch.save((share, fn), path)
+        procs.append(ctx.Process(target=_worker, args=(path, q), daemon=True))
     out: dict[int, Any] = {}
     bar = tqdm(total=total, desc=f"{desc} ({len(procs)} processes)", unit=unit, mininterval=1.0, disable=not progress)
     try:
@@ -269,9 +280,12 @@ def _in_processes(jobs: Sequence[tuple], fn: Callable[..., Any], processes: int,
     finally:
         bar.close()
         for p in procs:
+            if p.pid is None:  # never started
+                continue
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+        tmp.cleanup()
     return [out[i] for i in range(len(jobs))]
 
 

@@ -399,3 +399,19 @@ def test_run_each_in_two_processes_returns_every_run_in_order_each_on_one_thread
         P.run_each([(1,), (2,), (3,)], _fails_on_two, "bad", progress=False, processes=2)
     with pytest.raises(ValueError, match="processes must be a positive integer"):
         P.run_each(settings, _seeded_draw, "draws", processes=0)
+
+
+def test_a_worker_that_dies_while_starting_is_an_error_not_a_hang(tmp_path):
+    """A script without an ``if __name__ == "__main__"`` guard: each spawned worker runs the script again
+    and dies while starting. With settings too large for a pipe's buffer (a list of 200,000 numbers,
+    about 1 MB pickled) the parent still reports the dead worker instead of waiting for it forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from qkov_lib import protocol\n"
+                      "big = list(range(200_000))\n"
+                      "print(protocol.run_each([(big,), (big,)], len, 'lengths', progress=False, processes=2))\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    assert "a training process died with exit code" in run.stderr, run.stderr[-2000:]
