@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import time
 
+from bench_map_engine import bench_config, cells  # the map cells that benchmark times (run from benchmarks/)
 from qkov_lib.studies import agreement_roles, realmap
 from qkov_lib.train import TrainConfig, train_stacked
 
@@ -34,17 +35,14 @@ def workload(name: str, n_models: int, steps: int, data_dir=None):
         cfg = agreement_roles.NATURAL_PROFILES["cpu"]
         ds = agreement_roles.load_natural(cfg, data_dir)
         train, val = agreement_roles.split_validation(ds.train, cfg["val_frac"], cfg["data_seed"])
-        cells = [(r, s // 2) for s, r in zip(range(n_models), [1.0, 10.0] * n_models)]
+        runs = [(10.0 if i % 2 else 1.0, i // 2) for i in range(n_models)]  # (ratio, seed)
         cfgs = [dataclasses.replace(agreement_roles.natural_train_config(cfg, r, s), steps=steps, log_every=half,
-                                    patience=None) for r, s in cells]
-        return (lambda: [agreement_roles.make_natural_model(ds, cfg, s) for _, s in cells]), train, val, cfgs
+                                    patience=None) for r, s in runs]
+        return (lambda: [agreement_roles.make_natural_model(ds, cfg, s) for _, s in runs]), train, val, cfgs
     cfg = realmap.map_config(name, "cpu")
     ds, val = realmap.load_splits(name, cfg, data_dir)
-    ratios = [float(r) for r in cfg["ratios"]]
-    from qkov_lib import protocol
-
-    grid = [protocol.Cell("adamw", float(cfg["adamw_rates"][0]), ratios[i % len(ratios)], i) for i in range(n_models)]
-    cfgs = [dataclasses.replace(realmap.cell_config(cfg, c), steps=steps, log_every=half, patience=None) for c in grid]
+    grid = cells(cfg, n_models)
+    cfgs = [dataclasses.replace(bench_config(cfg, c, steps), log_every=half) for c in grid]
     return (lambda: [realmap.make_model(ds, cfg, c.seed) for c in grid]), ds.train, val, cfgs
 
 

@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from qkov_lib.data import squad
 from qkov_lib.data.batch import Batch
-from qkov_lib.data.text import PAD_ID, TextDataset, real_lengths
+from qkov_lib.data.text import PAD_ID, TextDataset, length_groups
 from qkov_lib.models import QKOVAttention
 
 ENCODERS = ("none", "conv", "bigru")
@@ -308,13 +308,9 @@ def predict_by_length(model: HeadModel, data: Batch, rows: int = 512) -> tuple[T
     if not isinstance(model, HeadModel):
         raise TypeError(f"predict_by_length needs a HeadModel (its output ignores left padding), got {type(model).__name__}")
     N, T = data.tokens.shape
-    lengths = real_lengths(data.tokens)
-    order = torch.argsort(lengths, stable=True)
     attn = torch.zeros(N, T, dtype=model.embed.weight.dtype, device=data.tokens.device)
     probs = None
-    for i in range(0, N, rows):
-        idx = order[i:i + rows]
-        t = int(lengths[idx].max())
+    for idx, t in length_groups(data.tokens, rows):
         b = data.index(idx)
         a, p = predict(model, Batch(b.tokens[:, T - t:], b.key_mask[:, T - t:], b.relevant[:, T - t:], b.y, b.weight))
         attn[idx, T - t:] = a.to(attn.dtype)

@@ -237,10 +237,8 @@ def _in_processes(jobs: Sequence[tuple], fn: Callable[..., Any], processes: int,
     with two threads can hang in the OpenMP pool). ``fn`` (module-level, as its arguments must pickle)
     calls ``report(n)`` for ``n`` more of the ``total`` ``unit``s of the one progress bar, which ends
     full when jobs report less (stacks that stop early). A failed job raises with the worker's traceback."""
-    import io
     import multiprocessing as mp
     import os
-    import queue as queue_mod
     import tempfile
 
     ctx = mp.get_context("spawn")
@@ -249,25 +247,34 @@ def _in_processes(jobs: Sequence[tuple], fn: Callable[..., Any], processes: int,
     # each worker reads its jobs from a file: passed as the process's arguments, a large pickle would be
     # written into a pipe that only the started worker reads, and a worker that dies while starting (a
     # script without an ``if __name__ == "__main__"`` guard) would leave this process blocked on it
-    tmp = tempfile.TemporaryDirectory(prefix="qkov-jobs-")
-    procs = []
-    for w, share in enumerate(s for s in shares if s):
-        path = os.path.join(tmp.name, f"worker{w}.pt")
-        torch.save((share, fn), path)
-        procs.append(ctx.Process(target=_worker, args=(path, q), daemon=True))
+    with tempfile.TemporaryDirectory(prefix="qkov-jobs-") as tmp:
+        procs = []
+        for w, share in enumerate(s for s in shares if s):
+            path = os.path.join(tmp, f"worker{w}.pt")
+            torch.save((share, fn), path)
+            procs.append(ctx.Process(target=_worker, args=(path, q), daemon=True))
+        return _collect(procs, q, len(jobs), total, desc, unit, progress)
+
+
+def _collect(procs: list, q, n_jobs: int, total: int, desc: str, unit: str, progress: bool) -> list:
+    """Start ``procs`` (:func:`_worker`) and return their ``n_jobs`` results in job order, under one
+    progress bar; a worker's error, or a worker that died, raises RuntimeError."""
+    import io
+    import queue as queue_mod
+
     out: dict[int, Any] = {}
     bar = tqdm(total=total, desc=f"{desc} ({len(procs)} processes)", unit=unit, mininterval=1.0, disable=not progress)
     try:
         for p in procs:
             p.start()
-        while len(out) < len(jobs):
+        while len(out) < n_jobs:
             try:
                 msg = q.get(timeout=10)
             except queue_mod.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"a training process died with exit code {dead[0].exitcode} "
-                                       f"({len(out)} of {len(jobs)} done)") from None
+                                       f"({len(out)} of {n_jobs} done)") from None
                 continue
             if msg[0] == "error":
                 raise RuntimeError(f"a training process failed:\n{msg[1]}")
@@ -285,8 +292,7 @@ def _in_processes(jobs: Sequence[tuple], fn: Callable[..., Any], processes: int,
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
-        tmp.cleanup()
-    return [out[i] for i in range(len(jobs))]
+    return [out[i] for i in range(n_jobs)]
 
 
 def _train_unit_reporting(unit, make_model, train, val, test, config, measure, desc, taus, monitor, report):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,6 +40,16 @@ def real_lengths(tokens: torch.Tensor) -> torch.Tensor:
     real = tokens != PAD_ID
     T = tokens.shape[-1]
     return torch.where(real.any(-1), T - real.int().argmax(-1), torch.ones_like(tokens[..., 0]))
+
+
+def length_groups(tokens: torch.Tensor, rows: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """The rows of left-padded ``tokens`` (N, T) shortest first, ``rows`` at a time: per group its row
+    indices and ``t``, its longest row's :func:`real_lengths` (the group needs only the last ``t`` columns)."""
+    lengths = real_lengths(tokens)
+    order = torch.argsort(lengths, stable=True)
+    for i in range(0, len(order), rows):
+        idx = order[i:i + rows]
+        yield idx, int(lengths[idx].max())
 
 
 _WORD = re.compile(r"\w+|[^\w\s]", re.UNICODE)

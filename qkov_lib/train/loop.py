@@ -47,7 +47,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
 from qkov_lib.data.batch import Batch
-from qkov_lib.data.text import real_lengths
+from qkov_lib.data.text import length_groups, real_lengths
 from qkov_lib.metrics import DEFAULT_TAUS, summarize
 from qkov_lib.models import group_of, param_groups
 from qkov_lib.runtime import torch_threads
@@ -228,12 +228,8 @@ class ModelStack:
                 attn.append(a)
                 probs.append(torch.softmax(logits.double(), -1))
             return torch.cat(attn, 1), torch.cat(probs, 1)
-        lengths = real_lengths(data.tokens)
-        order = torch.argsort(lengths, stable=True)
         attn = probs = None
-        for i in range(0, N, chunk):
-            idx = order[i:i + chunk]
-            t = int(lengths[idx].max())
+        for idx, t in length_groups(data.tokens, chunk):
             logits, a = self.forward(data.tokens[idx, T - t:], data.key_mask[idx, T - t:], shared=True)
             if attn is None:
                 attn = a.new_zeros(self.B, N, T)
