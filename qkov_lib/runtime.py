@@ -1,5 +1,5 @@
-"""Where and how a run executes: device, torch threads, seeds, library versions, git commit, wall time,
-and whether a tensor is batched by ``torch.func.vmap``."""
+"""Where and how a run executes: device, torch threads, subnormal floats, seeds, library versions, git commit,
+wall time, and whether a tensor is batched by ``torch.func.vmap``."""
 
 from __future__ import annotations
 
@@ -40,6 +40,36 @@ def torch_threads(n: int | None) -> Iterator[None]:
     finally:
         if n is not None and torch.get_num_threads() != old:
             torch.set_num_threads(old)
+
+
+def flushing_denormals() -> bool:
+    """Whether this thread's CPU arithmetic flushes subnormal floats to zero: float32's smallest
+    normal number divided by 4 comes out as 0."""
+    return bool(torch.full((), torch.finfo(torch.float32).tiny).mul(0.25) == 0)
+
+
+@contextlib.contextmanager
+def flush_denormals(on: bool = True) -> Iterator[None]:
+    """Run the block with this thread's CPU arithmetic flushing subnormal floats to zero (``on``;
+    False: keeping them), then restore the previous mode.
+
+    Subnormals are the numbers below a dtype's smallest normal one (float32: 1.2e-38). A sharpened
+    attention row holds softmax weights that small, and on x86 every operation on such a number
+    takes a slow microcode path: an SVA map stack trained about 1.5 times slower per step once its
+    heads had sharpened (``benchmarks/bench_denormals.py``). Flushed, these weights count as 0, far
+    below the resolution of a row that sums to 1. The mode is per thread and CPU only: torch's other
+    intra-op threads and GPUs keep theirs; where the CPU has no such mode
+    (``torch.set_flush_denormal`` returns False) the block runs unchanged."""
+    if not isinstance(on, bool):
+        raise ValueError(f"flush_denormals takes True or False, got {on!r}")
+    old = flushing_denormals()
+    if on != old:
+        torch.set_flush_denormal(on)
+    try:
+        yield
+    finally:
+        if flushing_denormals() != old:
+            torch.set_flush_denormal(old)
 
 
 def seed_everything(seed: int) -> torch.Generator:

@@ -303,6 +303,25 @@ def test_thread_setting_is_restored():
     assert torch.get_num_threads() == old
 
 
+def test_the_batched_engine_trains_in_its_configs_flush_mode(monkeypatch):
+    """train_batched flushes subnormal floats while it trains when its configs say so (the default),
+    keeps them otherwise, and gives the caller's mode back."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    from qkov_lib import runtime
+
+    seen = []
+    real = engine.predict_bag
+    monkeypatch.setattr(engine, "predict_bag", lambda *a: seen.append(runtime.flushing_denormals()) or real(*a))
+    data = syn.population(TASK)
+    for flush in (True, False):
+        seen.clear()
+        engine.train_batched([_model("CACO", 0)], data, [_cfg("gd", 1.0, 0, steps=5, flush_denormals=flush)],
+                             progress=False)
+        assert seen and set(seen) == {flush}
+        assert not runtime.flushing_denormals()
+
+
 def test_a_grid_that_stops_early_finishes_its_progress_bar_saying_so(capsys):
     data = syn.population(TASK)
     ms = [_model("CACO", s) for s in (0, 1)]

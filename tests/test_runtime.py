@@ -1,5 +1,6 @@
 """qkov_lib.runtime.is_batched: torch.func.vmap's batched tensors are told from plain ones, and a
-torch without the private check answers None instead of failing."""
+torch without the private check answers None instead of failing. qkov_lib.runtime.flush_denormals:
+subnormal results become 0 inside the block, and the previous mode comes back after it."""
 
 import pytest
 import torch
@@ -48,3 +49,40 @@ def test_unknown_when_the_private_check_is_missing_or_changed(broken, monkeypatc
     assert is_batched(torch.zeros(3)) is None
     assert _inside_vmap() == [(None, None)]
     assert runtime._batched_check.cache_info().misses == 1  # probed once
+
+
+TINY = torch.finfo(torch.float32).tiny  # float32's smallest normal number
+
+
+def _quarter_tiny() -> float:
+    """TINY / 4 as this thread's CPU computes it: a subnormal float32, or 0 when flushed."""
+    return float(torch.full((), TINY).mul(0.25))
+
+
+@pytest.fixture
+def flush_supported():
+    if not torch.set_flush_denormal(False):  # also the default mode, which the tests start from
+        pytest.skip("this CPU cannot flush subnormal floats")
+
+
+def test_flush_denormals_zeroes_subnormal_results_and_restores_the_mode(flush_supported):
+    assert _quarter_tiny() == pytest.approx(TINY / 4, rel=1e-6) and not runtime.flushing_denormals()
+    with runtime.flush_denormals():
+        assert _quarter_tiny() == 0.0 and runtime.flushing_denormals()
+        assert float(torch.full((), TINY).mul(4.0)) == pytest.approx(4 * TINY, rel=1e-6)  # normal numbers unchanged
+        with runtime.flush_denormals(False):  # nested: kept inside, flushed again after
+            assert _quarter_tiny() > 0
+        assert _quarter_tiny() == 0.0
+    assert _quarter_tiny() > 0 and not runtime.flushing_denormals()
+
+
+def test_flush_denormals_restores_the_mode_after_an_error_and_refuses_a_non_bool(flush_supported):
+    with pytest.raises(RuntimeError, match="inside"):
+        with runtime.flush_denormals():
+            raise RuntimeError("inside")
+    assert not runtime.flushing_denormals()
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="True or False"):
+            with runtime.flush_denormals(bad):
+                pass
+    assert not runtime.flushing_denormals()

@@ -282,3 +282,22 @@ def test_length_buckets_must_be_a_positive_integer_shared_by_a_stack():
     with pytest.raises(ValueError, match="differs from config 0 in 'length_buckets'"):
         train_stacked([token_model("FAFO", 0, copy=True)] * 2, COPY_DATA,
                       [c, TrainConfig(**{**c.__dict__, "length_buckets": 2})])
+
+
+def test_a_stack_trains_in_its_configs_flush_mode_and_restores_the_callers():
+    """Every optimizer step runs with subnormal floats flushed by default (``TrainConfig.flush_denormals``)
+    or kept when the configs say so; the caller's mode is back afterwards; a stack's configs must agree."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormal floats")
+    for flush in (True, False):
+        seen = []
+        cfgs = [TrainConfig(**{**c.__dict__, "flush_denormals": flush}) for c in configs("adamw", steps=5)]
+        train_stacked([token_model("FAFO", c.seed) for c in cfgs], DATA, cfgs,
+                      on_step=lambda s: seen.append(runtime.flushing_denormals()))
+        assert seen == [flush] * 5
+        assert not runtime.flushing_denormals()
+    c = configs("adamw")[0]
+    with pytest.raises(ValueError, match="flush_denormals must be True or False"):
+        TrainConfig(**{**c.__dict__, "flush_denormals": 1})
+    with pytest.raises(ValueError, match="differs from config 0 in 'flush_denormals'"):
+        train_stacked([token_model("FAFO", 0)] * 2, DATA, [c, TrainConfig(**{**c.__dict__, "flush_denormals": False})])

@@ -59,7 +59,11 @@ class TrainConfig:
     (:class:`qkov_lib.head_model.HeadModel`): each minibatch is then run as that many groups of rows,
     shortest first, each group cut to its longest row, and evaluations cut their rows the same way. The
     loss and metrics are the same up to float rounding; the work follows the rows' real lengths, not the
-    padded length (on data whose rows are mostly much shorter than the longest)."""
+    padded length (on data whose rows are mostly much shorter than the longest).
+
+    ``flush_denormals`` (default True) trains with the CPU flushing subnormal floats to zero
+    (:func:`qkov_lib.runtime.flush_denormals`): sharp attention rows otherwise hold softmax weights below
+    float32's smallest normal number, whose arithmetic is many times slower on x86."""
 
     optimizer: str = "gd"
     eta_ov: float = 0.5
@@ -78,6 +82,7 @@ class TrainConfig:
     patience: int | None = None
     restore_best: bool = True
     length_buckets: int = 1
+    flush_denormals: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -102,6 +107,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         if isinstance(self.length_buckets, bool) or not isinstance(self.length_buckets, int) or self.length_buckets < 1:
             raise ValueError(f"length_buckets must be a positive integer, got {self.length_buckets!r}")
+        if not isinstance(self.flush_denormals, bool):
+            raise ValueError(f"flush_denormals must be True or False, got {self.flush_denormals!r}")
         if self.log_subsample is not None and (not isinstance(self.log_subsample, int) or self.log_subsample < 0):
             raise ValueError(f"log_subsample must be an integer >= 0 or None, got {self.log_subsample!r}")
 

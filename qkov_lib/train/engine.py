@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from qkov_lib.data.batch import Batch
 from qkov_lib.metrics import DEFAULT_TAUS, FOCUS_CELLS, dtap_histogram, instance_means
 from qkov_lib.models import SyntheticModel, group_of, param_groups
-from qkov_lib.runtime import torch_threads  # noqa: F401  (re-exported: engine.torch_threads)
+from qkov_lib.runtime import flush_denormals, torch_threads  # noqa: F401  (torch_threads re-exported: engine.torch_threads)
 from qkov_lib.train import History, NonFiniteError, TrainConfig, log_steps
 from qkov_lib.train.loop import NONFINITE_MODES, check_configs, finish_bar
 from qkov_lib.train.optim import StackedOptimizer, rates_of, stack_rates
@@ -503,8 +503,11 @@ def train_batched(models: Sequence[SyntheticModel], data: Batch | Sequence[Batch
     ``threads`` sets torch's intra-op threads while training (see :func:`torch_threads`); ``leave``
     keeps the progress bar on screen once training ends (a chapter's one grid), where a sweep's many
     stacks clear theirs."""
-    with torch_threads(threads):
-        return _train_batched(list(models), data, cfgs, probe, stop_loss, on_nonfinite, desc, progress,
+    models = list(models)
+    cfgs = _as_list(cfgs, len(models), "configs")
+    c0 = check_configs(cfgs, ("optimizer", "steps", "batch_size", "n_logs", "flush_denormals"))
+    with torch_threads(threads), flush_denormals(c0.flush_denormals):
+        return _train_batched(models, data, cfgs, c0, probe, stop_loss, on_nonfinite, desc, progress,
                               snapshot_loss, leave)
 
 
@@ -525,11 +528,9 @@ def _check_target(name: str, value, full_batch: bool, many: bool = False) -> lis
     return sorted({float(v) for v in values}, reverse=True)
 
 
-def _train_batched(models: list[SyntheticModel], data, cfgs, probe, stop_loss, on_nonfinite, desc,
-                   progress, snapshot_loss=None, leave: bool = False) -> list[EngineHistory]:
+def _train_batched(models: list[SyntheticModel], data, cfgs: list[TrainConfig], c0: TrainConfig, probe, stop_loss,
+                   on_nonfinite, desc, progress, snapshot_loss=None, leave: bool = False) -> list[EngineHistory]:
     B = len(models)
-    cfgs = _as_list(cfgs, B, "configs")
-    c0 = check_configs(cfgs, ("optimizer", "steps", "batch_size", "n_logs"))
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
     stack = Stack(models)

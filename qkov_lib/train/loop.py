@@ -50,14 +50,14 @@ from qkov_lib.data.batch import Batch
 from qkov_lib.data.text import length_groups, real_lengths
 from qkov_lib.metrics import DEFAULT_TAUS, summarize
 from qkov_lib.models import group_of, param_groups
-from qkov_lib.runtime import torch_threads
+from qkov_lib.runtime import flush_denormals, torch_threads
 from qkov_lib.train.config import History, NonFiniteError, Probe, TrainConfig, log_schedule
 from qkov_lib.train.optim import StackedOptimizer, rates_of, stack_rates
 
 NONFINITE_MODES = ("raise", "freeze")
 # Configs of one stack must agree on these (they fix the step loop and the optimizer kind).
 SHARED_FIELDS = ("optimizer", "steps", "batch_size", "n_logs", "log_every", "log_subsample", "log_seed",
-                 "length_buckets")
+                 "length_buckets", "flush_denormals")
 # Elements of the (models x rows x positions x width) activations per evaluation chunk.
 EVAL_BUDGET = 2**22
 
@@ -390,7 +390,7 @@ def train_stacked(models: Sequence[nn.Module], data: Batch, cfgs: TrainConfig | 
         raise ValueError("patience (early stopping on validation loss) needs validation data: pass val=")
     taus = tuple(float(t) for t in taus)  # one outside [0, 1] fails at the first log step (step 0)
     retain_freed_memory()
-    with torch_threads(threads):
+    with torch_threads(threads), flush_denormals(c0.flush_denormals):
         return _Trainer(models, data, cfgs, c0, probe, val, on_nonfinite, groups, batches, prepare, taus).run(
             desc, c0.progress if progress is None else progress, on_step)
 
