@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench_length_buckets import workload  # the workloads that benchmark times (run from benchmarks/)
+from bench_length_buckets import warmed_workload  # the workloads that benchmark times (run from benchmarks/)
 from qkov_lib.train import predict, train_stacked
 
 
@@ -38,10 +38,7 @@ def subnormal_share(attn: torch.Tensor) -> float:
 def bench(name: str, n_models: int, steps: int, window: int, order: list[bool]) -> list[dict]:
     """One row per flush setting: ms per step over the first and last ``window`` steps and the whole run,
     the first model's subnormal attention share and last validation loss."""
-    make, train, val, cfgs = workload(name, n_models, steps)
-    warm = make()[:2]  # the first call's one-off costs land outside the clocks
-    train_stacked(warm, train, [dataclasses.replace(c, steps=1, log_every=None) for c in cfgs[:2]], progress=False,
-                  threads=1)
+    make, train, val, cfgs = warmed_workload(name, n_models, steps)
     rows = []
     for flush in order:
         models = make()

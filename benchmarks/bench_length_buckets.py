@@ -46,12 +46,18 @@ def workload(name: str, n_models: int, steps: int, data_dir=None):
     return (lambda: [realmap.make_model(ds, cfg, c.seed) for c in grid]), ds.train, val, cfgs
 
 
+def warmed_workload(name: str, n_models: int, steps: int, data_dir=None):
+    """:func:`workload`, after one untimed step of two of its models: the first call's one-off costs
+    land outside the clocks."""
+    make, train, val, cfgs = workload(name, n_models, steps, data_dir)
+    train_stacked(make()[:2], train, [dataclasses.replace(c, steps=1, log_every=None) for c in cfgs[:2]],
+                  progress=False, threads=1)
+    return make, train, val, cfgs
+
+
 def bench(name: str, n_models: int, steps: int, buckets: list[int]) -> list[dict]:
     """One row per bucket count: ms per stacked step and the first model's last validation loss."""
-    make, train, val, cfgs = workload(name, n_models, steps)
-    warm = make()[:2]  # the first call's one-off costs land outside the clocks
-    train_stacked(warm, train, [dataclasses.replace(c, steps=1, log_every=None) for c in cfgs[:2]], progress=False,
-                  threads=1)
+    make, train, val, cfgs = warmed_workload(name, n_models, steps)
     rows = []
     for k in buckets:
         models, run = make(), [TrainConfig(**{**c.__dict__, "length_buckets": k}) for c in cfgs]
