@@ -21,8 +21,8 @@ $(BIN)/activate: requirements.txt requirements-nodeps.txt pyproject.toml
 	$(BIN)/pip install --quiet --no-compile -r requirements.txt
 	$(BIN)/pip install --quiet --no-compile --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install --quiet --no-deps -e .
-	@# pip byte-compiles what it installs one file at a time; compileall does it on every core (about half
-	@# the set-up's time on 2 cores). Like pip, it skips the few files that need a newer Python (torch's test helpers)
+	@# pip byte-compiles what it installs one file at a time (about half of the set-up's time here); compileall
+	@# does it on every core. Like pip, it skips the few files that need a newer Python (torch's test helpers)
 	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $(BIN)/activate

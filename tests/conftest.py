@@ -20,3 +20,10 @@ def _deterministic_threads():
 
 def pytest_report_header(config):
     return f"torch threads per test: {TEST_THREADS} (QKOV_TEST_THREADS)"
+
+
+@pytest.fixture
+def flush_supported():
+    """Skip where the CPU cannot flush subnormal floats; else start the test in the default mode (kept)."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush subnormal floats")

@@ -303,11 +303,9 @@ def test_thread_setting_is_restored():
     assert torch.get_num_threads() == old
 
 
-def test_the_batched_engine_trains_in_its_configs_flush_mode(monkeypatch):
+def test_the_batched_engine_trains_in_its_configs_flush_mode(monkeypatch, flush_supported):
     """train_batched flushes subnormal floats while it trains when its configs say so (the default),
     keeps them otherwise, and gives the caller's mode back."""
-    if not torch.set_flush_denormal(False):
-        pytest.skip("this CPU cannot flush subnormal floats")
     from qkov_lib import runtime
 
     seen = []

@@ -59,12 +59,6 @@ def _quarter_tiny() -> float:
     return float(torch.full((), TINY).mul(0.25))
 
 
-@pytest.fixture
-def flush_supported():
-    if not torch.set_flush_denormal(False):  # also the default mode, which the tests start from
-        pytest.skip("this CPU cannot flush subnormal floats")
-
-
 def test_flush_denormals_zeroes_subnormal_results_and_restores_the_mode(flush_supported):
     assert _quarter_tiny() == pytest.approx(TINY / 4, rel=1e-6) and not runtime.flushing_denormals()
     with runtime.flush_denormals():

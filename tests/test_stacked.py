@@ -284,11 +284,9 @@ def test_length_buckets_must_be_a_positive_integer_shared_by_a_stack():
                       [c, TrainConfig(**{**c.__dict__, "length_buckets": 2})])
 
 
-def test_a_stack_trains_in_its_configs_flush_mode_and_restores_the_callers():
+def test_a_stack_trains_in_its_configs_flush_mode_and_restores_the_callers(flush_supported):
     """Every optimizer step runs with subnormal floats flushed by default (``TrainConfig.flush_denormals``)
     or kept when the configs say so; the caller's mode is back afterwards; a stack's configs must agree."""
-    if not torch.set_flush_denormal(False):
-        pytest.skip("this CPU cannot flush subnormal floats")
     for flush in (True, False):
         seen = []
         cfgs = [TrainConfig(**{**c.__dict__, "flush_denormals": flush}) for c in configs("adamw", steps=5)]
