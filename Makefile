@@ -15,15 +15,21 @@ export QKOV_DATA_DIR ?= $(DATA)
 
 .PHONY: setup book book-cached estimate test browser-test clean lab data data-check
 
-$(BIN)/activate: requirements.txt requirements-nodeps.txt pyproject.toml
+# uv installs what pip would, several times faster; it reads no pip configuration, so it is handed pip's
+# find-links (where a machine keeps local wheels: on the project machines, torch's CPU build)
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_INSTALL = $(BIN)/uv pip install --quiet --python $(BIN)/python $(foreach l,$(FIND_LINKS),--find-links $(l))
+# Every process started here writes the bytecode of the modules it imports into .venv, once. Some machines
+# set PYTHONDONTWRITEBYTECODE, and then every chapter's kernel compiled its imports again; compiling all of
+# .venv at set-up instead took longer than the book's imports (about 5,000 of its 22,000 modules)
+unexport PYTHONDONTWRITEBYTECODE
+
+$(BIN)/activate: requirements.txt requirements-nodeps.txt requirements-setup.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet --no-compile -r requirements.txt
-	$(BIN)/pip install --quiet --no-compile --no-deps -r requirements-nodeps.txt
-	$(BIN)/pip install --quiet --no-deps -e .
-	@# pip byte-compiles what it installs one file at a time (about half of the set-up's time here); compileall
-	@# does it on every core. Like pip, it skips the few files that need a newer Python (torch's test helpers)
-	$(BIN)/python -m compileall -qq -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
+	$(BIN)/pip install --quiet -r requirements-setup.txt
+	$(UV_INSTALL) -r requirements.txt
+	$(UV_INSTALL) --no-deps -r requirements-nodeps.txt
+	$(UV_INSTALL) --no-deps -e .
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 > /dev/null
 	touch $(BIN)/activate
 
