@@ -145,11 +145,13 @@ def test_bad_settings_fail_clearly():
 
 def test_profiles_follow_the_protocol():
     """cpu: at least 4 seeds per cell and 3 base rates per optimizer (so a chosen rate can lie
-    inside its grid); full: 5 seeds, 4 rates and the paper's five ratios; every map runs the
-    analysed-head model with early stopping."""
+    inside its grid); full: 5 seeds, 4 rates and the paper's five ratios, and a model at least as wide
+    and as long-trained as cpu's; every map runs the analysed-head model with early stopping."""
     for name in M.DATASETS:
         cpu, full = M.MAPS[name].profiles["cpu"], M.MAPS[name].profiles["full"]
         assert full["ratios"] == [1.0, 3.0, 10.0, 30.0, 100.0]
+        assert full["d_model"] >= cpu["d_model"] and full["layers"] >= cpu["layers"]
+        assert full["adamw_steps"] >= cpu["adamw_steps"] and full["sgd_steps"] >= cpu["sgd_steps"]
         for cfg, seeds, rates in ((cpu, 4, 3), (full, 5, 4)):
             assert cfg["ratios"][0] == 1.0 and len(cfg["ratios"]) >= 3
             assert set(cfg["optimizers"]) == {"adamw", "sgd"} and cfg["model"] == "head"
