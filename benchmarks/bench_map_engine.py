@@ -20,6 +20,7 @@ first call's one-off costs land outside the clocks.
 
     QKOV_DATA_DIR=../shared/data .venv/bin/python benchmarks/bench_map_engine.py
     QKOV_DATA_DIR=../shared/data .venv/bin/python benchmarks/bench_map_engine.py --datasets sva --models 8 --steps 5
+    QKOV_DATA_DIR=../shared/data .venv/bin/python benchmarks/bench_map_engine.py --datasets sva --models 18 --steps 150 --set d_model 64
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import json
 import os
 import time
 
@@ -56,11 +58,12 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_dataset(name: str, profile: str, n_models: int, steps: int, threads: int, data_dir=None) -> dict:
+def bench_dataset(name: str, profile: str, n_models: int, steps: int, threads: int, data_dir=None,
+                  overrides: dict | None = None) -> dict:
     """The three timings of one dataset (module docstring): milliseconds per model-step of the
     stack and of the loop, their ratio, and one evaluation of all the models in milliseconds and
-    in stacked training steps."""
-    cfg = realmap.map_config(name, profile)
+    in stacked training steps. ``overrides``: map settings replacing the profile's (e.g. ``d_model``)."""
+    cfg = realmap.map_config(name, profile, **(overrides or {}))
     ds, val = realmap.load_splits(name, cfg, data_dir)
     grid = cells(cfg, n_models)
     cfgs = [bench_config(cfg, c, steps) for c in grid]
@@ -81,7 +84,7 @@ def bench_dataset(name: str, profile: str, n_models: int, steps: int, threads: i
 
     stack_ms, loop_ms = 1000 * stack_s / (n_models * steps), 1000 * loop_s / (n_models * steps)
     step_ms = 1000 * stack_s / steps  # one stacked step of all the models
-    return {"dataset": name, "profile": profile, "models": n_models, "steps": steps, "threads": threads,
+    return {"dataset": name, "profile": profile, "overrides": dict(overrides or {}), "models": n_models, "steps": steps, "threads": threads,
             "n_train": len(ds.train), "n_val": len(val), "seq_len": int(ds.train.tokens.shape[1]),
             "batch_size": cfgs[0].batch_size, "stack_ms_per_model_step": stack_ms,
             "loop_ms_per_model_step": loop_ms, "loop_over_stack": loop_ms / stack_ms,
@@ -95,15 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", type=int, default=36, help="models per dataset")
     p.add_argument("--steps", type=int, default=20, help="training steps per model")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--set", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+                   help="map setting replacing the profile's, VALUE as JSON (e.g. --set d_model 64); repeatable")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     a = p.parse_args(argv)
+    try:
+        overrides = {k: json.loads(v) for k, v in a.set}
+    except json.JSONDecodeError as e:
+        p.error(f"--set VALUE must be JSON: {e}")
     if a.models < 1 or a.steps < 1 or a.threads < 1:
         p.error("--models, --steps and --threads must be positive")
     out = {"load_average_before": list(os.getloadavg()), "results": []}
     for name in a.datasets:
-        r = bench_dataset(name, a.profile, a.models, a.steps, a.threads)  # data: $QKOV_DATA_DIR
+        r = bench_dataset(name, a.profile, a.models, a.steps, a.threads, overrides=overrides)  # data: $QKOV_DATA_DIR
         out["results"].append(r)
-        print(f"{name}: {r['models']} models x {r['steps']} steps, {r['threads']} thread(s), batch {r['batch_size']}, "
+        print(f"{name}{''.join(f' {k}={v}' for k, v in overrides.items())}: {r['models']} models x {r['steps']} steps, {r['threads']} thread(s), batch {r['batch_size']}, "
               f"length {r['seq_len']}; ms per model-step: loop {r['loop_ms_per_model_step']:.2f}, "
               f"stack {r['stack_ms_per_model_step']:.2f} (loop/stack {r['loop_over_stack']:.2f}x); "
               f"one evaluation of all models on {r['n_val']:,} validation rows: {r['eval_ms']:.0f} ms "

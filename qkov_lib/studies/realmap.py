@@ -82,7 +82,7 @@ _SVA_PROFILES = profile_table(
     dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2, adamw_steps=2000,
          sgd_steps=2000),
     dict(_TEST, n_train=400, n_test=200),
-    # cpu: width 32, as HateXplain's and SQuAD's maps: a stacked step of 18 models costs 19 ms against 42 at
+    # cpu: width 32, as HateXplain's and SQuAD's maps: a stacked step of 18 models costs 21 ms against 44 at
     # 64, the model learns the task as well, and the plane's words are the same (benchmarks/README.md)
     dict(_CPU, n_train=None, n_test=None, d_model=32),
     dict(_FULL, adamw_steps=6000, sgd_steps=6000, n_train=None, n_test=None),
