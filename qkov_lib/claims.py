@@ -19,14 +19,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-VERDICTS = ("reproduced", "holds where", "not reproduced", "inconclusive", "not tested")
+VERDICTS = ("reproduced", "holds where", "mixed", "not reproduced", "inconclusive", "not tested")
 # The five words, defined once (the scorecard prints these definitions).
 VERDICT_MEANING: dict[str, str] = {
-    "reproduced": "the claim holds over the whole range it speaks of, decided by the stated rule",
-    "holds where": "the claim holds in a region that the verdict names in words and numbers, and not outside it",
-    "not reproduced": "the measurement contradicts the claim: the interval that decides lies on the wrong side of "
-                      "the threshold",
-    "inconclusive": "the intervals straddle the threshold, or too few seeds: the verdict says what it would take",
+    "reproduced": "the claim holds in every cell it reads",
+    "holds where": "the claim holds in some of the cells it reads (named) and is contradicted in none",
+    "mixed": "the claim holds in some cells and is contradicted in others (both named)",
+    "not reproduced": "the claim is contradicted in some cell and holds in none",
+    "inconclusive": "every cell's interval straddles the claim's margin: the verdict says how many seeds would decide it",
     "not tested": "the comparison could not be made (missing ratio, parameterization, metric or trained run)",
 }
 PARAMETERIZATIONS = ("FAFO", "CAFO", "FACO", "CACO")
@@ -806,10 +806,16 @@ class Change:
             return cls(math.nan, math.nan, 0)
         return cls(sum(v) / len(v), seed_half_width(v), len(v))
 
+    @classmethod
+    def exact(cls, value: float) -> "Change":
+        """A value computed without seeds (an ODE, an exact gradient): an interval of width 0."""
+        return cls(value, 0.0, 1)
+
     @property
     def bounded(self) -> bool:
-        """Whether the interval is finite (at least two seed pairs and a finite half-width)."""
-        return self.n >= 2 and math.isfinite(self.half_width)
+        """Whether the interval is finite (at least two seed pairs and a finite half-width, or an
+        exact value: :meth:`exact`)."""
+        return (self.n >= 2 and math.isfinite(self.half_width)) or (self.n >= 1 and self.half_width == 0)
 
     @property
     def lo(self) -> float:
@@ -837,6 +843,171 @@ def _has(c: Change | None) -> bool:
         raise TypeError(f"the real-data rules take claims.Change values (mean, half_width, n) or None, "
                         f"got {type(c).__name__} {c!r}")
     return c is not None and math.isfinite(c.mean)
+
+
+# --- the one rule -------------------------------------------------------------------------------
+# Every claim is read as an estimate: a change with its interval, in each cell the claim speaks of.
+# One test, the same for confirming and for refuting, turns each interval into a cell outcome, and
+# one function turns the outcomes into the claim's word. Nothing else decides a word.
+OUTCOMES = ("holds", "contradicted", "undecided")
+FAMILY_LEVEL = 0.95  # the confidence of all the cells a claim reads in one place, together (Bonferroni)
+MAX_SEEDS = 1000  # seeds_to_decide stops looking here
+
+ONE_RULE = ("Each claim is an effect with its 95 % interval in every cell it reads (Bonferroni over the cells of one "
+            "dataset or study). A cell holds when the interval lies wholly on the claim's side of its margin, is "
+            "contradicted when it lies wholly on the other side, and is undecided otherwise. The word: reproduced "
+            "(holds in every cell), holds where (holds in some, contradicted in none), mixed (holds in some, "
+            "contradicted in others), not reproduced (contradicted somewhere, holds nowhere), inconclusive (undecided "
+            "everywhere).")
+
+
+@dataclass(frozen=True)
+class Estimand:
+    """What a claim reads and where it stands: ``what`` (the change, read where, in words), ``direction``
+    (+1: the claim says the change is at least ``margin``; -1: at most ``margin``), ``margin`` (in the
+    change's unit, signed: -0.02 for 'falls by no more than 2 points') and ``unit``."""
+
+    what: str
+    direction: int
+    margin: float
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if self.direction not in (1, -1):
+            raise ValueError(f"Estimand.direction must be +1 or -1, got {self.direction!r}")
+        if not math.isfinite(float(self.margin)):
+            raise ValueError(f"Estimand.margin must be finite, got {self.margin!r}")
+
+    @property
+    def side(self) -> str:
+        """The claim's side of its margin, e.g. ``Δ ≥ +0.05``."""
+        return f"Δ {'≥' if self.direction > 0 else '≤'} {self.margin:+g}" + (f" {self.unit}" if self.unit else "")
+
+    def text(self) -> str:
+        """The estimand as a page states it: what, and the claim's side."""
+        return f"{self.what}; the claim's side: {self.side}"
+
+
+def family_half_width(c: "Change", cells: int = 1) -> float:
+    """The half-width of ``c``'s interval at :data:`FAMILY_LEVEL` over ``cells`` cells together
+    (Bonferroni: each at level 1 - 0.05 / cells): its 95 % Student-t half-width rescaled by the ratio
+    of the two t quantiles. 0 for an exact value (half-width 0), NaN when ``c`` is unbounded."""
+    from scipy import stats
+
+    if not c.bounded:
+        return math.nan
+    if c.half_width == 0 or cells <= 1:
+        return c.half_width
+    a = (1 - FAMILY_LEVEL) / cells
+    return c.half_width * float(stats.t.ppf(1 - a / 2, c.n - 1) / stats.t.ppf(0.5 + FAMILY_LEVEL / 2, c.n - 1))
+
+
+def outcome(c: "Change | None", est: Estimand, cells: int = 1) -> str:
+    """``holds``, ``contradicted`` or ``undecided``: where ``c``'s interval over ``cells`` cells
+    (:func:`family_half_width`) lies against ``est``'s margin. Holds: wholly on the claim's side
+    (the margin itself included); contradicted: wholly on the other side; undecided: it straddles the
+    margin, or has no width (fewer than two seeds), or nothing was measured."""
+    if c is None or not math.isfinite(c.mean):
+        return "undecided"
+    hw = family_half_width(c, cells)
+    if not math.isfinite(hw):
+        return "undecided"
+    lo, hi = est.direction * (c.mean - hw - est.margin), est.direction * (c.mean + hw - est.margin)
+    lo, hi = min(lo, hi), max(lo, hi)
+    return "holds" if lo >= 0 else "contradicted" if hi < 0 else "undecided"
+
+
+def seeds_to_decide(c: "Change | None", est: Estimand, cells: int = 1) -> int | None:
+    """The fewest seeds that would decide an undecided cell: the smallest n whose interval over
+    ``cells`` cells, at ``c``'s own mean and per-seed spread, lies wholly on one side of the margin.
+    ``c.n`` when it is already decided; None when no number up to :data:`MAX_SEEDS` would (the mean
+    sits on the margin) or the spread is unknown (fewer than two seeds)."""
+    from scipy import stats
+
+    if c is None or not c.bounded:
+        return None
+    if outcome(c, est, cells) != "undecided":
+        return c.n
+    gap = abs(c.mean - est.margin)
+    sd = c.half_width * math.sqrt(c.n) / float(stats.t.ppf(0.5 + FAMILY_LEVEL / 2, c.n - 1))
+    a = (1 - FAMILY_LEVEL) / max(cells, 1)
+    for n in range(c.n + 1, MAX_SEEDS + 1):
+        if float(stats.t.ppf(1 - a / 2, n - 1)) * sd / math.sqrt(n) < gap:
+            return n
+    return None
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One cell of a claim: ``cell`` (its name in words, e.g. ``AdamW, η_OV = 1e-3, ratio 10 vs 1``),
+    the ``change`` read there, its ``outcome`` (:func:`outcome`), the family half-width ``hw`` it was
+    decided with, and ``seeds`` (:func:`seeds_to_decide`; None when unknown)."""
+
+    cell: str
+    change: "Change | None"
+    outcome: str
+    hw: float
+    seeds: int | None
+
+    def text(self, digits: int = 3) -> str:
+        """``+0.154 ± 0.030 (n = 8)``: the change with its family interval."""
+        c = self.change
+        if c is None or not math.isfinite(c.mean):
+            return "not measured"
+        ci = f" ± {self.hw:.{digits}f}" if math.isfinite(self.hw) else ", no interval"
+        return f"{c.mean:+.{digits}f}{ci} (n = {c.n})"
+
+
+def read_cells(changes: Mapping[str, "Change | None"], est: Estimand) -> list[Reading]:
+    """Every cell of a claim read by the one rule: ``changes`` maps each cell's name to its change
+    (None: not measured, which is undecided and counts as a cell of the family)."""
+    m = max(len(changes), 1)
+    return [Reading(k, c, outcome(c, est, m), family_half_width(c, m) if c is not None else math.nan,
+                    seeds_to_decide(c, est, m)) for k, c in changes.items()]
+
+
+def word(outcomes: Sequence[str]) -> str:
+    """The claim's word from its cells' outcomes (:data:`OUTCOMES`): reproduced, holds where, mixed,
+    not reproduced, inconclusive; ``not tested`` when there is no cell."""
+    bad = [o for o in outcomes if o not in OUTCOMES]
+    if bad:
+        raise ValueError(f"cell outcomes must be among {OUTCOMES}, got {bad[0]!r}")
+    if not outcomes:
+        return "not tested"
+    holds, against = "holds" in outcomes, "contradicted" in outcomes
+    if holds and against:
+        return "mixed"
+    if holds:
+        return "reproduced" if all(o == "holds" for o in outcomes) else "holds where"
+    return "not reproduced" if against else "inconclusive"
+
+
+def seeds_text(readings: Sequence[Reading]) -> str:
+    """What the undecided cells would take: ``about 12 seeds (AdamW ... ); no finite number (...)``."""
+    open_ = [r for r in readings if r.outcome == "undecided"]
+    known = sorted((r for r in open_ if r.seeds is not None), key=lambda r: r.seeds)
+    parts = [f"{r.seeds} seeds would decide {r.cell}" for r in known]
+    parts += [f"no number of seeds up to {MAX_SEEDS} would decide {r.cell}" for r in open_ if r.seeds is None]
+    return "; ".join(parts)
+
+
+def decide(readings: Sequence[Reading], est: Estimand, rule: str = "") -> Verdict:
+    """The claim's :class:`Verdict` from its cells (:func:`read_cells`): the word (:func:`word`), the
+    region naming where it holds and where it is contradicted, the effect (every cell's change with its
+    interval) and, for undecided cells, the seeds that would decide them."""
+    outs = [r.outcome for r in readings]
+    w = word(outs)
+    rule = rule or est.text()
+    if w == "not tested":
+        return Verdict(w, rule, "no cell measured")
+    named = {o: [r.cell for r in readings if r.outcome == o] for o in OUTCOMES}
+    region = "; ".join(f"{label} {', '.join(named[o])}" for o, label in
+                       (("holds", "holds at"), ("contradicted", "contradicted at"), ("undecided", "undecided at"))
+                       if named[o]) if w in ("holds where", "mixed") else ""
+    effect = "; ".join(f"{r.cell}: {r.text()}" for r in readings)
+    reason = f"{len(readings)} cells: " + ", ".join(f"{len(named[o])} {o}" for o in OUTCOMES if named[o])
+    seeds = seeds_text(readings)
+    return Verdict(w, rule, reason + (f"; {seeds}" if seeds else ""), region=region, effect=effect)
 
 
 def _at(i: int, ratios: Sequence[float] | None, k: int) -> str:
