@@ -958,12 +958,14 @@ class Reading:
         return f"{c.mean:+.{digits}f}{ci} (n = {c.n})"
 
 
-def read_cells(changes: Mapping[str, "Change | None"], est: Estimand) -> list[Reading]:
+def read_cells(changes: Mapping[str, "Change | None"], est: "Estimand | Mapping[str, Estimand]") -> list[Reading]:
     """Every cell of a claim read by the one rule: ``changes`` maps each cell's name to its change
-    (None: not measured, which is undecided and counts as a cell of the family)."""
+    (None: not measured, which is undecided and counts as a cell of the family); ``est`` is the
+    claim's estimand, or one per cell where the cells read different quantities."""
     m = max(len(changes), 1)
-    return [Reading(k, c, outcome(c, est, m), family_half_width(c, m) if c is not None else math.nan,
-                    seeds_to_decide(c, est, m)) for k, c in changes.items()]
+    of = (lambda k: est[k]) if isinstance(est, Mapping) else (lambda k: est)  # noqa: E731
+    return [Reading(k, c, outcome(c, of(k), m), family_half_width(c, m) if c is not None else math.nan,
+                    seeds_to_decide(c, of(k), m)) for k, c in changes.items()]
 
 
 def word(outcomes: Sequence[str]) -> str:
@@ -1008,6 +1010,29 @@ def decide(readings: Sequence[Reading], est: Estimand, rule: str = "") -> Verdic
     reason = f"{len(readings)} cells: " + ", ".join(f"{len(named[o])} {o}" for o in OUTCOMES if named[o])
     seeds = seeds_text(readings)
     return Verdict(w, rule, reason + (f"; {seeds}" if seeds else ""), region=region, effect=effect)
+
+
+# Each claim's estimand: the change it reads, its direction and its margin (the thresholds above).
+ESTIMANDS: dict[str, Estimand] = {
+    "T1": Estimand("largest gap between the reduced loss and gradients and autograd's", -1, TOL_GRAD),
+    "T2": Estimand("largest relative gap between the ODE with rate 2·eta·|w| and factor-level autograd", -1,
+                   TOL_VELOCITY),
+    "T3": Estimand("gap between a fitted growth exponent in log t and the derived one", -1, SLOPE_TOL),
+    "T4": Estimand("residual of the effective (OV, QK) path off a straight line", -1, LINE_EXACT),
+    "T5": Estimand("fall of the log common-token mass at matched training loss, from one ratio to the next", 1,
+                   SHARPER_LOGIT, "nats"),
+    "T6": Estimand("log-odds of attention on the distinct token, factorized QK minus collapsed QK, at ratio 1", 1,
+                   SHARPER_LOGIT, "nats"),
+    "S1": Estimand("DTAP total-variation distance between two parameterizations at matched training loss", 1, DTAP_TV),
+    "S2": Estimand("log-odds margin of a summary's pair over the best other parameterization", 1, S2_ODE_TIE, "nats"),
+    "S3": Estimand("change of the log-odds of attention on the distinct token at matched training loss, higher ratio "
+                   "against lower", 1, SHARPER_LOGIT, "nats"),
+    "R1": Estimand("change of test accuracy, ratio r against ratio 1 at the same eta_OV, every run", 1, -SAME_ACC),
+    "R2": Estimand("change of AC@0.5 on the test split, ratio r against ratio 1 at the same eta_OV, runs that trained",
+                   1, MIN_GAIN_AC),
+    "R3": Estimand("change of the mean attention on the relevant tokens at matched validation loss (both runs "
+                   "learned), ratio r against ratio 1", 1, SHARPER),
+}
 
 
 def _at(i: int, ratios: Sequence[float] | None, k: int) -> str:
