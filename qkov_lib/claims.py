@@ -763,9 +763,6 @@ def r3_synthetic(cells: Mapping[tuple[float, str], Sequence["Change | None"]],
 # --- real data -----------------------------------------------------------------------------
 MIN_SEEDS = int(_threshold("MIN_SEEDS", 3, "", "fewest seeds whose runs at both ratios trained for a change to "
                                               "count as 'reproduced'"))
-MIN_REGION_CELLS = int(_threshold("MIN_REGION_CELLS", 2, "", "fewest cells of the rate plane in which a claim must "
-                                                             "hold (or be contradicted) for the plane's word to say "
-                                                             "so: one cell is a near-tie, not a region"))
 NECESSITY_SHARE = _threshold("NECESSITY_SHARE", 0.5, "", "smallest share of the above-chance accuracy that uniform "
                                                          "attention must lose for the head's attention to count as "
                                                          "necessary (R3)")
@@ -834,15 +831,6 @@ class Change:
         body = (f"{100 * m:+.1f} %" + (f" ± {100 * e:.1f} %" if self.bounded else "")) if percent else \
             (f"{m:+.3f}" + (f" ± {e:.3f}" if self.bounded else ""))
         return body + f" over {self.n} seed{'s' if self.n != 1 else ''}{'' if self.bounded else ', no interval'}"
-
-
-def _has(c: Change | None) -> bool:
-    """Whether ``c`` is a measured change (a :class:`Change` with a finite mean); TypeError for
-    anything but a Change or None (e.g. a bare float, which has no seed interval)."""
-    if c is not None and not isinstance(c, Change):
-        raise TypeError(f"the real-data rules take claims.Change values (mean, half_width, n) or None, "
-                        f"got {type(c).__name__} {c!r}")
-    return c is not None and math.isfinite(c.mean)
 
 
 # --- the one rule -------------------------------------------------------------------------------
@@ -1032,11 +1020,12 @@ ESTIMANDS: dict[str, Estimand] = {
                    1, MIN_GAIN_AC),
     "R3": Estimand("change of the mean attention on the relevant tokens at matched validation loss (both runs "
                    "learned), ratio r against ratio 1", 1, SHARPER),
+    "R1-multilayer": Estimand("change of test accuracy, higher ratio against the lowest, paired by seed", 1, -SAME_ACC),
+    "R2-multilayer": Estimand("change of a layer's head-mean attention on the relevant tokens, highest ratio against "
+                              "the lowest, paired by seed", 1, HEAD_DELTA),
+    "R3-multilayer": Estimand("change of the head-mean attention on the relevant tokens of the layer that gained most, "
+                              "higher ratio against the lowest, paired by seed", 1, SHARPER),
 }
-
-
-def _at(i: int, ratios: Sequence[float] | None, k: int) -> str:
-    return f"ratio {ratios[i]:g}" if ratios is not None and i < len(ratios) else f"higher ratio {i + 1} of {k}"
 
 
 def head_necessary(model: float, uniform: float, chance: float) -> bool | None:
@@ -1050,232 +1039,29 @@ def head_necessary(model: float, uniform: float, chance: float) -> bool | None:
     return (float(model) - float(uniform)) >= NECESSITY_SHARE * (float(model) - float(chance))
 
 
-R1_RULE = ("each change is the mean over seeds of (ratio r minus ratio 1, same seed) over every model that "
-           "trained, with its 95 % seed interval; at a ratio the claim holds when the intervals of the accuracy and "
-           f"macro-F1 changes lie above -{_t('SAME_ACC')} (fraction) from at least {_t('MIN_SEEDS')} seeds, and is "
-           f"contradicted when a whole interval lies below -{_t('SAME_ACC')}; reproduced: it holds at every ratio "
-           "above 1; holds where: it holds at some ratios and is contradicted at others (the region names them); "
-           "not reproduced: contradicted at the highest ratio compared and nowhere holds; inconclusive: otherwise "
-           "(an interval straddles the band, or too few seeds); not tested: no ratio above 1 with a change")
-
-
-def _per_ratio(status: Sequence[str | None], ratios: Sequence[float] | None, k: int, rule: str, why: str,
-               effect: str, pending: str) -> Verdict:
-    """The verdict over ratios from each ratio's status (``"holds"``, ``"contradicted"``,
-    ``"undecided"`` or None: not compared), the shared reading of R1 and R3: every compared ratio
-    holds -> reproduced; some hold -> holds where (region: those ratios, and where it fails or is
-    undecided); none holds and the highest compared is contradicted -> not reproduced; otherwise
-    inconclusive (``pending`` says what it would take)."""
-    compared = [i for i, x in enumerate(status) if x is not None]
-    holds = [_at(i, ratios, k) for i in compared if status[i] == "holds"]
-    fails = [_at(i, ratios, k) for i in compared if status[i] == "contradicted"]
-    open_ = [_at(i, ratios, k) for i in compared if status[i] == "undecided"]
-    missing = [_at(i, ratios, k) for i, x in enumerate(status) if x is None]
-    if len(holds) == len(status):
-        return Verdict("reproduced", rule, why, effect=effect)
-    if holds:
-        region = "at " + ", ".join(h.removeprefix("ratio ") if j else h for j, h in enumerate(holds))
-        region += "".join(f"; {w} at " + ", ".join(xs) for w, xs in
-                          (("not", fails), ("undecided", open_), ("not compared", missing)) if xs)
-        return Verdict("holds where", rule, why, region=region, effect=effect)
-    if compared and status[compared[-1]] == "contradicted":
-        return Verdict("not reproduced", rule, why, effect=effect)
-    return Verdict("inconclusive", rule, f"{why}; {pending}", effect=effect)
-
-
-def r1_performance_stable(d_accuracy: Sequence[Change | None], d_f1: Sequence[Change | None],
-                          ratios: Sequence[float] | None = None) -> Verdict:
-    """R1 from the paired changes of test accuracy and macro-F1 (fractions), one :class:`Change`
-    per ratio above 1 in increasing ratio order (None where nothing could be compared; ``d_f1``
-    may be empty when macro-F1 was not measured). ``ratios``, if given, names the ratios in the
-    reason and region."""
-    acc, f1 = list(d_accuracy), list(d_f1)
-    with_f1 = any(_has(c) for c in f1)
-    per = [[("accuracy", a)] + ([("macro-F1", f1[i] if i < len(f1) else None)] if with_f1 else [])
-           for i, a in enumerate(acc)]
-    if not any(_has(cs[0][1]) for cs in per):
-        return Verdict("not tested", R1_RULE, "no higher ratio with a change")
-    k = len(per)
-    changes = [(i, name, c) for i, cs in enumerate(per) for name, c in cs if _has(c)]
-    i_w, name_w, worst = min(changes, key=lambda t: t[2].mean)
-    why = f"largest drop {worst.text()} ({name_w}, {_at(i_w, ratios, k)})"
-
-    def status(cs) -> str | None:
-        got = [c for _, c in cs if _has(c)]
-        if len(got) < len(cs):
-            return None
-        if any(c.hi < -SAME_ACC for c in got):
-            return "contradicted"
-        ok = all(c.lo >= -SAME_ACC for c in got) and min(c.n for c in got) >= MIN_SEEDS
-        return "holds" if ok else "undecided"
-
-    n_min = min(c.n for _, _, c in changes)
-    pending = (f"needs {_t('MIN_SEEDS')} trained seed pairs (has {n_min})" if n_min < MIN_SEEDS else
-               f"an interval straddles -{_t('SAME_ACC')}")
-    return _per_ratio([status(cs) for cs in per], ratios, k, R1_RULE, why, f"{name_w} {worst.text()}", pending)
-
-
-R2_RULE = (f"changes at the highest ratio with a trained run, against ratio 1, paired by seed; a metric improves "
-           f"when its whole 95 % seed interval clears its margin (AC@0.5 rises by ≥ {_t('MIN_GAIN_AC')}, ACMC@0.5 "
-           f"by ≥ {_t('MIN_GAIN_ACMC')}, sufficiency falls by ≥ {_t('MIN_GAIN_SUFF')}) and fails when the whole "
-           f"interval stays short of it; reproduced: all three improve, from at least {_t('MIN_SEEDS')} seeds; holds "
-           "where: some improve (the region names them); not reproduced: none improves and at least one fails (the "
-           "claim is that all three rise); inconclusive: every metric straddles its margin, or too few seeds; not "
-           "tested: nothing measured")
-
-
-def _r2_metrics(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None
-                ) -> tuple[list[tuple[str, Change, float, int]], list[str], list[str]]:
-    """R2's measured metrics ``(name, change, margin, sign)`` and the names of those that improve
-    (whole interval beyond the margin) and of those that fail (whole interval short of it)."""
-    items = [("AC@0.5", d_ac, MIN_GAIN_AC, 1), ("ACMC@0.5", d_acmc, MIN_GAIN_ACMC, 1),
-             ("sufficiency", d_sufficiency, MIN_GAIN_SUFF, -1)]
-    measured = [(name, c, gain, sign) for name, c, gain, sign in items if _has(c)]
-    up = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean - c.half_width >= gain]
-    down = [name for name, c, gain, sign in measured if c.bounded and sign * c.mean + c.half_width < gain]
-    return measured, up, down
-
-
-def r2_contradicted(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> bool:
-    """Whether some measured R2 metric stays short of its margin over its whole interval: the claim
-    that all three rise is then contradicted, whatever the others do (a metric whose interval
-    straddles its margin contradicts nothing)."""
-    return bool(_r2_metrics(d_ac, d_acmc, d_sufficiency)[2])
-
-
-def r2_interpretability(d_ac: Change | None, d_acmc: Change | None, d_sufficiency: Change | None) -> Verdict:
-    """R2 from the paired changes at the highest trained ratio against ratio 1 of AC@0.5 and
-    ACMC@0.5 (fractions, up is better) and of the sufficiency score (down is better); None
-    when not measured."""
-    measured, up, down = _r2_metrics(d_ac, d_acmc, d_sufficiency)
-    if not measured:
-        return Verdict("not tested", R2_RULE, "nothing measured at a higher ratio")
-    n_min = min(c.n for _, c, _, _ in measured)
-    each = ", ".join(f"{name} {c.text(percent=False)}" for name, c, _, _ in measured)
-    why = f"{len(up)}/{len(measured)} improved beyond their margin ({each})"
-    if n_min < MIN_SEEDS:
-        return Verdict("inconclusive", R2_RULE, f"{why}; needs {_t('MIN_SEEDS')} trained seed pairs (has {n_min})",
-                       effect=each)
-    if len(up) == 3:
-        return Verdict("reproduced", R2_RULE, why, effect=each)
-    if up:
-        rest = [n for n, *_ in measured if n not in up]
-        return Verdict("holds where", R2_RULE, why, region=_region(up, rest), effect=each)
-    if down:  # none rose and one is shown not to: "all three rise" is contradicted
-        return Verdict("not reproduced", R2_RULE, f"{why}; {', '.join(down)} short of {'its' if len(down) == 1 else 'their'} "
-                       "margin", effect=each)
-    return Verdict("inconclusive", R2_RULE, f"{why}; every interval straddles its margin", effect=each)
-
-
-R3_RULE = ("per ratio above 1, against ratio 1, paired by seed, with 95 % seed intervals; at a ratio the claim "
-           f"holds when the attention interval lies above {_t('SHARPER')} and the accuracy interval inside "
-           f"±{_t('SAME_ACC')}, from at least {_t('MIN_SEEDS')} seeds, and is contradicted when the whole attention "
-           f"interval lies below {_t('SHARPER')} (no rise) or attention rises together with an accuracy change "
-           f"beyond ±{_t('SAME_ACC')}; reproduced: it holds at every ratio compared; holds where: at some (the region "
-           "names them); not reproduced: contradicted at the highest ratio compared and nowhere holds; inconclusive: "
-           "otherwise; not tested: no ratio above 1 with a change, or the prediction does not need the head's "
-           f"attention (uniform attention loses less than {_t('NECESSITY_SHARE')} of the above-chance accuracy)")
-
-
-def r3_decoupled(d_attention: Sequence[Change | None], d_accuracy: Sequence[Change | None],
-                 necessary: bool | None = None, ratios: Sequence[float] | None = None) -> Verdict:
-    """R3 from the paired changes of mean attention on the relevant tokens and of accuracy
-    (fractions), one :class:`Change` per ratio above 1 in increasing ratio order (None where
-    nothing was compared). ``necessary``: :func:`head_necessary` (False: not tested; None:
-    unknown). ``ratios`` names the ratios in the reason and region."""
-    if necessary is False:
-        return Verdict("not tested", R3_RULE, "the prediction does not need the head's attention")
-    att, acc = list(d_attention), list(d_accuracy)
-    k = len(att)
-    both = [i for i in range(min(len(att), len(acc))) if _has(att[i]) and _has(acc[i])]
-    if not both:
-        return Verdict("not tested", R3_RULE, "no higher ratio with a change")
-
-    def status(i: int) -> str | None:
-        if i not in both:
-            return None
-        a, c = att[i], acc[i]
-        if a.hi < SHARPER or (a.lo >= SHARPER and (c.hi < -SAME_ACC or c.lo > SAME_ACC)):
-            return "contradicted"
-        ok = a.lo >= SHARPER and c.lo >= -SAME_ACC and c.hi <= SAME_ACC and min(a.n, c.n) >= MIN_SEEDS
-        return "holds" if ok else "undecided"
-
-    i = both[-1]
-    a, c = att[i], acc[i]
-    why = f"at {_at(i, ratios, k)}: attention {a.text(percent=False)}, accuracy {c.text()}"
-    n_min = min(min(att[j].n, acc[j].n) for j in both)
-    pending = (f"needs {_t('MIN_SEEDS')} trained seed pairs (has {n_min})" if n_min < MIN_SEEDS else
-               "an interval straddles its threshold")
-    return _per_ratio([status(j) for j in range(k)], ratios, k, R3_RULE, why,
-                      f"attention {a.text(percent=False)}, accuracy {c.text()} at {_at(i, ratios, k)}", pending)
-
-
-HEADS_RULE = (f"at the highest ratio a layer sharpens when its head-mean attention on the relevant tokens rises by ≥ "
-              f"{_t('HEAD_DELTA')}; reproduced: in every layer; holds where: in some layers (the region names them); "
-              "not reproduced: in none; not tested: one ratio")
-
-
-def heads_sharpen(layer_gains: Sequence[float] | Mapping[str, float]) -> Verdict:
-    """Extension of R2 to a multi-layer encoder, from the change of each layer's head-mean
-    attention on the relevant tokens between the lowest and the highest ratio (a mapping names
-    the layers; a sequence numbers them from 0)."""
-    g = _named_finite(layer_gains, "layer", 0)
-    if not g:
-        return Verdict("not tested", HEADS_RULE, "one ratio")
-    why = (f"head-mean attention rose in {sum(x >= HEAD_DELTA for x in g.values())}/{len(g)} layers "
-           f"(largest {max(g.values()):+.3f})")
-    return _where_counted(g, lambda x: x >= HEAD_DELTA, HEADS_RULE, why, ", ".join(f"{k} {x:+.3f}" for k, x in g.items()))
-
-
-TUNED_RULE = ("the claim's own rule at the tuned base rate (best validation metric at ratio 1) of each optimizer; "
-              "reproduced: 'reproduced' with every optimizer; holds where: it holds (reproduced or in a region) with "
-              "some optimizers and not with others (the region names them); not reproduced: 'not reproduced' with "
-              "every optimizer; inconclusive: otherwise; not tested: no tuned base rate could be tested")
-
-
-def tuned_region(at_tuned: Mapping[str, str], regions: Mapping[str, str] | None = None,
-                 effects: Mapping[str, str] | None = None) -> Verdict:
-    """A claim's verdict over the base-rate map, from its verdict (by its own rule) at the tuned
-    base rate of each optimizer, e.g. ``{"adamw": "reproduced", "sgd": "holds where"}``;
-    ``regions`` gives the region of each 'holds where', ``effects`` each optimizer's effect size
-    (named by optimizer in the verdict's effect)."""
-    regions = regions or {}
-    effect = "; ".join(f"{o}: {e}" for o, e in (effects or {}).items() if e and o in at_tuned)
-    tested = {o: v for o, v in at_tuned.items() if v != "not tested"}
-    why = "; ".join(f"{o}: {x}" + (f" {regions[o]}" if x == "holds where" and o in regions else "")
-                    for o, x in at_tuned.items())
-    if not tested:
-        return Verdict("not tested", TUNED_RULE, "no tuned base rate could be tested")
-    if all(v == "reproduced" for v in tested.values()):
-        return Verdict("reproduced", TUNED_RULE, why, effect=effect)
-    if all(v == "not reproduced" for v in tested.values()):
-        return Verdict("not reproduced", TUNED_RULE, why, effect=effect)
-    hold = [o + (f" ({regions[o]})" if v == "holds where" and o in regions else "")
-            for o, v in tested.items() if v in ("reproduced", "holds where")]
-    if hold:
-        rest = [o for o, v in tested.items() if v not in ("reproduced", "holds where")]
-        return Verdict("holds where", TUNED_RULE, why, region=_region(hold, rest, "with "), effect=effect)
-    return Verdict("inconclusive", TUNED_RULE, why, effect=effect)
-
-
 RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,
-             "S1": S1_RULE, "S2": S2_RULE, "S3": S3_RULE, "R1": R1_RULE, "R2": R2_RULE, "R3": R3_RULE}
+             "S1": S1_RULE, "S2": S2_RULE, "S3": S3_RULE, "R1": ESTIMANDS["R1"].text(),
+             "R2": ESTIMANDS["R2"].text(), "R3": ESTIMANDS["R3"].text()}
 RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
-         "T6": t6_factorized_qk, "S1": s1_ladder, "S2": s2_phase, "S3": s3_ratio_sharpens,
-         "R1": r1_performance_stable, "R2": r2_interpretability, "R3": r3_decoupled}
+         "T6": t6_factorized_qk, "S1": s1_ladder, "S2": s2_phase, "S3": s3_ratio_sharpens}
+
+
+# the cell outcomes a word stands for, so that words from several chapters combine by the same rule
+WORD_OUTCOMES = {"reproduced": ("holds",), "holds where": ("holds", "undecided"), "mixed": ("holds", "contradicted"),
+                 "not reproduced": ("contradicted",), "inconclusive": ("undecided",), "not tested": ()}
 
 
 def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
-    """One ``(verdict, reason, region)`` from several chapters' rows on a claim (each with
-    ``verdict``, ``chapter`` and optionally ``region`` and ``reason``): ``not run`` when there are
-    none, ``not tested`` when nothing was tested, the common verdict when the tested ones agree
-    (a shared 'holds where' keeps each chapter's region). When they disagree: ``holds where``
-    with the region naming where the claim holds and where not, if any chapter reproduces it or
-    names a region; else ``not reproduced`` if any chapter contradicts it; else ``inconclusive``.
-    The reason names every chapter's verdict, untested ones included, so that no chapter's
-    negative is hidden."""
+    """One ``(verdict, reason, region)`` from several chapters' rows on a claim (each with ``verdict``,
+    ``chapter`` and optionally ``region`` and ``reason``), by the same :func:`word` as a chapter's cells:
+    each chapter's word stands for the outcomes it summarises (:data:`WORD_OUTCOMES`). ``not run`` when
+    there are none, ``not tested`` when nothing was tested. The reason names every chapter's word, so that
+    no chapter's negative is hidden; the region names where it holds and where it is contradicted."""
     if not measurements:
         return "not run", "no chapter in this build reported this claim", ""
+    bad = [m.get("verdict") for m in measurements if m.get("verdict") not in WORD_OUTCOMES]
+    if bad:
+        raise ValueError(f"a chapter's verdict must be one of {VERDICTS}, got {bad[0]!r}")
     tested = [m for m in measurements if m.get("verdict") != "not tested"]
     if not tested:
         return "not tested", "no chapter could make the comparison", ""
@@ -1283,18 +1069,15 @@ def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
     def name(m: Mapping[str, Any]) -> str:
         return str(m.get("chapter") or "?")
 
-    verdicts = {m.get("verdict") for m in tested}
+    w = word([o for m in tested for o in WORD_OUTCOMES[m["verdict"]]])
     each = " · ".join(f"{name(m)}: {m.get('verdict')}" + (f" ({m['reason']})" if m.get("reason") else "")
                       for m in measurements)
-    holds = [name(m) + (f" {m['region']}" if m.get("verdict") == "holds where" and m.get("region") else "")
-             for m in tested if m.get("verdict") in ("reproduced", "holds where")]
-    if len(verdicts) == 1 and "holds where" not in verdicts:
-        return tested[0]["verdict"], "" if len(tested) == 1 else f"{len(tested)} chapters agree", ""
     if len(tested) == 1:
-        return "holds where", "", str(tested[0].get("region", ""))
-    if holds:
-        fails = [name(m) + f" ({m.get('verdict')})" for m in tested if m.get("verdict") not in
-                 ("reproduced", "holds where")]
-        return "holds where", f"chapters differ: {each}", "in " + "; in ".join(holds) + (
-            "; not in " + ", ".join(fails) if fails else "")
-    return ("not reproduced" if "not reproduced" in verdicts else "inconclusive"), f"chapters differ: {each}", ""
+        return w, "", str(tested[0].get("region", "")) if w in ("holds where", "mixed") else ""
+    if w not in ("holds where", "mixed"):
+        return w, f"{len(tested)} chapters, each {w}" if all(m["verdict"] == w for m in tested) else each, ""
+    holds = [name(m) + (f" ({m['region']})" if m.get("region") and m["verdict"] != "reproduced" else "")
+             for m in tested if "holds" in WORD_OUTCOMES[m["verdict"]]]
+    against = [name(m) for m in tested if "contradicted" in WORD_OUTCOMES[m["verdict"]]]
+    return w, f"chapters differ: {each}", "holds in " + "; ".join(holds) + (
+        "; contradicted in " + ", ".join(against) if against else "")

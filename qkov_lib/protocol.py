@@ -1,4 +1,4 @@
-"""The real-data protocol: base rate × ratio maps, trained-run filtering and region verdicts.
+"""The real-data protocol: base rate × ratio maps, trained-run filtering and paired changes.
 
 The paper tunes a model, then raises the QK rate with everything else fixed; which base rate it
 used is unknown. So each dataset chapter maps the claim over a grid of base rates ``eta_ov`` and
@@ -16,9 +16,8 @@ ratios ``eta_QK/eta_OV``, for each optimizer, with early stopping on the validat
    against ratio 1 paired by seed, with its 95% seed interval, its number of seed pairs and
    whether it is significant; for R1 also the change of accuracy and macro-F1 over every model,
    trained or not.
-5. :func:`cell_verdicts` applies the R1-R3 rules of :mod:`qkov_lib.claims` (decided on the seed
-   intervals) in every (optimizer, base rate) column of the map; :mod:`qkov_lib.rate_plane`
-   reads the same runs as the (eta_QK, eta_OV) plane and decides each claim there.
+5. :mod:`qkov_lib.rate_plane` reads the same runs as the (eta_QK, eta_OV) plane and decides each
+   claim over the paper's protocol cells by the one rule of :mod:`qkov_lib.claims`.
 """
 
 from __future__ import annotations
@@ -417,45 +416,6 @@ def _change(row: pd.Series | None, key: str) -> claims.Change | None:
     return claims.Change(float(row[key]), float(row[f"{key}_ci"]), int(n) if math.isfinite(float(n)) else 0)
 
 
-def cell_verdicts(phase: pd.DataFrame,
-                  necessary: Mapping[tuple[str, float], bool | None] | bool | None = None) -> pd.DataFrame:
-    """R1-R3 by the rules of :mod:`qkov_lib.claims` in each (optimizer, eta_ov) column of the map,
-    on the paired seed changes of :func:`phase_table`: R1 on ``d_all_accuracy`` and
-    ``d_all_macro_f1`` (every model, trained or not) at every ratio above 1; R2 at the highest
-    ratio at which a run trained (the failures above it are counted by :func:`failures`); R3 on
-    ``d_attn_relevant`` and ``d_accuracy`` over every ratio above 1, read at the highest one with
-    a change. ``necessary`` (:func:`qkov_lib.claims.head_necessary`): one flag for every column or
-    one per ``(optimizer, eta_ov)``; False makes R3 'not tested' there. A column in which no run
-    trained at ratio 1 is 'not tested' on every claim (at chance at every ratio is not "stable")."""
-    if not (necessary is None or isinstance(necessary, (bool, np.bool_, Mapping))):
-        raise TypeError(f"necessary must be None, a bool or a mapping (optimizer, eta_ov) -> bool, "
-                        f"got {type(necessary).__name__}")
-    rows = []
-    for (opt, eta), g in phase.groupby(["optimizer", "eta_ov"], sort=False):
-        hi = g[g["ratio"] > 1.0].sort_values("ratio")
-        alive = hi[hi["trained_runs"] > 0]
-        top = alive.iloc[-1] if len(alive) else hi.iloc[-1] if len(hi) else None
-        ratios = [float(r) for r in hi["ratio"]]
-
-        def col(key: str) -> list[claims.Change | None]:
-            return [_change(row, key) for _, row in hi.iterrows()]
-
-        need = necessary.get((opt, float(eta))) if isinstance(necessary, Mapping) else necessary
-        vs = {"R1": claims.r1_performance_stable(col("d_all_accuracy"), col("d_all_macro_f1"), ratios=ratios),
-              "R2": claims.r2_interpretability(_change(top, "d_AC@0.5"), _change(top, "d_ACMC@0.5"),
-                                               _change(top, "d_sufficiency")),
-              "R3": claims.r3_decoupled(col("d_attn_relevant"), col("d_accuracy"),
-                                        necessary=None if need is None else bool(need), ratios=ratios)}
-        ref = g[g["ratio"] == 1.0]
-        if len(ref) and int(ref["trained_runs"].iloc[0]) == 0:  # a model that never learnt keeps nothing stable
-            vs = {cid: claims.Verdict("not tested", v.rule, "no run trained at ratio 1 at this base rate: no model "
-                                      "to compare the higher ratios with") for cid, v in vs.items()}
-        for cid, v in vs.items():
-            rows.append({"optimizer": opt, "eta_ov": eta, "claim": cid, "verdict": v.verdict, "region": v.region,
-                         "effect": v.effect, "reason": v.reason})
-    return pd.DataFrame(rows)
-
-
 PHASE_LABEL_CHARS = 5  # the longest cell label of :func:`plot_phase` ("+.12*")
 PHASE_COLS = 2  # panels side by side in a phase map (more rows instead): the labels stay legible on a page
 PHASE_SCALE_BELOW = 0.05  # a phase-map panel whose largest |change| is below this is drawn in units of 10^k
@@ -567,5 +527,5 @@ def synthetic_demo(n: int = 600, T: int = 8, vocab: int = 12, seed: int = 0) -> 
     return make(n), make(n // 3), make(n // 3)
 
 
-__all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table", "cell_verdicts",
+__all__ = ["Cell", "grid", "train_grid", "trained", "select_base_rates", "phase_table",
            "plot_phase", "phase_label", "PHASE_LABEL_CHARS", "PHASE_COLS", "PHASE_SCALE_BELOW", "failures", "synthetic_demo", "phase_metrics", "MAP_TAU", "R1_METRICS"]

@@ -9,34 +9,28 @@ plane. A ratio can be reached two ways, and a reader must see which one an effec
 
 With base rates spaced by the ratio step (e.g. decades and ratios 1, 10, 100) one grid gives both
 routes. :func:`plane_phase` gives the paired seed changes of every cell along both routes (the
-trained-pair view and the all-runs view); :func:`cell_outcomes` applies the R1-R3 rules of
-:mod:`qkov_lib.claims` to every cell, with two outcomes of its own: a reference that trained on
-fewer than :data:`qkov_lib.claims.MIN_SEEDS` seeds leaves the cell inconclusive, and a cell that
-trains where its ratio-1 reference never did is "rescued by the higher ratio".
-:func:`qk_ceiling` is the largest base rate at which plain training (ratio 1) is stable;
-:func:`plane_verdicts` decides each claim over the cells whose ``eta_QK`` stays below it (the
-cells past it are listed apart), and :func:`tied_rates` / :func:`tuned_line` give the tuned-rate
-reading, which must hold at every base rate tied with the tuned one. :func:`plot_plane` draws a
-metric's changes in absolute coordinates with the iso-ratio diagonals.
+trained-pair view and the all-runs view); :func:`plot_plane` draws them in absolute coordinates.
+The claims are read first where the paper reads them: :func:`protocol_cells` takes the cells of
+the paper's protocol (tune the base rate at ratio 1, raise ``eta_QK``) and of its control (lower
+``eta_OV`` at the tuned ``eta_QK``), and :func:`protocol_verdicts` turns them into words by the one
+rule of :mod:`qkov_lib.claims`. :func:`qk_ceiling` (the largest base rate at which ratio-1 training
+is stable) marks the cells past it; nothing is dropped.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from qkov_lib import claims, protocol
-from qkov_lib.metrics import seed_half_width
 
 ROUTES = {"qk_up": "eta_QK raised at fixed eta_OV", "ov_down": "eta_OV lowered at fixed eta_QK"}
 ROUTE_MARK = {"qk_up": "↑", "ov_down": "←"}  # the move in the plane (x = eta_OV, y = eta_QK)
 ALL_RUN_METRICS = ("accuracy", "macro_f1", "AC@0.5", "attn_relevant")  # the all-runs view
-CLAIM_EFFECT = {"R1": "d_all_accuracy", "R2": "d_AC@0.5", "R3": "d_attn_relevant"}  # the effect each region quotes
 MATCHED = "m_val_"  # prefix of the plane's changes at matched validation loss (:func:`add_matched`)
-OUTCOMES = ("reproduced", "holds where", "not reproduced", "inconclusive", "rescued", "not tested")
 
 
 def rate(x: float) -> float:
@@ -88,95 +82,6 @@ def add_matched(phase: pd.DataFrame, matched: pd.DataFrame) -> pd.DataFrame:
     return phase.merge(m, on=["optimizer", "eta_ov", "ratio", "ref_eta_ov"], how="left")
 
 
-def _ref_trained(phase: pd.DataFrame) -> dict[tuple[str, float], int]:
-    """Trained runs at ratio 1 per (optimizer, base rate)."""
-    ref = phase[(phase["route"] == "qk_up") & (phase["ratio"] == 1.0)]
-    return {(o, rate(e)): int(n) for o, e, n in zip(ref["optimizer"], ref["eta_ov"], ref["trained_runs"])}
-
-
-def cell_outcomes(phase: pd.DataFrame, necessary: Mapping[tuple[str, float], bool | None] | None = None,
-                  budgets: Mapping[tuple[str, float], int] | None = None) -> pd.DataFrame:
-    """R1-R3 in every cell above ratio 1 of :func:`plane_phase`, against its route's reference:
-    R1 on the all-runs changes of accuracy and macro-F1, R2 on AC@0.5, ACMC@0.5 and sufficiency
-    (test split, early-stopped endpoints), R3 on attention and accuracy at matched validation loss
-    where :func:`add_matched` gave them (``read_at`` says which), else at the endpoints (not tested
-    where ``necessary[(optimizer, ref_eta_ov)]`` is False), each by its rule in
-    :mod:`qkov_lib.claims` at that one ratio. Then the reference
-    decides what the cell can say: fewer than ``MIN_SEEDS`` trained seeds at ratio 1 and at
-    least ``MIN_SEEDS`` (and more) in the cell is ``rescued`` (training rescued by the higher
-    ratio; verdict 'not tested': too few reference models to pair with), no trained run at ratio
-    1 and fewer than ``MIN_SEEDS`` in the cell 'not tested', and otherwise a
-    reference with fewer than ``MIN_SEEDS`` trained seeds 'inconclusive' (or ``rescued`` when the
-    cell has at least ``MIN_SEEDS`` and more than its reference). ``budgets`` (step budget per
-    (optimizer, eta_ov)): on the fixed-eta_QK route a cell whose runs had no more steps than its
-    reference's, at a slower eta_OV, is 'not tested' on R1 and R2 (their endpoints are not at
-    comparable training; R3, read at matched loss, still is). One row per (route,
-    optimizer, eta_ov, eta_qk, ratio, claim) with ``verdict``, ``outcome`` (the verdict, or
-    ``rescued``), ``effect`` (the claim's :data:`CLAIM_EFFECT` change, a fraction), its
-    half-width ``effect_ci``, ``reason``, ``trained``, ``ref_trained``, ``pairs`` (the fewest seed
-    pairs among the changes the claim's rule read) and the all-runs change of
-    AC@0.5 (every run, trained or not: ``all_AC``, ``all_AC_ci``)."""
-    refs = _ref_trained(phase)
-    rows = []
-    for _, p in phase[phase["ratio"] > 1.0].iterrows():
-        key = (p["optimizer"], rate(p["ref_eta_ov"]))
-        n_ref, n = refs.get(key, 0), int(p["trained_runs"])
-        ch = lambda k: protocol._change(p, k)  # noqa: E731
-        need = (necessary or {}).get(key)
-        r = [float(p["ratio"])]
-        # R3 at matched validation loss where the curves allow it (the paper compares attention "at a
-        # similar training loss"), else between the early-stopped endpoints on the test split
-        m_att = ch(MATCHED + "attn_relevant")
-        matched = m_att is not None and m_att.n > 0 and math.isfinite(m_att.mean)
-        att, acc = (MATCHED + "attn_relevant", MATCHED + "accuracy") if matched else ("d_attn_relevant", "d_accuracy")
-        vs = {"R1": claims.r1_performance_stable([ch("d_all_accuracy")], [ch("d_all_macro_f1")], ratios=r),
-              "R2": claims.r2_interpretability(ch("d_AC@0.5"), ch("d_ACMC@0.5"), ch("d_sufficiency")),
-              "R3": claims.r3_decoupled([ch(att)], [ch(acc)], necessary=None if need is None else bool(need),
-                                        ratios=r)}
-        r3_at = f"matched val loss {float(p['m_level']):.3f}" if matched else "early-stopped endpoints (test)"
-        steps = (budgets or {}).get((p["optimizer"], rate(p["eta_ov"]))), (budgets or {}).get(key)
-        steps = steps if None not in steps else (None, None)
-        used = {"R1": ("d_all_accuracy", "d_all_macro_f1"), "R2": ("d_AC@0.5", "d_ACMC@0.5", "d_sufficiency"),
-                "R3": (att, acc)}
-        for cid, v in vs.items():
-            word, outcome, reason = v.verdict, v.verdict, v.reason
-            if n_ref < claims.MIN_SEEDS and n >= claims.MIN_SEEDS and n > n_ref:
-                word, outcome = "not tested", "rescued"
-                reason = (f"{n_ref} seed(s) trained at ratio 1, {n} at ratio {p['ratio']:g}: training rescued by "
-                          "the higher ratio")
-            elif n_ref == 0:
-                word = outcome = "not tested"
-                reason = f"no seed trained at ratio 1; {n} at ratio {p['ratio']:g}"
-            elif n_ref < claims.MIN_SEEDS:
-                word = outcome = "inconclusive"
-                reason = f"{n_ref} seed(s) trained at ratio 1 (a comparison needs {claims.MIN_SEEDS}); {v.reason}"
-            elif cid != "R3" and p["route"] == "ov_down" and steps[1] is not None and steps[0] <= steps[1]:
-                word = outcome = "not tested"
-                reason = (f"eta_OV {rate(p['eta_ov']):g} trained for {steps[0]} steps, no more than its reference at "
-                          f"{key[1]:g} ({steps[1]}): the slower run's endpoint is not at comparable training")
-            col = att if cid == "R3" else CLAIM_EFFECT[cid]
-            rows.append({"read_at": r3_at if cid == "R3" else "early-stopped endpoints (test)", "route": p["route"], "optimizer": p["optimizer"], "eta_ov": rate(p["eta_ov"]),
-                         "eta_qk": rate(p["eta_qk"]), "ratio": float(p["ratio"]), "ref_eta_ov": key[1],
-                         "claim": cid, "verdict": word, "outcome": outcome,
-                         "effect": float(p.get(col, math.nan)), "effect_ci": float(p.get(f"{col}_ci", math.nan)),
-                         "reason": reason, "contradicts": _contradicts(cid, word, ch), "trained": n, "ref_trained": n_ref,
-                         "pairs": min((c.n for c in map(ch, used[cid]) if c is not None), default=0),
-                         "all_AC": float(p.get("d_all_AC@0.5", math.nan)),
-                         "all_AC_ci": float(p.get("d_all_AC@0.5_ci", math.nan))})
-    return pd.DataFrame(rows)
-
-
-def _contradicts(cid: str, word: str, ch: Callable[[str], claims.Change | None]) -> bool:
-    """Whether a cell's outcome ``word`` for claim ``cid`` counts against the claim on the plane: 'not
-    reproduced', or R2 holding in part (some of its measures) while another measure stays short of its
-    margin over its whole interval; a part hold whose other measures straddle their margins is undecided.
-    ``ch(key)``: the cell's paired change of a plane column (as :func:`cell_outcomes` reads it)."""
-    if word == "not reproduced":
-        return True
-    return cid == "R2" and word == "holds where" and claims.r2_contradicted(ch("d_AC@0.5"), ch("d_ACMC@0.5"),
-                                                                             ch("d_sufficiency"))
-
-
 def qk_ceiling(table: pd.DataFrame) -> dict[str, float]:
     """Per optimizer, the largest base rate of the map below which plain training is stable: the
     largest rate whose ratio-1 runs, and those of every smaller rate, did not diverge (NaN: even
@@ -201,204 +106,177 @@ def cell_name(row: Mapping) -> str:
     return f"({row['eta_ov']:g}, {row['eta_qk']:g}){ROUTE_MARK[row['route']]}"
 
 
-PLANE_RULE = ("each cell above ratio 1 is compared with the ratio-1 run of its route (same eta_OV for ↑, same "
-              "eta_QK for ←), paired by seed, by the claim's own rule (R3 at the deepest validation loss both runs "
-              "of each pair reached, where the training curves allow; on ← R1 and R2, read at the endpoints, only where "
-              "the slower eta_OV had more steps than its reference); only cells whose eta_QK stays at or below the "
-              "largest base rate at which ratio-1 training was stable count; a word needs a region: at least "
-              f"{claims.threshold_text('MIN_REGION_CELLS')} points of the plane that agree (one point, by either "
-              "route, is a near-tie that another seed set can turn), and it must stand when any one seed is left out "
-              "(else inconclusive: one seed decides it); reproduced: it holds in every cell compared, and they are a region; holds where: "
-              "in a region of some (named, as (eta_OV, eta_QK)); not reproduced: it holds in no region and a region "
-              "contradicts it (or held there only in part: some of its measures, another one short of its margin); "
-              "inconclusive: otherwise (no region decided; a cell where some measures held and the others straddle "
-              "their margins decides nothing); not tested: no cell compared (a reference with fewer than "
-              f"{claims.MIN_SEEDS} trained seeds is inconclusive; a cell that trains where its reference never did "
-              "is counted as rescued, not compared)")
+# --- the paper's protocol, read first ----------------------------------------------------------
+# The paper tunes the base rate at ratio 1, then raises eta_QK x10 and x100 at that eta_OV. Those cells
+# are each dataset's first result, nothing excluded. Beside them, the control for "is it only a larger
+# QK step?": the same ratios reached by lowering eta_OV at the tuned eta_QK.
+PROTOCOL_ROUTES = {"qk_up": "the paper's protocol: eta_QK raised at the tuned eta_OV",
+                   "ov_down": "control: eta_OV lowered at the tuned eta_QK"}
+OPTIMIZER_NAMES = {"adamw": "AdamW", "sgd": "SGD"}
+# what each claim reads in a cell: the plane's column of paired changes
+CLAIM_COLUMN = {"R1": "d_all_accuracy", "R2": "d_AC@0.5", "R3": MATCHED + "attn_relevant"}
+# shown beside the claim's own change, never deciding it
+BESIDE = {"R2": ("d_ACMC@0.5", "d_sufficiency"), "R1": ("d_all_macro_f1",)}
+PROTOCOL_COLUMNS = ["claim", "route", "optimizer", "eta_ov", "eta_qk", "ratio", "cell", "mean", "hw", "n",
+                    "past_stable", "note"]
 
 
-def _cells(g: pd.DataFrame) -> str:
-    return ", ".join(f"{o} {cell_name(r)}" for o, r in ((r["optimizer"], r) for _, r in g.iterrows())) or "none"
+def optimizer_name(opt: str) -> str:
+    """``adamw`` -> ``AdamW`` (as a page names an optimizer)."""
+    return OPTIMIZER_NAMES.get(str(opt), str(opt))
 
 
-def _effect(g: pd.DataFrame, cid: str) -> str:
-    """The range of the claim's effect over cells ``g`` with the interval at each end."""
-    g = g[np.isfinite(g["effect"])]
-    if not len(g):
-        return ""
-    lo, hi = g.loc[g["effect"].idxmin()], g.loc[g["effect"].idxmax()]
-    name = CLAIM_EFFECT[cid].removeprefix("d_all_").removeprefix("d_")
-
-    def one(r) -> str:
-        ci = f" ± {r['effect_ci']:.3f}" if math.isfinite(r["effect_ci"]) else ""
-        return f"{r['effect']:+.3f}{ci} at {r['optimizer']} {cell_name(r)}"
-
-    return f"Δ {name} from {one(lo)} to {one(hi)}" if len(g) > 1 else f"Δ {name} {one(lo)}"
+def protocol_cell_name(route: str, optimizer: str, eta_ov: float, eta_qk: float, ratio: float) -> str:
+    """A protocol cell in words: ``AdamW, η_OV 1e-3, ratio 10 vs 1`` (the paper's protocol) or
+    ``AdamW, η_QK 1e-3, η_OV ÷10 (ratio 10 vs 1)`` (the control)."""
+    if route == "qk_up":
+        return f"{optimizer_name(optimizer)}, η_OV {eta_ov:g}, ratio {ratio:g} vs 1"
+    return f"{optimizer_name(optimizer)}, η_QK {eta_qk:g}, η_OV ÷{ratio:g} (ratio {ratio:g} vs 1)"
 
 
-def _points(cells: pd.DataFrame) -> int:
-    """Distinct points (optimizer, eta_OV, eta_QK) among ``cells``."""
-    return len(set(zip(cells["optimizer"], cells["eta_ov"], cells["eta_qk"])))
+def protocol_cells(plane: pd.DataFrame, selected: Mapping[str, float], ceiling: Mapping[str, float],
+                   chance_loss: float = math.inf) -> pd.DataFrame:
+    """Every cell the paper's protocol and its control read, per claim: the ``qk_up`` cells at each
+    optimizer's tuned ``eta_OV`` (``selected``) and the ``ov_down`` cells at the tuned ``eta_QK``, every
+    ratio above 1 of :func:`plane_phase` (``plane``, with :func:`add_matched`). One row per (claim, cell):
+    the change the claim reads (:data:`CLAIM_COLUMN`; a fraction) as ``mean``, its 95 % seed half-width
+    ``hw`` and seed pairs ``n``; ``past_stable`` where ``eta_QK`` exceeds the largest base rate at which
+    ratio-1 training was stable (``ceiling``: marked, read all the same); ``note`` says why a cell has no
+    change. R3 is read at matched validation loss only where both runs learned: the matched level lies at
+    least :data:`qkov_lib.claims.SAME_LOSS` below ``chance_loss`` (the untrained model's validation loss,
+    nats); elsewhere the cell is 'not comparable' (mean NaN). The changes shown beside a claim
+    (:data:`BESIDE`) come as extra ``<column>`` / ``<column>_ci`` columns."""
+    rows = []
+    for route in PROTOCOL_ROUTES:
+        for opt, tuned in selected.items():
+            key = "eta_ov" if route == "qk_up" else "eta_qk"
+            g = plane[(plane["route"] == route) & (plane["optimizer"] == opt) & (plane["ratio"] > 1.0)
+                      & (plane[key].map(rate) == rate(tuned))].sort_values("ratio")
+            for _, p in g.iterrows():
+                eta_ov, eta_qk, r = rate(p["eta_ov"]), rate(p["eta_qk"]), float(p["ratio"])
+                past = bool(eta_qk > ceiling.get(opt, math.inf) * (1 + 1e-9))
+                for cid, col in CLAIM_COLUMN.items():
+                    c, note = protocol._change(p, col), ""
+                    if cid == "R3":
+                        level = float(p.get("m_level", math.nan))
+                        if not math.isfinite(level):
+                            c, note = None, "no matched validation loss (a side without trained runs)"
+                        elif level > chance_loss - claims.SAME_LOSS:
+                            c, note = None, (f"not comparable: matched at validation loss {level:.3f}, not "
+                                             f"{claims.threshold_text('SAME_LOSS')} below chance ({chance_loss:.3f})")
+                    if c is None or not math.isfinite(c.mean):
+                        note = note or "no seed pair to compare"
+                    row = {"claim": cid, "route": route, "optimizer": opt, "eta_ov": eta_ov, "eta_qk": eta_qk,
+                           "ratio": r, "cell": protocol_cell_name(route, opt, eta_ov, eta_qk, r),
+                           "mean": c.mean if c is not None else math.nan,
+                           "hw": c.half_width if c is not None else math.nan, "n": c.n if c is not None else 0,
+                           "past_stable": past, "note": note}
+                    for b in BESIDE.get(cid, ()):
+                        row[b], row[f"{b}_ci"] = float(p.get(b, math.nan)), float(p.get(f"{b}_ci", math.nan))
+                    rows.append(row)
+    return pd.DataFrame(rows, columns=None if rows else PROTOCOL_COLUMNS)
 
 
-def plane_verdicts(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> dict[str, claims.Verdict]:
-    """Per claim, the verdict over the plane's cells (:data:`PLANE_RULE`): the cells with
-    ``eta_qk`` at most ``ceiling[optimizer]`` are read; the reason counts them by outcome and names
-    the cells past the edge; the region names where the claim holds, where it is contradicted and
-    where it is undecided; the effect gives the range of the claim's change over the cells read."""
+def _readings(cells: pd.DataFrame, cid: str) -> tuple[list[claims.Reading], list[str]]:
+    """The claim's readings over ``cells`` (one route of :func:`protocol_cells`) by the one rule, and
+    the cells not comparable (left out of the family, named in the reason)."""
+    g = cells[cells["claim"] == cid]
+    apart = [f"{c} ({n})" for c, n in zip(g["cell"], g["note"]) if str(n).startswith("not comparable")]
+    g = g[~g["note"].astype(str).str.startswith("not comparable")]
+    changes = {c + (" (η_QK past the stable rate)" if past else ""):
+               (claims.Change(m, h, int(n)) if math.isfinite(m) else None)
+               for c, m, h, n, past in zip(g["cell"], g["mean"], g["hw"], g["n"], g["past_stable"])}
+    return claims.read_cells(changes, claims.ESTIMANDS[cid]), apart
+
+
+def protocol_verdicts(cells: pd.DataFrame, route: str = "qk_up") -> dict[str, claims.Verdict]:
+    """Per claim, the word over the cells of ``route`` (:func:`protocol_cells`) by the one rule
+    (:func:`qkov_lib.claims.read_cells` and :func:`qkov_lib.claims.decide`): Bonferroni over the
+    claim's cells of this dataset; cells not comparable are named in the reason, not read."""
     out = {}
-    for cid, g in outcomes.groupby("claim", sort=True):
-        within = g["eta_qk"] <= g["optimizer"].map(lambda o: ceiling.get(o, math.nan)) * (1 + 1e-9)
-        read, past = g[within], g[~within]
-        holds = read[read["verdict"] == "reproduced"]
-        fails = read[read["verdict"] == "not reproduced"]
-        part = read[read["verdict"] == "holds where"]
-        open_ = read[read["verdict"] == "inconclusive"]
-        rescued = g[g["outcome"] == "rescued"]
-        counts = ", ".join(f"{(read['outcome'] == o).sum()} {o}" for o in OUTCOMES if (read["outcome"] == o).any())
-        why = f"{len(read)} cells within the stable range: {counts or 'none'}"
-        # a cell where only some of the claim's measures held is named, but the claim did not hold there: it
-        # counts against the claim where another measure fell short of its margin, else it decides nothing
-        short = part["contradicts"].astype(bool) if "contradicts" in part else pd.Series(True, index=part.index)
-        if len(part):
-            why += f"; in part (some of its measures) at {_cells(part)}"
-            if not short.all():
-                why += f" (the others undecided at {_cells(part[~short])})"
-        if len(past):
-            why += f"; {len(past)} cells past the stable ceiling, not read"
-        if len(rescued):
-            why += f"; training rescued by the higher ratio at {_cells(rescued)}"
-        effect = _effect(read[read["verdict"] != "not tested"], cid)
-        against = pd.concat([fails, part[short]])
-        open_ = pd.concat([open_, part[~short]])
-        compared = len(holds) + len(against) + len(open_)
-        # a region counts points of the plane: one point reached by both routes is the same runs
-        n_holds, n_against, enough = _points(holds), _points(against), claims.MIN_REGION_CELLS
-        if 0 < n_holds < enough:
-            why += f"; held at {n_holds} point only ({_cells(holds)}): not a region"
-        if 0 < n_against < enough and n_holds < enough:
-            why += f"; contradicted at {n_against} point only ({_cells(against)})"
-        if not compared:
-            out[cid] = claims.Verdict("not tested", PLANE_RULE, why)
-        elif len(holds) == compared and n_holds >= enough:
-            out[cid] = claims.Verdict("reproduced", PLANE_RULE, why, effect=effect)
-        elif n_holds >= enough:
-            region = "at " + _cells(holds)
-            region += "".join(f"; {w} at {_cells(x)}" for w, x in (("in part", part), ("not", fails),
-                                                                    ("undecided", open_)) if len(x))
-            out[cid] = claims.Verdict("holds where", PLANE_RULE, why, region=region, effect=effect)
-        elif n_against >= enough:
-            out[cid] = claims.Verdict("not reproduced", PLANE_RULE, why, effect=effect)
-        else:
-            out[cid] = claims.Verdict("inconclusive", PLANE_RULE, why, effect=effect)
+    sub = cells[cells["route"] == route] if len(cells) else cells
+    for cid in CLAIM_COLUMN:
+        readings, apart = _readings(sub, cid) if len(sub) else ([], [])
+        v = claims.decide(readings, claims.ESTIMANDS[cid], claims.ESTIMANDS[cid].text())
+        if apart:
+            v = claims.Verdict(v.verdict, v.rule, v.reason + "; not comparable, not read: " + ", ".join(apart),
+                               v.region, v.effect)
+        out[cid] = v
     return out
 
 
-_CELL = ["route", "optimizer", "eta_ov", "ratio", "claim"]  # one row of cell_outcomes
-
-
-def one_seed_out(outcomes: pd.DataFrame, without: Mapping[int, pd.DataFrame], ceiling: Mapping[str, float]
-                 ) -> dict[str, claims.Verdict]:
-    """:func:`plane_verdicts` of ``outcomes`` (every seed), each word checked against the plane read
-    with one seed left out (``without[seed]``: :func:`cell_outcomes` of the runs without it). A cell
-    in which leaving the seed out leaves fewer seed pairs or reference seeds than the rules' minimum
-    keeps its outcome (a shortfall the minimum already governs); every other cell takes its
-    outcome without the seed. A word other than 'inconclusive' or 'not tested' that another word
-    replaces when some one seed is left out is decided by that seed: it becomes 'inconclusive', its
-    reason naming the seed and the word without it (the effect is kept)."""
-    full = plane_verdicts(outcomes, ceiling)
-    key = outcomes.set_index(_CELL).index
-    turned: dict[str, list[tuple[int, claims.Verdict]]] = {}
-    for seed, loo in without.items():
-        ok = loo[(loo["pairs"] >= claims.MIN_SEEDS) & (loo["ref_trained"] >= claims.MIN_SEEDS)]
-        mixed = pd.concat([outcomes[~key.isin(ok.set_index(_CELL).index)], ok], ignore_index=True)
-        for cid, w in plane_verdicts(mixed, ceiling).items():
-            if cid in full and w.verdict != full[cid].verdict:
-                turned.setdefault(cid, []).append((seed, w))
-    out = {}
-    for cid, v in full.items():
-        turns = turned.get(cid, [])
-        if turns and v.verdict not in ("inconclusive", "not tested"):
-            s, w = turns[0]
-            seeds = ", ".join(str(t) for t, _ in turns)
-            out[cid] = claims.Verdict("inconclusive", v.rule, f"{v.reason}; {v.label} with every seed, but {w.label} "
-                                      f"without seed {s} (turned by leaving out seed{'s' if len(turns) > 1 else ''} "
-                                      f"{seeds}): one seed decides it", effect=v.effect)
-        else:
-            out[cid] = v
-    return out
-
-
-def region_table(outcomes: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
-    """The plane's cells as a table to read: one row per (optimizer, route, eta_OV, eta_QK,
-    ratio), one column per claim with its outcome and effect (``reproduced (+0.051 ± 0.020)``),
-    the all-runs change of AC@0.5 beside R2's trained-pair one, the trained seeds at the cell and
-    at its reference, and whether ``eta_QK`` lies past the stable ceiling."""
-    if not len(outcomes):
+def readings_frame(cells: pd.DataFrame) -> pd.DataFrame:
+    """The protocol cells as a reader's table: one row per cell (route, optimizer, rates, ratio), per
+    claim its change ± the family interval and its outcome (``holds``, ``contradicted``, ``undecided``;
+    ``not comparable`` for R3 where a run did not learn), the seeds that would decide an undecided one,
+    and ACMC@0.5 and sufficiency beside R2 (± their 95 % seed intervals)."""
+    if not len(cells):
         return pd.DataFrame()
-    o = outcomes.assign(text=[f"{w}" + (f" ({fmt_change(e, c)})" if math.isfinite(e) else "")
-                              for w, e, c in zip(outcomes["outcome"], outcomes["effect"], outcomes["effect_ci"])],
-                        **{"Δ AC@0.5, all runs": [fmt_change(e, c) for e, c in zip(outcomes["all_AC"], outcomes["all_AC_ci"])]})
-    idx = ["optimizer", "route", "eta_ov", "eta_qk", "ratio"]
-    t = o.pivot_table(index=idx, columns="claim", values="text", aggfunc="first")
-    r3_at = o[o["claim"] == "R3"].groupby(idx)["read_at"].first().rename("R3 read at")
-    seeds = o.groupby(idx)[["Δ AC@0.5, all runs", "trained", "ref_trained"]].first().join(r3_at)
-    t = t.join(seeds).reset_index()
-    t["past the edge"] = t["eta_qk"] > t["optimizer"].map(lambda x: ceiling.get(x, math.nan)) * (1 + 1e-9)
-    t["route"] = t["route"].map(lambda r: f"{ROUTE_MARK[r]} {ROUTES[r]}")
-    return t.sort_values(["optimizer", "route", "eta_ov", "ratio"]).reset_index(drop=True)
+    rows: dict[str, dict] = {}
+    for route in PROTOCOL_ROUTES:
+        sub = cells[cells["route"] == route]
+        for cid in CLAIM_COLUMN:
+            readings, _ = _readings(sub, cid)
+            got = {r.cell.split(" (η_QK past")[0]: r for r in readings}
+            for _, c in sub[sub["claim"] == cid].iterrows():
+                row = rows.setdefault(c["cell"], {"route": ROUTE_MARK[route] + " " + PROTOCOL_ROUTES[route],
+                                                  "cell": c["cell"], "η_QK past the stable rate": c["past_stable"]})
+                r = got.get(c["cell"])
+                if r is None:
+                    row[f"{cid}"] = str(c["note"]).split(":")[0]
+                    continue
+                row[cid] = f"{r.outcome}: {r.text()}" + (f"; {r.seeds} seeds would decide"
+                                                         if r.outcome == "undecided" and r.seeds else "")
+                for b in BESIDE.get(cid, ()):
+                    if b in c and cid == "R2":
+                        row[b.removeprefix("d_")] = fmt_change(c[b], c[f"{b}_ci"])
+    return pd.DataFrame(list(rows.values()))
 
 
-def tied_rates(table: pd.DataFrame, selected: Mapping[str, float], metric: str = "val_accuracy"
-               ) -> dict[str, list[float]]:
-    """Per optimizer, the base rates tied with the tuned one (``selected``): their mean ``metric``
-    over trained seeds at ratio 1 lies within the 95% seed half-width of the tuned rate's mean
-    (themselves with at least ``MIN_SEEDS`` trained seeds); the tuned rate first. With fewer than
-    two trained seeds at the tuned rate the interval is unknown and only the tuned rate is listed."""
-    ref = table[(table["ratio"] == 1.0) & table["trained"]]
-    out = {}
-    for opt, best in selected.items():
-        g = ref[ref["optimizer"] == opt]
-        v = g[g["eta_ov"] == best][metric].to_numpy(dtype=float)
-        hw = seed_half_width(v) if len(v) >= 2 else math.nan
-        tied = [best]
-        for eta, h in g.groupby("eta_ov"):
-            if float(eta) != best and len(h) >= claims.MIN_SEEDS and math.isfinite(hw) and \
-                    abs(float(h[metric].mean()) - float(v.mean())) <= hw:
-                tied.append(float(eta))
-        out[opt] = tied
-    return out
+def plot_forest(cells: Mapping[str, pd.DataFrame], claim_ids: Sequence[str] = ("R2", "R1")):
+    """A forest plot of the paper's protocol cells (``qk_up`` rows of :func:`protocol_cells`) of
+    several datasets (``{dataset: cells}``): one panel per claim in ``claim_ids``, one row per dataset x
+    optimizer x ratio, the change with its family interval (Bonferroni over the claim's cells of that
+    dataset) clipped to [-1, 1] (the changes are fractions), coloured by outcome, and the claim's
+    margin drawn as a dashed line."""
+    import matplotlib.pyplot as plt
 
+    from qkov_lib.plotting import FACE, setup
 
-TUNED_LINE_RULE = ("the claim's own rule in the column of the tuned base rate (best validation accuracy at ratio 1, "
-                   "η_QK raised at fixed η_OV); the tuned rate's verdict stands only if every base rate tied with it "
-                   "(validation accuracy within its 95% seed interval) gives the same verdict, else inconclusive; "
-                   "then " + claims.TUNED_RULE)
-
-
-def tuned_line(columns: pd.DataFrame, tied: Mapping[str, Sequence[float]]) -> dict[str, claims.Verdict]:
-    """Per claim, the tuned-rate reading: ``columns`` are the per-column verdicts of
-    :func:`qkov_lib.protocol.cell_verdicts`; per optimizer the verdict at its tuned rate (first
-    of ``tied[opt]``) stands when every tied rate agrees, else it is 'inconclusive'; the
-    optimizers are combined by :func:`qkov_lib.claims.tuned_region`."""
-    out = {}
-    for cid, g in columns.groupby("claim", sort=True):
-        at, where, effects = {}, {}, {}
-        for opt, rates_ in tied.items():
-            h = g[(g["optimizer"] == opt) & g["eta_ov"].isin(rates_)]
-            if not len(h):
-                continue
-            first = h[h["eta_ov"] == rates_[0]].iloc[0]
-            words = dict(zip(h["eta_ov"], h["verdict"]))
-            agree = len(set(words.values())) == 1
-            at[opt] = first["verdict"] if agree else "inconclusive"
-            where[opt] = str(first.get("region", ""))
-            tag = "" if len(rates_) == 1 else (" (tied rates " + ", ".join(f"{e:g}: {w}" for e, w in words.items())
-                                                + ")")
-            effects[opt] = f"eta_ov {rates_[0]:g}: {first.get('effect', '')}{tag}"
-        v = claims.tuned_region(at, where, effects)
-        out[cid] = claims.Verdict(v.verdict, TUNED_LINE_RULE, v.reason, v.region, v.effect)
-    return out
+    setup()
+    colours = {"holds": "tab:blue", "contradicted": "tab:red", "undecided": "0.55"}
+    fig, axes = plt.subplots(1, len(claim_ids), figsize=(5.2 * len(claim_ids), 0.38 * 12 + 1.2), sharey=True,
+                             squeeze=False, facecolor=FACE)
+    labels: list[str] = []
+    for j, cid in enumerate(claim_ids):
+        ax, est, y = axes[0, j], claims.ESTIMANDS[cid], 0
+        labels = []
+        for ds, frame in cells.items():
+            sub = frame[frame["route"] == "qk_up"] if len(frame) else frame
+            readings, _ = _readings(sub, cid) if len(sub) else ([], [])
+            for r in readings:
+                lo, hi = (np.clip([r.change.mean - r.hw, r.change.mean + r.hw], -1, 1)
+                          if r.change is not None and math.isfinite(r.hw) else (math.nan, math.nan))
+                m = r.change.mean if r.change is not None else math.nan
+                ax.plot([lo, hi], [y, y], color=colours[r.outcome], lw=2)
+                ax.plot([m], [y], "o", color=colours[r.outcome], ms=5)
+                if not math.isfinite(m):
+                    ax.annotate("no run trained", (0, y), fontsize=7, color="0.4", va="center")
+                labels.append(f"{ds}: {r.cell.replace(' vs 1', '')}")
+                y += 1
+        ax.axvline(est.margin, ls="--", color="black", lw=1)
+        ax.axvline(0, color="0.8", lw=0.8, zorder=0)
+        ax.set_title(f"{cid}: {'Δ AC@0.5' if cid == 'R2' else 'Δ accuracy' if cid == 'R1' else 'Δ attention'} "
+                     f"(claim's side: {est.side})", fontsize=9)
+        ax.set_xlim(-1.05, 1.05)
+        ax.tick_params(labelsize=7)
+    ax0 = axes[0, 0]
+    ax0.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax0.invert_yaxis()
+    handles = [plt.Line2D([], [], color=c, lw=2, label=o) for o, c in colours.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
 
 
 def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | None = None,
@@ -517,6 +395,6 @@ def recipe(plane: pd.DataFrame, ceiling: Mapping[str, float]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-__all__ = ["recipe", "fmt_change", "pairs_of", "add_matched", "MATCHED", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS", "CLAIM_EFFECT", "OUTCOMES", "PLANE_RULE", "TUNED_LINE_RULE",
-           "rate", "plane_phase", "cell_outcomes", "qk_ceiling", "cell_name", "plane_verdicts", "one_seed_out", "region_table",
-           "tied_rates", "tuned_line", "plot_plane"]
+__all__ = ["recipe", "fmt_change", "pairs_of", "add_matched", "MATCHED", "ROUTES", "ROUTE_MARK", "ALL_RUN_METRICS",
+           "rate", "plane_phase", "qk_ceiling", "cell_name", "plot_plane", "PROTOCOL_ROUTES", "CLAIM_COLUMN",
+           "protocol_cells", "protocol_verdicts", "readings_frame", "plot_forest", "optimizer_name"]

@@ -20,7 +20,6 @@ stopping on validation loss), :func:`attractor_accuracy` tests it on Linzen's at
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -198,29 +197,16 @@ def natural_grid(ds: TextDataset, cfg: Mapping[str, Any], device: torch.device |
     return pd.concat(frames, ignore_index=True)
 
 
-# A refutation needs the effect at more than one base rate (a drop at one rate may belong to that rate);
-# the natural-prefix grid trains one, so there a drop reads inconclusive, with its size, not "not reproduced"
-NATURAL_R1_RULE = (f"{claims.R1_RULE}; on a grid of one base rate a drop that would read 'not reproduced' reads "
-                   "inconclusive (a refutation needs the drop at several base rates)")
-
-
 def natural_r1(frame: pd.DataFrame) -> claims.Verdict:
-    """R1 (:func:`qkov_lib.claims.r1_performance_stable`) of the natural-prefix models of
-    :func:`natural_grid`: the change of accuracy over all attractor prefixes at each ratio above
-    the lowest, paired by seed (no macro-F1: the attractor sets have one number per prefix). Trained
-    at one base rate (``eta_ov``), a drop reads inconclusive (:data:`NATURAL_R1_RULE`)."""
+    """R1 of the natural-prefix models of :func:`natural_grid` by the one rule of :mod:`qkov_lib.claims`:
+    the change of accuracy over all attractor prefixes at each ratio above the lowest, paired by seed (no
+    macro-F1: the attractor sets have one number per prefix)."""
     acc = frame[frame["n_attractors"] == "all"].pivot(index="seed", columns="ratio", values="accuracy")
     ratios = sorted(acc.columns)
-    if len(ratios) < 2:
-        return claims.r1_performance_stable([], [])
-    d = [claims.Change.of((acc[r] - acc[ratios[0]]).to_numpy(dtype=float)) for r in ratios[1:]]
-    v = claims.r1_performance_stable(d, [], ratios=ratios[1:])
-    if v.verdict == "not reproduced":
-        rates = sorted(set(frame["eta_ov"])) if "eta_ov" in frame else []
-        at = f" (eta_OV {', '.join(f'{r:g}' for r in rates)})" if rates else ""
-        return dataclasses.replace(v, verdict="inconclusive", rule=NATURAL_R1_RULE,
-                                   reason=f"{v.reason}; at one base rate{at} only, not read as a refutation")
-    return dataclasses.replace(v, rule=NATURAL_R1_RULE)
+    rates = ", ".join(f"{r:g}" for r in sorted(set(frame["eta_ov"]))) if "eta_ov" in frame else "?"
+    cells = {f"natural prefixes, η_OV {rates}, ratio {r:g} vs {ratios[0]:g}":
+             claims.Change.of((acc[r] - acc[ratios[0]]).to_numpy(dtype=float)) for r in ratios[1:]}
+    return claims.decide(claims.read_cells(cells, claims.ESTIMANDS["R1"]), claims.ESTIMANDS["R1"])
 
 
 def natural_claim_row(frame: pd.DataFrame, verdict: claims.Verdict) -> dict[str, str]:

@@ -250,26 +250,25 @@ def chance(val: Batch) -> float:
 @dataclass
 class MapResult:
     """A trained protocol map: ``table`` (one row per run, with ``trained``), ``selected`` (validation-chosen
-    base rate per optimizer), ``phase`` (:func:`.protocol.phase_table`, eta_QK raised at fixed eta_OV), ``cells``
-    (per-column verdicts), ``chance`` (validation majority rate); the rate plane: ``plane``
-    (:func:`.rate_plane.plane_phase`, both routes), ``outcomes`` (:func:`.rate_plane.cell_outcomes`),
-    ``verdicts`` (per claim, :func:`.rate_plane.plane_verdicts`: the claim's word), ``ceiling``
-    (:func:`.rate_plane.qk_ceiling`), ``tied`` (:func:`.rate_plane.tied_rates`) and ``tuned`` (per claim, the
-    tuned-rate line, :func:`.rate_plane.tuned_line`); the trained ``models`` and every run's ``histories`` keyed
-    by cell, the validation split ``val`` they were stopped on, the ``necessity`` table and ``necessary`` (per
-    (optimizer, base rate) at ratio 1)."""
+    base rate per optimizer, from the map's own seeds), ``phase`` (:func:`.protocol.phase_table`, eta_QK raised
+    at fixed eta_OV), ``chance`` (validation majority rate) and ``chance_loss`` (the untrained models'
+    validation loss, nats); the rate plane ``plane`` (:func:`.rate_plane.plane_phase`, both routes, at matched
+    validation loss where the curves allow) and its ``ceiling`` (:func:`.rate_plane.qk_ceiling`); the paper's
+    protocol read first: ``protocol`` (:func:`.rate_plane.protocol_cells`), ``verdicts`` (per claim, the word
+    over the protocol cells) and ``control`` (the same over the eta_OV-lowered control); the trained ``models``
+    and every run's ``histories`` keyed by cell, the validation split ``val`` they were stopped on, the
+    ``necessity`` table and ``necessary`` (per (optimizer, base rate) at ratio 1)."""
 
     table: pd.DataFrame
     selected: dict[str, float]
     phase: pd.DataFrame
-    cells: pd.DataFrame
     chance: float
+    chance_loss: float = math.inf
     plane: pd.DataFrame = field(default_factory=pd.DataFrame)
-    outcomes: pd.DataFrame = field(default_factory=pd.DataFrame)
-    verdicts: dict[str, claims.Verdict] = field(default_factory=dict)
     ceiling: dict[str, float] = field(default_factory=dict)
-    tied: dict[str, list[float]] = field(default_factory=dict)
-    tuned: dict[str, claims.Verdict] = field(default_factory=dict)
+    protocol: pd.DataFrame = field(default_factory=pd.DataFrame)
+    verdicts: dict[str, claims.Verdict] = field(default_factory=dict)
+    control: dict[str, claims.Verdict] = field(default_factory=dict)
     models: dict[protocol.Cell, nn.Module] = field(repr=False, default_factory=dict)
     histories: dict[protocol.Cell, Any] = field(repr=False, default_factory=dict)
     val: Batch | None = field(repr=False, default=None)
@@ -278,32 +277,20 @@ class MapResult:
     intervention: pd.DataFrame | None = None
 
 
-def _plane(table: pd.DataFrame, chance_rate: float, curves: pd.DataFrame | None,
-           necessary: Mapping[tuple[str, float], bool | None] | None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The rate plane of a run table (with ``trained``) and its cells' outcomes: both routes' changes
-    (:func:`.rate_plane.plane_phase`), at matched validation loss where ``curves`` (of the trained runs)
-    allow, and every cell's R1-R3 outcome (:func:`.rate_plane.cell_outcomes`, with each run's step ``budget``
-    where the table has it)."""
-    plane = rate_plane.plane_phase(table, chance=chance_rate)
-    if curves is not None and len(curves):
-        plane = rate_plane.add_matched(plane, trajectory.at_deepest_common_loss(curves, rate_plane.pairs_of(plane)))
-    budgets = ({(o, rate_plane.rate(e)): int(b) for o, e, b in zip(table["optimizer"], table["eta_ov"], table["budget"])}
-               if "budget" in table else None)
-    return plane, rate_plane.cell_outcomes(plane, necessary, budgets)
-
-
 def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Cell, nn.Module] | None = None,
-            test: Batch | None = None, histories: Mapping[protocol.Cell, Any] | None = None) -> MapResult:
+            test: Batch | None = None, histories: Mapping[protocol.Cell, Any] | None = None,
+            selected: Mapping[str, float] | None = None) -> MapResult:
     """The protocol's analysis of a run table (:func:`.protocol.train_grid`): trained-run flag, validation-chosen
-    base rates, phase table, the necessity check on ``test`` (:func:`necessity_table`, when ``models`` and
-    ``test`` are given), column verdicts (R3 untested where the head is not necessary), and the rate plane: both
-    routes' changes, every cell's outcome, the stable ceiling, the claims' verdicts over the plane (each checked
-    with every one seed left out, :func:`.rate_plane.one_seed_out`) and the tuned-rate line with its tied rates."""
+    base rates (``selected`` when given: the extra protocol seeds choose nothing), phase table, the necessity
+    check on ``test`` (:func:`necessity_table`, when ``models`` and ``test`` are given), the rate plane (both
+    routes, at matched validation loss where the curves allow), the stable ceiling and the paper's protocol read
+    first: its cells and control (:func:`.rate_plane.protocol_cells`) and each claim's word over them by the one
+    rule (:func:`.rate_plane.protocol_verdicts`)."""
     table = table.assign(trained=protocol.trained(table, chance_rate), eta_qk=(table["eta_ov"] * table["ratio"]
                                                                                ).map(rate_plane.rate))
-    selected = protocol.select_base_rates(table)
+    selected = dict(selected) if selected is not None else protocol.select_base_rates(table)
     phase = protocol.phase_table(table, chance=chance_rate)
-    result = MapResult(table, selected, phase, pd.DataFrame(), chance_rate, models=dict(models or {}),
+    result = MapResult(table, selected, phase, chance_rate, models=dict(models or {}),
                        histories=dict(histories or {}))
     if models and test is not None:
         result.necessity = necessity_table(result, test)
@@ -311,41 +298,69 @@ def analyse(table: pd.DataFrame, chance_rate: float, models: Mapping[protocol.Ce
         result.necessary = {(o, rate_plane.rate(e)): (None if n is None or pd.isna(n) else bool(n))
                             for o, e, n in zip(ref["optimizer"], ref["eta_ov"], ref["necessary"])}
         result.intervention = intervention_frame(result, test)
-    result.cells = protocol.cell_verdicts(phase, necessary=result.necessary)
-    cur = trained_curves(result) if result.histories else None
-    result.plane, result.outcomes = _plane(table, chance_rate, cur, result.necessary)
+    result.plane = rate_plane.plane_phase(table, chance=chance_rate)
+    if result.histories:
+        every = trajectory.curves(result.histories)
+        result.chance_loss = float(every[every["step"] == 0]["val_loss"].median())
+        cur = trained_curves(result)
+        if len(cur):
+            result.plane = rate_plane.add_matched(result.plane, trajectory.at_deepest_common_loss(
+                cur, rate_plane.pairs_of(result.plane)))
     result.ceiling = rate_plane.qk_ceiling(table)
-    seeds = sorted(table["seed"].unique()) if table["seed"].nunique() > 1 else []
-    # each word must stand with any one seed left out (the ceiling stays that of every seed)
-    result.verdicts = rate_plane.one_seed_out(result.outcomes, {
-        int(s): _plane(table[table["seed"] != s], chance_rate, None if cur is None else cur[cur["seed"] != s],
-                       result.necessary)[1] for s in seeds}, result.ceiling)
-    result.tied = rate_plane.tied_rates(table, selected)
-    result.tuned = rate_plane.tuned_line(result.cells, result.tied)
+    result.protocol = rate_plane.protocol_cells(result.plane, selected, result.ceiling, result.chance_loss)
+    result.verdicts = rate_plane.protocol_verdicts(result.protocol, "qk_up")
+    result.control = rate_plane.protocol_verdicts(result.protocol, "ov_down")
     return result
+
+
+def protocol_grid(selected: Mapping[str, float], cfg: Mapping[str, Any], seeds: Sequence[int]) -> list[protocol.Cell]:
+    """The cells the paper's protocol and its control read, at ``seeds``: per optimizer its tuned base rate
+    (``selected``) at every ratio, and every base rate of the grid equal to the tuned one divided by a ratio
+    at that ratio (eta_OV lowered at the tuned eta_QK)."""
+    grid = base_rates(cfg)
+    cells = []
+    for opt, tuned in selected.items():
+        for r in cfg["ratios"]:
+            etas = [tuned] + ([e for e in grid[opt] if rate_plane.rate(e * r) == rate_plane.rate(tuned)]
+                              if r > 1 else [])
+            cells += [protocol.Cell(opt, float(e), float(r), int(s)) for e in etas for s in seeds]
+    return cells
+
+
+def _train(cells, ds, val, cfg, device, desc, models, histories) -> pd.DataFrame:
+    """:func:`.protocol.train_grid` of ``cells`` with the map's model, splits, config and measures."""
+    watch = monitor_split(val, cfg.get("monitor_rows"))
+    # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
+    return protocol.train_grid(
+        cells, functools.partial(_cell_model, ds, cfg, device), ds.train.to(device), val.to(device),
+        ds.test.to(device), functools.partial(cell_config, cfg),
+        # validation only chooses (rate, stopping step): no ERASER scores there
+        (functools.partial(measure, n_eraser=0), functools.partial(measure, n_eraser=cfg["n_eraser"])),
+        desc=desc, models_out=models, threads=cfg.get("threads"), max_stack=int(cfg.get("max_stack", 64)),
+        processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1, histories_out=histories,
+        taus=(protocol.MAP_TAU,), monitor=None if watch is None else watch.to(device))
 
 
 def run_map(ds: TextDataset, val: Batch, cfg: Mapping[str, Any], device: torch.device | None = None,
             desc: str | None = None) -> MapResult:
     """Train the map of ``cfg`` (optimizers × their base rates × ratios × ``map_seeds``) on ``ds.train`` with
-    early stopping on ``val`` (on its :func:`monitor_split` rows when ``cfg["monitor_rows"]`` is set), measure
-    every run on the whole of ``val`` and on ``ds.test``, and :func:`analyse` it."""
+    early stopping on ``val`` (on its :func:`monitor_split` rows when ``cfg["monitor_rows"]`` is set), choose
+    each optimizer's base rate on validation, train the cells of the paper's protocol and its control
+    (:func:`protocol_grid`) again at ``protocol_seeds`` (none by default), measure every run on the whole of
+    ``val`` and on ``ds.test``, and :func:`analyse` it."""
     device = device or torch.device("cpu")
-    cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
-    watch = monitor_split(val, cfg.get("monitor_rows"))
     models: dict[protocol.Cell, nn.Module] = {}
     histories: dict[protocol.Cell, Any] = {}
-    # partials of module-level functions, not lambdas: processes > 1 pickles them to its workers
-    table = protocol.train_grid(
-        cells, functools.partial(_cell_model, ds, cfg, device), ds.train.to(device), val.to(device),
-        ds.test.to(device), functools.partial(cell_config, cfg),
-        # validation only chooses (rate, stopping step): no ERASER scores there
-        (functools.partial(measure, n_eraser=0), functools.partial(measure, n_eraser=cfg["n_eraser"])),
-        desc=desc or ds.name, models_out=models, threads=cfg.get("threads"), max_stack=int(cfg.get("max_stack", 64)),
-        processes=int(cfg.get("processes", 1)) if device.type == "cpu" else 1, histories_out=histories,
-        taus=(protocol.MAP_TAU,), monitor=None if watch is None else watch.to(device))
+    cells = protocol.grid(cfg["optimizers"], base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
+    table = _train(cells, ds, val, cfg, device, desc or ds.name, models, histories)
+    selected = protocol.select_base_rates(table.assign(trained=protocol.trained(table, chance(val))))
+    extra = [int(s) for s in cfg.get("protocol_seeds") or [] if int(s) not in {int(x) for x in cfg["map_seeds"]}]
+    if extra:
+        more = _train(protocol_grid(selected, cfg, extra), ds, val, cfg, device,
+                      f"{desc or ds.name}: protocol cells, {len(extra)} more seeds", models, histories)
+        table = pd.concat([table, more], ignore_index=True)
     table = table.assign(budget=[run_steps(cfg, o, e) for o, e in zip(table["optimizer"], table["eta_ov"])])
-    result = analyse(table, chance(val), models, ds.test.to(device), histories)
+    result = analyse(table, chance(val), models, ds.test.to(device), histories, selected=selected)
     result.val = val
     return result
 
@@ -605,15 +620,15 @@ def titled(frame: pd.DataFrame, title: str):
 
 
 def map_record(result: MapResult) -> dict[str, Any]:
-    """The map's part of a chapter's results file (JSON-ready): run, phase, chosen-rate, cell and necessity tables."""
+    """The map's part of a chapter's results file (JSON-ready): run, phase, chosen-rate and necessity tables,
+    the plane, the protocol cells and the words over them (``protocol_verdicts``, ``control_verdicts``)."""
     nec = result.necessity if result.necessity is not None else pd.DataFrame()
     return {"map": result.table.to_dict("records"), "map_phase": result.phase.to_dict("records"),
-            "map_selected": dict(result.selected), "map_cells": result.cells.to_dict("records"),
-            "necessity": nec.to_dict("records"), "plane": result.plane.to_dict("records"),
-            "plane_outcomes": result.outcomes.to_dict("records"), "plane_ceiling": dict(result.ceiling),
-            "plane_tied": {o: list(v) for o, v in result.tied.items()},
-            "plane_verdicts": {cid: asdict(v) for cid, v in result.verdicts.items()},
-            "tuned_line": {cid: asdict(v) for cid, v in result.tuned.items()},
+            "map_selected": dict(result.selected), "necessity": nec.to_dict("records"),
+            "plane": result.plane.to_dict("records"), "plane_ceiling": dict(result.ceiling),
+            "chance_loss": result.chance_loss, "protocol_cells": result.protocol.to_dict("records"),
+            "protocol_verdicts": {cid: asdict(v) for cid, v in result.verdicts.items()},
+            "control_verdicts": {cid: asdict(v) for cid, v in result.control.items()},
             "curves": trajectory.curves(result.histories).to_dict("records") if result.histories else [],
             "intervention": [] if result.intervention is None else result.intervention.to_dict("records")}
 
@@ -729,19 +744,16 @@ def map_facts(result: MapResult) -> dict[str, str]:
     for cid, v in result.verdicts.items():
         f[f"map_verdict_{cid}"], f[f"map_reason_{cid}"] = v.label, v.reason
         f[f"map_effect_{cid}"] = v.effect or "-"
-        f[f"map_rule_{cid}"] = claims.RULE_TEXT[cid]
-    for cid, v in result.tuned.items():
-        f[f"map_tuned_{cid}"], f[f"map_tuned_reason_{cid}"] = v.label, v.reason
+        f[f"map_estimand_{cid}"] = claims.ESTIMANDS[cid].text()
+        f[f"map_control_{cid}"] = result.control[cid].label if cid in result.control else "not tested"
     for opt in dict.fromkeys(t["optimizer"]):
         c = result.ceiling.get(opt, math.nan)
         f[f"map_{opt}_ceiling"] = f"{c:g}" if math.isfinite(c) else "none (no base rate trained stably at ratio 1)"
-        f[f"map_{opt}_tied"] = ", ".join(f"{e:g}" for e in result.tied.get(opt, [])) or "none"
-        f[f"map_{opt}_rescued"] = str(int(((result.outcomes["optimizer"] == opt) & (result.outcomes["claim"] == "R1")
-                                           & (result.outcomes["outcome"] == "rescued")).sum())
-                                      if len(result.outcomes) else 0)
+    seeds = result.protocol.groupby("claim")["n"].max() if len(result.protocol) else pd.Series(dtype=int)
+    f["map_protocol_seeds"] = str(int(seeds.get("R2", 0)))
+    f["map_chance_loss"] = f"{result.chance_loss:.3f}" if math.isfinite(result.chance_loss) else "n/a"
     f["map_annotations"] = annotation_text(result)
-    f["map_rule_plane"] = rate_plane.PLANE_RULE
-    f["map_rule_tuned"] = rate_plane.TUNED_LINE_RULE
+    f["map_rule"] = claims.ONE_RULE
     return f
 
 
@@ -770,19 +782,6 @@ def largest_gain(result: MapResult, metric: str = "AC@0.5", digits: int | None =
     return out if digits is None else out.round({c: digits for c in cols if c.endswith(("(points)", "(%)"))})
 
 
-def tuned_changes(result: MapResult, optimizer: str) -> dict[str, float]:
-    """At the tuned base rate of ``optimizer``: the paired change against ratio 1, at the highest trained ratio
-    (as R2 reads it), of accuracy, AC@0.5, attention on the relevant tokens and sufficiency (NaN if absent)."""
-    p = result.phase
-    if optimizer not in result.selected:
-        return {}
-    g = p[(p["optimizer"] == optimizer) & (p["eta_ov"] == result.selected[optimizer])].sort_values("ratio")
-    alive = g[g["trained_runs"] > 0]
-    top = alive.iloc[-1] if len(alive) else g.iloc[-1]
-    return {m: float(top.get(f"d_{m}", math.nan)) for m in ("accuracy", "AC@0.5", "attn_relevant", "sufficiency")} | {
-        "ratio": float(top["ratio"])}
-
-
 def necessity_sentence(result: MapResult) -> str:
     """The necessity check per optimizer at ratio 1 and the highest trained ratio as a sentence: test
     accuracy with the model's, uniform and oracle attention, and chance (percent)."""
@@ -797,43 +796,19 @@ def necessity_sentence(result: MapResult) -> str:
     return "Necessity check (test accuracy with the model's / uniform / oracle attention): " + " | ".join(parts) + "."
 
 
-_CLAIM_METRICS = {"R1": ("accuracy",), "R2": ("AC@0.5", "sufficiency"), "R3": ("attn_relevant", "accuracy")}
-
-
-def _tuned_text(d: Mapping[str, float], cid: str) -> str:
-    """The changes at a tuned base rate that claim ``cid`` reads (points for fractions of instances)."""
-    words = {"accuracy": lambda x: f"accuracy {100 * x:+.1f} points", "AC@0.5": lambda x: f"AC@0.5 {100 * x:+.1f} points",
-             "sufficiency": lambda x: f"sufficiency {x:+.3f}",
-             "attn_relevant": lambda x: f"attention on relevant tokens {x:+.3f}"}
-    return f"at ratio {d['ratio']:g} vs 1, " + ", ".join(words[m](d[m]) for m in _CLAIM_METRICS[cid])
-
-
 def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> list[dict[str, str]]:
-    """Scorecard rows R1-R3 of a dataset chapter: the verdict over the rate plane
-    (:func:`.rate_plane.plane_verdicts`, with its region and effect), then the tuned-rate line (the
-    verdict at the tuned base rates, which must hold at every tied rate) with the numbers that
-    claim reads there, and (R3 only) the necessity check."""
+    """Scorecard rows R1-R3 of a dataset chapter: the word over the paper's protocol cells
+    (:func:`.rate_plane.protocol_verdicts`, with its region and every cell's change), then the control's word
+    (eta_OV lowered at the tuned eta_QK) and (R3 only) the necessity check."""
     ch = chapter or attention_analysis.CHAPTERS[dataset]
     rows = []
     for cid in ("R1", "R2", "R3"):
         if cid not in result.verdicts:
             continue
-        v = result.verdicts[cid]
-        tuned = result.tuned.get(cid)
-        parts = []
-        for opt, eta in result.selected.items():
-            d = tuned_changes(result, opt)
-            if d["ratio"] == 1.0:
-                what = "no run above ratio 1 trained"
-            elif not math.isfinite(d["accuracy"]):  # no seed trained at both ratio 1 and the top ratio
-                what = f"no seed trained at both ratio 1 and ratio {d['ratio']:g}"
-            else:
-                what = _tuned_text(d, cid)
-            parts.append(f"{opt} (eta_ov {eta:g}): {what}")
-        ours = (f"{dataset}, over the rate plane: {v.reason}. Tuned-rate line: "
-                + (f"{tuned.label} ({tuned.reason}); " if tuned else "")
-                + ("; ".join(parts) or "no base rate trained at ratio 1") + "."
-                + (" " + necessity_sentence(result) if cid == "R3" else "")
+        v, ctl = result.verdicts[cid], result.control.get(cid)
+        ours = (f"{dataset}, the paper's protocol: {v.effect or v.reason}. Control (eta_OV lowered at the tuned "
+                f"eta_QK): {ctl.label if ctl else 'not tested'}" + (f" ({ctl.effect})" if ctl and ctl.effect else "")
+                + "." + (" " + necessity_sentence(result) if cid == "R3" else "")
                 + ("".join(f" With {o}, {AGREEMENT_NOTE}." for o, (ok, _, _) in annotation_use(result).items()
                            if not ok) if cid == "R2" else ""))
         rows.append(claims.claim(cid, claims.CLAIMS[cid], ours, v, ch))
@@ -841,11 +816,10 @@ def claims_rows(result: MapResult, dataset: str, chapter: str | None = None) -> 
 
 
 def verdict_frame(result: MapResult) -> pd.DataFrame:
-    """Per claim: the verdict over the rate plane with its region, effect and cell counts, and the
-    tuned-rate line."""
-    return pd.DataFrame([{"claim": cid, "verdict": v.label, "effect": v.effect or "-", "cells": v.reason,
-                          "tuned-rate line": (f"{result.tuned[cid].label}: {result.tuned[cid].reason}"
-                                              if cid in result.tuned else "-")}
+    """Per claim: the word over the paper's protocol cells with where it holds and is contradicted, and the
+    control's word."""
+    return pd.DataFrame([{"claim": cid, "paper's protocol": v.label, "where": v.region or "-", "cells": v.reason,
+                          "control (η_OV lowered)": result.control[cid].label if cid in result.control else "-"}
                          for cid, v in result.verdicts.items()]).set_index("claim")
 
 
@@ -937,7 +911,7 @@ __all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_a
            "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model",
            "base_rates", "cell_config", "measure", "chance", "analyse", "run_map", "chapter_map", "map_config",
            "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts",
-           "tuned_changes", "claims_rows", "largest_gain", "verdict_frame", "runs_at"]
+           "claims_rows", "largest_gain", "verdict_frame", "runs_at"]
 
 
 
