@@ -177,6 +177,12 @@ def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: 
 
     parts = [Part(f"map, {o}, eta_ov {e:g}", per, realmap.run_steps(cfg, o, e), "map", int(cfg.get("processes") or 1))
              for o in cfg["optimizers"] for e in cfg[f"{o}_rates"]]
+    extra = [s for s in cfg.get("protocol_seeds") or [] if s not in set(cfg["map_seeds"])]
+    if extra:  # the protocol cells again at more seeds: the tuned rate at every ratio, the control below it
+        for o in cfg["optimizers"]:
+            top = max(cfg[f"{o}_rates"])
+            parts.append(Part(f"protocol cells, {o}, {len(extra)} more seeds", (2 * len(cfg["ratios"]) - 1) * len(extra),
+                              realmap.run_steps(cfg, o, top), "map", int(cfg.get("processes") or 1)))
     if natural is not None and natural.get("linzen", True):
         parts.append(Part("natural prefixes", len(natural["ratios"]) * len(natural["seeds"]), int(natural["steps"]),
                           "map", int(natural.get("processes") or 1)))
