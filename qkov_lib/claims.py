@@ -14,6 +14,7 @@ half-width and the number of seed pairs), and 'reproduced' needs :data:`MIN_SEED
 from __future__ import annotations
 
 import math
+import re
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -1081,3 +1082,50 @@ def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
     against = [name(m) for m in tested if "contradicted" in WORD_OUTCOMES[m["verdict"]]]
     return w, f"chapters differ: {each}", "holds in " + "; ".join(holds) + (
         "; contradicted in " + ", ".join(against) if against else "")
+
+
+_SIDE = re.compile(r"the claim's side: Δ (≥|≤) ([+-]?\d[\d.]*(?:e[+-]?\d+)?)")
+_NUM = r"[+-]?\d[\d.]*(?:e[+-]?\d+)?"
+_CELL = re.compile(rf"^(?P<cell>.+?): (?:(?P<mean>{_NUM})(?: ± (?P<hw>{_NUM})|, no interval) \(n = \d+\)|not measured)$")
+
+
+def word_problem(verdict: str, rule: str, effect: str) -> str | None:
+    """Whether a printed word agrees with the numbers printed with it: ``rule`` names the claim's side
+    (``the claim's side: Δ ≥ +0.05``, as :meth:`Estimand.text` writes it) and ``effect`` every cell's change
+    with its interval (as :func:`decide` writes it). Each printed interval is read back (an interval that
+    rounding could put on either side counts as undecided) and :func:`word` of the outcomes must be
+    ``verdict``. None when they agree, or when the row was not written by the one rule (no side, or an
+    effect in another form); else the disagreement in words."""
+    side = _SIDE.search(str(rule))
+    parts = [p.strip() for p in str(effect).split("; ") if p.strip()]
+    cells = [_CELL.match(p) for p in parts]
+    if side is None or not cells or not all(cells) or verdict == "not tested":
+        return None
+    sign, margin = (1 if side.group(1) == "≥" else -1), float(side.group(2))
+    slack = 1e-3  # the effect prints 3 decimals: half a unit of the last place each way, and some
+    outs = []
+    for m in cells:
+        if m.group("mean") is None or m.group("hw") is None:
+            outs.append("undecided")
+            continue
+        x, hw = float(m.group("mean")), float(m.group("hw"))
+        lo, hi = sorted((sign * (x - hw - margin), sign * (x + hw - margin)))
+        outs.append("holds" if lo >= slack * (hw > 0) else "contradicted" if hi < -slack * (hw > 0)
+                    else "holds" if lo >= 0 and hw == 0 else "contradicted" if hi < 0 and hw == 0 else "undecided")
+    loose = word(outs)
+    if loose == verdict:
+        return None
+    # a cell on the margin within rounding may have been decided either way: accept any word those allow
+    edge = [i for i, m in enumerate(cells) if m.group("hw") is not None and outs[i] == "undecided"]
+    for pick in range(1 << min(len(edge), 8)):
+        trial = list(outs)
+        for j, i in enumerate(edge[:8]):
+            x, hw = float(cells[i].group("mean")), float(cells[i].group("hw"))
+            near_lo = abs(sign * (x - hw - margin)) <= slack if sign > 0 else abs(-(x + hw - margin)) <= slack
+            near_hi = abs(sign * (x + hw - margin)) <= slack if sign > 0 else abs(-(x - hw - margin)) <= slack
+            if pick >> j & 1:
+                trial[i] = "holds" if near_lo else "contradicted" if near_hi else trial[i]
+        if word(trial) == verdict:
+            return None
+    return (f"printed '{verdict}', but the intervals printed with it ({'; '.join(parts)}) read as '{loose}' against "
+            f"{side.group(0).removeprefix('the claim' + chr(39) + 's side: ')}")

@@ -57,13 +57,13 @@ COMMON = dict(optimizers=["adamw", "sgd"], ratios=[1.0, 10.0, 100.0], map_seeds=
                eval_every=100, patience=4, n_eraser=300, threads=1, processes=2, model="head", readout="class",
                encoder="conv", layers=1, window=3, positions=["back"], match=False, head_query="last", values="embed",
                relative=False, ov_init=0.0, adamw_rates=[1e-4, 1e-3, 1e-2], sgd_rates=[0.03, 0.3, 3.0], max_stack=64,
-               step_growth=1.0, max_step_scale=1.0, monitor_rows=None)
+               step_growth=1.0, max_step_scale=1.0, monitor_rows=None, protocol_seeds=None)
 # every profile's map of the test profile: seconds (CI)
 _TEST = dict(ratios=[1.0, 10.0], map_seeds=[0], adamw_rates=[1e-3, 1e-2], sgd_rates=[0.1, 1.0], adamw_steps=40,
              sgd_steps=40, eval_every=10, n_eraser=50, threads=1, processes=1)
 # full (GPU): the paper's ratios, 5 seeds, 4 base rates per optimizer a decade apart (both routes of the rate
 # plane at ratios 10 and 100)
-_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=1, adamw_rates=[1e-5, 1e-4, 1e-3, 1e-2],
+_FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], protocol_seeds=[5, 6, 7], n_eraser=2000, processes=1, adamw_rates=[1e-5, 1e-4, 1e-3, 1e-2],
              sgd_rates=[0.003, 0.03, 0.3, 3.0], step_growth=2.0, max_step_scale=2.0)
 
 # cpu: the training logs and early stopping evaluate 512 evenly spaced validation rows (monitor_rows; every
@@ -72,7 +72,8 @@ _FULL = dict(ratios=RATIOS, map_seeds=[0, 1, 2, 3, 4], n_eraser=2000, processes=
 # cpu: each optimizer's 36 runs in two stacks of 18 (dealt by seed, so both hold every rate and ratio),
 # one of each optimizer per process, so that the two processes finish together (a stack of 18 costs no
 # more per model-step than one of 36, benchmarks/README.md)
-_CPU = dict(max_stack=18, monitor_rows=512)
+# cpu: the paper's protocol cells (the tuned rate at every ratio, and the control below it) get four more seeds
+_CPU = dict(max_stack=18, monitor_rows=512, protocol_seeds=[4, 5, 6, 7])
 
 # cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most:
 # 72 runs of up to 800 steps). Base rates a decade apart with ratios 1, 10, 100: every cell of the rate plane
@@ -444,12 +445,26 @@ def trained_curves(result: MapResult) -> pd.DataFrame:
     return trajectory.curves(hists)
 
 
+def curve_columns(result: MapResult) -> list[tuple[str, float]]:
+    """The map columns whose attention over training a page shows: per optimizer its tuned base rate and, if
+    another one, the base rate at which most runs above ratio 1 trained (where the higher ratios can be
+    compared at all); only columns with trained runs at ratio 1 and above."""
+    t = result.table[result.table["trained"]]
+    cols = []
+    for opt, tuned in result.selected.items():
+        up = t[(t["optimizer"] == opt) & (t["ratio"] > 1.0)]
+        base = set(t[(t["optimizer"] == opt) & (t["ratio"] == 1.0)]["eta_ov"])
+        counts = up[up["eta_ov"].isin(base)].groupby("eta_ov").size()
+        best = float(counts.sort_values(ascending=False, kind="stable").index[0]) if len(counts) else tuned
+        cols += [(opt, e) for e in dict.fromkeys([tuned, best]) if e in base]
+    return cols
+
+
 def plot_attention_curves(result: MapResult, metric: str = "val_AC@0.5"):
-    """:func:`.trajectory.plot_attention_vs_loss` of the trained runs at each optimizer's tuned base rate (the
-    columns that have trained runs); None when no column has any."""
+    """:func:`.trajectory.plot_attention_vs_loss` of the trained runs in the columns of :func:`curve_columns`;
+    None when no column has any."""
     cur = trained_curves(result)
-    cols = [(o, e) for o, e in result.selected.items()
-            if len(cur) and ((cur["optimizer"] == o) & (cur["eta_ov"] == e)).any()]
+    cols = [c for c in curve_columns(result) if len(cur) and ((cur["optimizer"] == c[0]) & (cur["eta_ov"] == c[1])).any()]
     return trajectory.plot_attention_vs_loss(cur, cols, metric) if cols else None
 
 
@@ -466,7 +481,8 @@ def matched_loss_table(result: MapResult) -> pd.DataFrame:
     (:func:`.trajectory.loss_levels` of the pair's runs, nats): the change of AC@0.5 and of attention on the
     relevant tokens on the validation split, paired by seed over the trained runs that reached the level
     (:func:`.trajectory.matched`); then the change between the early-stopped endpoints on the test split
-    (the plane's). Cells read ``mean ± 95% half-width (seed pairs)``."""
+    (the plane's). Cells read ``mean ± 95% half-width (seed pairs)``; a level not
+    :data:`qkov_lib.claims.SAME_LOSS` below the untrained models' loss is marked not comparable."""
     cur = trained_curves(result)
     plane = result.plane
     rows = []
@@ -485,7 +501,9 @@ def matched_loss_table(result: MapResult) -> pd.DataFrame:
         for route, pairs in (("qk_up", ups), ("ov_down", downs)):
             got = trajectory.matched(have, pairs=pairs) if pairs else pd.DataFrame()
             for _, r in got.iterrows():
-                add(route, opt, r["eta_ov"], r["ratio"], f"val loss {r['level']:.3f}",
+                learned = r["level"] <= result.chance_loss - claims.SAME_LOSS  # else: a side never learned
+                add(route, opt, r["eta_ov"], r["ratio"], f"val loss {r['level']:.3f}"
+                    + ("" if learned else " (not comparable: not below chance)"),
                     (r["d_val_AC@0.5"], r["d_val_AC@0.5_ci"], r["d_val_AC@0.5_n"]),
                     (r["d_val_attn_relevant"], r["d_val_attn_relevant_ci"], r["d_val_attn_relevant_n"]))
             ph = plane[(plane["optimizer"] == opt) & (plane["route"] == route) & (plane["ratio"] > 1.0)

@@ -26,6 +26,11 @@ chapter glued (``{glue:text}``, computed when the book was built) is told apart 
   holds with no interval where the page ran one seed (a ``seeds``/``*_seeds`` list of length 1,
   or a ``seeds`` column of 1s). A column whose header says "X ± Y" or "interval" needs a cell with
   an interval itself, a half-width column a number.
+- ``verdicts`` (:func:`verdict_findings`): a table cell under a claim's column (``R1`` ... ``T6``,
+  an ID of :data:`qkov_lib.claims.ESTIMANDS`) that reads ``holds: +0.154 ± 0.030 (n = 8)`` must say the
+  outcome its interval gives against that claim's margin (:func:`qkov_lib.claims.outcome`, up to the
+  printed rounding); and a sentence that quantifies over cells ("everywhere", "in every cell", "as summary
+  A says", "for FACO, CACO") must be glued (computed from the cells it quantifies over), never typed.
 - ``references`` (:func:`reference_findings`): a relative link must resolve to a file of the
   built site; a file path in a code span (``tests/test_head_model.py``, ``benchmarks/README.md``,
   ``tests/test_realmap.py::test_x``) must exist in the repository checkout (and the test it names
@@ -36,7 +41,7 @@ chapter glued (``{glue:text}``, computed when the book was built) is told apart 
   does not contain; "the <name> page/chapter", in a sentence with no link, must name a page of the
   book (every word of ``<name>`` in its title or file name), and "chapter N" a numbered page.
 
-:func:`check_book` runs all three over every page; ``python -m qkov_lib.tooling.booktext
+:func:`check_book` runs all four over every page; ``python -m qkov_lib.tooling.booktext
 _build/html`` prints the findings and exits 1 if there are any.
 """
 
@@ -54,7 +59,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-KINDS = ("ratios", "intervals", "references")
+KINDS = ("ratios", "intervals", "references", "verdicts")
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
         "track", "wbr"}
 BLOCK_TAGS = {"p", "li", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "caption", "figcaption"}
@@ -608,6 +613,41 @@ def interval_findings(page: Page, seeds: Iterable[int] = ()) -> list[Finding]:
     return out
 
 
+_OUTCOME_CELL = re.compile(rf"^(holds|contradicted|undecided): ([+-]?{NUM}) ± ({NUM}) \(n = \d+\)")
+_QUANTIFIER = re.compile(r"\beverywhere\b|\bin every (?:cell|comparison|regime)\b|\bat every (?:cell|ratio|loss)\b"
+                         r"|\bas summary [AB] says\b|\bfor (?:FAFO|CAFO|FACO|CACO)(?:, (?:FAFO|CAFO|FACO|CACO))+\b")
+
+
+def verdict_findings(page: Page) -> list[Finding]:
+    """Outcome words in tables that their own interval contradicts, and typed sentences that quantify over
+    cells (see the module docstring, ``verdicts``)."""
+    from qkov_lib import claims
+
+    out = []
+    for b in page.blocks:
+        if b.kind == "table":
+            cols = [i for i, h in enumerate(b.header) if h.strip() in claims.ESTIMANDS]
+            for row in b.rows:
+                for i in cols:
+                    m = _OUTCOME_CELL.match(row[i].strip()) if i < len(row) else None
+                    if not m:
+                        continue
+                    est = claims.ESTIMANDS[b.header[i].strip()]
+                    x, hw = float(m.group(2)), float(m.group(3))
+                    allowed = {claims.outcome(claims.Change(x + d, hw + e, 2 if hw > 0 else 1), est)
+                               for d in (-5e-4, 0, 5e-4) for e in ((0,) if hw == 0 else (-5e-4, 0, 5e-4))}
+                    if m.group(1) not in allowed:
+                        out.append(Finding(page.name, "verdicts", f"{b.header[i].strip()} cell '{row[i].strip()}' says "
+                                           f"{m.group(1)}, its interval against {est.side} says "
+                                           f"{' or '.join(sorted(allowed))}"))
+        elif b.kind in ("prose", "heading"):
+            for m in _QUANTIFIER.finditer(b.text):
+                if "t" in b.mask[m.start():m.end()]:
+                    out.append(Finding(page.name, "verdicts", f"typed quantifier '{m.group(0)}' (not computed from "
+                                       f"the cells it speaks of): {_sentence_at(b.text, m.start())}"))
+    return out
+
+
 def _defines(module_file: Path, name: str) -> bool:
     try:
         tree = ast.parse(module_file.read_text())
@@ -760,7 +800,7 @@ def read_results(results_dir: Path | None, chapter: str) -> Mapping | None:
 
 def check_book(html_root: str | Path, results_dir: str | Path | None = None,
                repo: str | Path | None = None) -> list[Finding]:
-    """Every finding of the three checks over every page of the built book at ``html_root``.
+    """Every finding of the four checks over every page of the built book at ``html_root``.
     ``results_dir``: the chapters' results files (default ``<html_root>/../results``); ``repo``:
     the checkout that repository paths are resolved in (default ``<html_root>/../..``, the
     repository of ``_build/html``)."""
@@ -781,6 +821,7 @@ def check_book(html_root: str | Path, results_dir: str | Path | None = None,
         out += ratio_findings(page, own[page.name] or everywhere)
         out += interval_findings(page, seed_counts(page, doc))
         out += reference_findings(page, f, html_root, repo, names)
+        out += verdict_findings(page)
     return out
 
 
