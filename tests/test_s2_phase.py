@@ -135,11 +135,16 @@ def test_bad_settings_are_refused_by_name():
 def test_the_verdict_reads_the_map_and_the_cpu_profile_spans_the_axes():
     cfg = _cfg(**SMALL)
     ode = sp.ode_map(cfg)
-    cells = sp.full_cells(_runs({"FACO": [0.9, 0.92, 0.91], "CACO": [0.7, 0.72, 0.71], "FAFO": [0.5, 0.52, 0.49],
-                                 "CAFO": [0.3, 0.3, 0.3]}, cell=(1.0, 0.1, "{2,4}", 0.3)), ode)
-    v = sp.s2_verdict(ode, cells, sp.fafo_moves(ode))
-    assert v.verdict == ("holds where" if cells["top two (full model)"].iloc[0] in C.S2_PAIRS else "inconclusive")
-    assert "full model" in v.reason and "FAFO" in v.reason and v.effect.startswith("attention gap")
+    runs = _runs({"FACO": [0.9, 0.92, 0.91], "CACO": [0.7, 0.72, 0.71], "FAFO": [0.5, 0.52, 0.49],
+                  "CAFO": [0.3, 0.3, 0.3]}, cell=(1.0, 0.1, "{2,4}", 0.3))
+    readings, meta = sp.s2_readings(ode, runs)
+    full = {r.cell: r.outcome for r in readings if meta[r.cell][2] == "full model"}
+    # summary A's pair (CACO, FACO) leads FAFO by about 1 nat at every seed; summary B's trails
+    assert full == {"(CACO, FACO), full model, ratio 1, init 0.1, n {2,4}, loss 0.3": "holds",
+                    "(CAFO, CACO), full model, ratio 1, init 0.1, n {2,4}, loss 0.3": "contradicted"}
+    assert len(readings) == 2 * len(ode) + 2
+    v = sp.s2_verdict(ode, runs)
+    assert v.verdict == C.word([r.outcome for r in readings]) and "(CACO, FACO), full model:" in v.region
     cpu = profiles.resolve(sp.PROFILES, "cpu")
     sp.check_settings(cpu)
     assert len(cpu["s2_full_cells"]) >= 6 and min(cpu["s2_ratios"]) <= 0.01 and max(cpu["s2_ratios"]) >= 100
@@ -164,16 +169,19 @@ def test_the_figure_marks_agreement_and_disagreement():
 def test_phase_facts_and_the_scorecard_row_come_from_the_map():
     cfg = _cfg(**SMALL)
     ode = sp.ode_map(cfg)
-    cells = sp.full_cells(_runs({"FACO": [0.9, 0.92, 0.91], "CACO": [0.7, 0.72, 0.71], "FAFO": [0.5, 0.52, 0.49],
-                                 "CAFO": [0.3, 0.3, 0.3]}, cell=(1.0, 0.1, "{2,4}", 0.3)), ode)
+    runs = _runs({"FACO": [0.9, 0.92, 0.91], "CACO": [0.7, 0.72, 0.71], "FAFO": [0.5, 0.52, 0.49],
+                  "CAFO": [0.3, 0.3, 0.3]}, cell=(1.0, 0.1, "{2,4}", 0.3))
+    cells = sp.full_cells(runs, ode)
     moves = sp.fafo_moves(ode)
-    v = sp.s2_verdict(ode, cells, moves)
+    v = sp.s2_verdict(ode, runs)
     f = sp.phase_facts(ode, cells, moves, v, cfg)
     assert f["s2p_cells"] == str(len(ode)) == "6" and f["verdict_S2"] == v.verdict and f["label_S2"] == v.label
     shares = [float(f[f"s2p_share_{k}"].rstrip("%")) for k in ("A", "B", "neither", "tie")]
     assert sum(shares) == pytest.approx(100, abs=2)
     assert f["s2p_top_rates"] == "eta_QK = 5 and eta_OV = 0.5 at ratio 10"
-    assert int(f["s2p_toward_faco"]) + int(f["s2p_toward_caco"]) <= int(f["s2p_moves_n"]) == len(moves)
+    k, m = (int((moves["toward"] == x).sum()) for x in ("FACO", "CACO"))
+    assert f"toward FACO at {k} of {len(moves)} steps and toward CACO at {m}" in f["s2p_move_sentence"]
+    assert f["s2p_regime_sentence"].startswith("At practical depth")
     row = sp.s2_claim(f, v)
     assert row["id"] == "S2" and row["verdict"] == v.verdict and row["chapter"] == "03_theory_asymptotics"
 

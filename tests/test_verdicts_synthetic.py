@@ -37,7 +37,8 @@ def test_the_chapter_decides_no_claim_and_points_to_where_each_is_decided():
     cfg = {"ratios": [1.0, 10.0]}
     assert not hasattr(exp, "chapter_verdicts") and not hasattr(exp, "claims_rows")
     f = exp.chapter_facts(_summary(0.03), _dtaps(), cfg)
-    assert f["rule_S1"] == C.S1_RULE and f["rule_S3"] == C.S3_RULE
+    assert f["rule_S1"] == C.ESTIMANDS["S1"].text() and f["rule_S3"] == C.ESTIMANDS["S3"].text()
+    assert f["one_rule"] == C.ONE_RULE
     assert not any(k.startswith(("verdict_", "rule_S2")) for k in f)
     assert "1.000 to 1.000 apart" in f["s1_sentence"]  # one bin each: every pair at distance 1
     assert "FACO and CACO" in f["s2_sentence"] and "the first summary" in f["s2_sentence"]

@@ -20,6 +20,7 @@ from qkov_lib import claims as C
 from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig
+from qkov_lib.studies import synthetic as base
 from qkov_lib.studies.trajectory import at_levels
 from qkov_lib.studies.reduction import PARAMS, _fig, probed_gd, sizes_of, symmetric_model, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
 
@@ -301,17 +302,37 @@ def constant_scaling(table: pd.DataFrame) -> pd.Series:
     return pd.Series(out, dtype=float)
 
 
-def t3_inputs(table: pd.DataFrame, t3: pd.DataFrame) -> tuple[list[float], list[float], dict[str, float]]:
-    """T3's numbers: the fitted OV exponents in log t (every parameterization and ratio), the fitted
-    exponents of q in log t (from :func:`t3_table`) and those of exp(q) per parameterization."""
-    by = t3.set_index("parameterization")
-    exp_q = {p: float(by.loc[p, "exponent of exp(q) in log t"]) for p in by.index}
-    return [float(x) for x in table["OV exp. fitted"]], [float(x) for x in t3["exponent of q in log t"]], exp_q
+def t3_cells(table: pd.DataFrame, t3: pd.DataFrame) -> dict[str, C.Change]:
+    """T3's cells (fits of the ODE, exact values): per parameterization and ratio, the gap between
+    the OV scalar's fitted exponent in log t and the derived one (1); per parameterization, the gap
+    between the fitted exponent of exp(q) in log t and the claim's 2 (the QK side as exp(q))."""
+    ov = {f"OV scalar ~ log t, {r['parameterization']}, ratio {r['ratio']:g}":
+          C.Change.exact(abs(float(r["OV exp. fitted"]) - float(r["OV exp. derived"]))) for _, r in table.iterrows()}
+    return {**ov, **{f"exp(q) ~ log² t, {r['parameterization']}":
+                     C.Change.exact(abs(float(r["exponent of exp(q) in log t"]) - 2.0)) for _, r in t3.iterrows()}}
+
+
+# T4 reads two quantities: the line at fixed n (its estimand, exact) and with the mixture over n.
+T4_MIXTURE = C.Estimand("relative residual of the effective (OV, QK) path off a straight line, mixture over n", -1,
+                        C.LINE_APPROX)
 
 
 def t4_inputs(lines_single: pd.DataFrame, lines_mix: pd.DataFrame) -> tuple[float, float]:
-    """T4's numbers: the largest |relative residual| off the line for a single n and for the mixture."""
+    """The largest |relative residual| off the line for a single n and for the mixture."""
     return float(lines_single["residual"].abs().max()), float(lines_mix["residual"].abs().max())
+
+
+def t4_cells(lines_single: pd.DataFrame, lines_mix: pd.DataFrame, single_n: str = ""
+             ) -> tuple[dict[str, C.Change], dict[str, C.Estimand]]:
+    """T4's cells: per parameterization, the largest |residual| off the line over its ratios, at
+    a fixed n (``fixed n = k``) and with the mixture over n; and each cell's estimand."""
+    cells, est = {}, {}
+    for frame, name, e in ((lines_single, f"fixed n{' = ' + single_n if single_n else ''}", C.ESTIMANDS["T4"]),
+                           (lines_mix, "mixture over n", T4_MIXTURE)):
+        for p, g in frame.groupby("parameterization", sort=False):
+            k = f"{name}, {p}"
+            cells[k], est[k] = C.Change.exact(float(g["residual"].abs().max())), e
+    return cells, est
 
 
 T5_LOSSES = (0.3, 0.1, 0.03, 0.01)  # training losses at which the ODE's common-token mass is compared across ratios
@@ -354,54 +375,72 @@ def t5_full_level(full: pd.DataFrame) -> float | None:
     return min(reached) if reached else None
 
 
-def t5_inputs(runs: pd.DataFrame, full: pd.DataFrame
-              ) -> tuple[dict[str, list[list[float]]], dict[str, C.Change]]:
-    """T5's numbers: per parameterization, the ODE's common-token mass at increasing ratios, one
-    series per matched loss level of :data:`T5_LOSSES` reached at every ratio
-    (:func:`ode_common_at_loss`); and the full model's per-seed fall of the log common-token mass,
-    log c(lowest ratio) - log c(highest ratio) in nats, over the random-init seeds run at both, at
-    the matched training loss :func:`t5_full_level` (a :class:`qkov_lib.claims.Change`; empty with
-    one full-model ratio or no level reached by every run). The log keeps moving where the
-    attention saturates."""
+def _fall(lo: float, hi: float) -> float:
+    """Fall of the log common-token mass from ``lo`` to ``hi`` (nats; positive: it shrank)."""
+    return math.log(max(lo, 1e-300)) - math.log(max(hi, 1e-300))
+
+
+def t5_cells(runs: pd.DataFrame, full: pd.DataFrame) -> tuple[dict[str, C.Change], dict[str, C.Change]]:
+    """T5's cells, per parameterization and step of the ratio: in the ODE (exact), at every level
+    of :data:`T5_LOSSES` reached at both ratios of the step, the fall of the log common-token mass
+    (:func:`ode_common_at_loss`); in the full model, from the lowest to the highest full-model ratio
+    at :func:`t5_full_level`, the per-seed fall over the random-init seeds run at both (a
+    :class:`qkov_lib.claims.Change`). The log keeps moving where the attention saturates."""
     at = ode_common_at_loss(runs)
-    series = {}
+    ode = {}
     for p in PARAMS:
-        if p in at.index.get_level_values(0):
-            sub = at.loc[p].sort_index()
-            series[p] = [sub[lv].tolist() for lv in sub.columns if sub[lv].notna().all()]
+        if p not in at.index.get_level_values(0):
+            continue
+        sub = at.loc[p].sort_index()
+        rs = list(sub.index)
+        for lo, hi in zip(rs, rs[1:]):
+            for lv in sub.columns:
+                a, b = sub.loc[lo, lv], sub.loc[hi, lv]
+                if np.isfinite(a) and np.isfinite(b):
+                    ode[f"ODE, {p}, ratio {lo:g} → {hi:g}, loss {lv:g}"] = C.Change.exact(_fall(a, b))
     rand = full[full["init"] == "random"]
-    fratios = sorted(set(rand["ratio"]))
-    fall: dict[str, C.Change] = {}
-    level = t5_full_level(full)
+    fratios, level, seeded = sorted(set(rand["ratio"])), t5_full_level(full), {}
     if level is not None:
-        lo, hi = fratios[0], fratios[-1]
-        col = f"common@{level:g}"
+        lo, hi, col = fratios[0], fratios[-1], f"common@{level:g}"
         for p in PARAMS:
             a = rand[(rand.parameterization == p) & (rand.ratio == lo)].set_index("seed")[col]
             b = rand[(rand.parameterization == p) & (rand.ratio == hi)].set_index("seed")[col]
             seeds = sorted(set(a.index) & set(b.index))
-            fall[p] = C.Change.of([math.log(max(a[s], 1e-300)) - math.log(max(b[s], 1e-300)) for s in seeds])
-    return series, fall
+            if seeds:
+                seeded[f"full model, {p}, ratio {lo:g} → {hi:g}, loss {level:g}"] = C.Change.of(
+                    [_fall(a[s], b[s]) for s in seeds])
+    return ode, seeded
 
 
 T6_PAIRS = (("FACO", "CACO"), ("FAFO", "CAFO"))  # (factorized QK, collapsed QK) with the same OV circuit
 
 
-def t6_margins(hz: pd.DataFrame, full: pd.DataFrame) -> dict[str, float]:
-    """T6's numbers by comparison, positive where factorized QK is sharper: at every ODE horizon of
-    ``hz`` at ratio 1, the collapsed-QK model's common mass minus the factorized-QK one's (``ODE
-    t=1e+04: FACO vs CACO``); in the full-model runs at ratio 1 (random inits, mean over seeds), the
-    factorized one's attention minus the collapsed one's (``full model: FACO vs CACO``). NaN where
-    a model or ratio 1 is missing."""
-    nan = float("nan")
-    out = {}
-    for _, row in hz[hz["ratio"] == 1.0].iterrows():
+def t6_cells(full: pd.DataFrame, phase_ode: pd.DataFrame | None = None, phase_runs: pd.DataFrame | None = None
+             ) -> tuple[dict[str, C.Change], dict[str, C.Change]]:
+    """T6's cells at equal rates (ratio 1): the log-odds of the attention on the distinct token,
+    factorized QK minus collapsed QK with the same OV circuit (FACO - CACO, FAFO - CAFO). Exact: at
+    every cell of the S2 phase map's ODE at ratio 1 (``phase_ode``, :func:`qkov_lib.studies.s2_phase.ode_map`).
+    Over seeds (paired by seed): the random-init full-model runs of this chapter (``full``, at their
+    last step) and the phase map's full-model cells at ratio 1 (``phase_runs``, at the cell's loss)."""
+    exact, seeded = {}, {}
+    if phase_ode is not None and len(phase_ode):
+        for _, r in phase_ode[phase_ode["ratio"] == 1.0].iterrows():
+            for fa, ca in T6_PAIRS:
+                exact[f"ODE, {fa} vs {ca}, init {r['init']:g}, n {r['n']}, loss {r['loss']:g}"] = C.Change.exact(
+                    float(r[f"logodds {fa}"] - r[f"logodds {ca}"]))
+    rand = full[(full["init"] == "random") & (full["ratio"] == 1.0)]
+    tabs = {"full model, end of training": rand.pivot_table(index="seed", columns="parameterization",
+                                                             values="distinct")} if len(rand) else {}
+    if phase_runs is not None and len(phase_runs):
+        for (i, n, L), g in phase_runs[phase_runs["ratio"] == 1.0].groupby(["init", "n", "loss"], sort=False):
+            tabs[f"full model, init {i:g}, n {n}, loss {L:g}"] = g.pivot_table(index="seed", columns="parameterization",
+                                                                               values="attention")
+    for where, tab in tabs.items():
         for fa, ca in T6_PAIRS:
-            out[f"ODE t={row['t']:.0e}: {fa} vs {ca}"] = float(row.get(f"common {ca}", nan) - row.get(f"common {fa}", nan))
-    fr = full_means(full)
-    for fa, ca in T6_PAIRS:
-        out[f"full model: {fa} vs {ca}"] = float(fr.get((fa, 1.0), nan) - fr.get((ca, 1.0), nan))
-    return out
+            if fa in tab and ca in tab:
+                d = (tab[fa].map(C.log_odds) - tab[ca].map(C.log_odds)).dropna()
+                seeded[f"{where}: {fa} vs {ca}"] = C.Change.of(d.tolist())
+    return exact, seeded
 
 
 def s2_inputs(full: pd.DataFrame) -> tuple[dict[str, float], str | None]:
@@ -423,13 +462,30 @@ def s2_inputs(full: pd.DataFrame) -> tuple[dict[str, float], str | None]:
     return att, C.s2_fafo_move(before, after, gap)
 
 
-def asymptotics_verdicts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
-                         lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame) -> dict[str, Verdict]:
-    """T3, T4, T5 and T6 by the rules of :mod:`qkov_lib.claims`, from the chapter's tables. (The
-    chapter shows S2's ranking at equal rates too; S2 itself is decided on the phase diagram of
+def asymptotics_readings(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, lines_single: pd.DataFrame,
+                         lines_mix: pd.DataFrame, full: pd.DataFrame, phase_ode: pd.DataFrame | None = None,
+                         phase_runs: pd.DataFrame | None = None) -> dict[str, list[C.Reading]]:
+    """Every cell of T3, T4, T5 and T6 read by the one rule (:func:`qkov_lib.studies.synthetic.read`;
+    the exact ODE cells and the cells over seeds are separate Bonferroni families). T6 reads the S2
+    phase map at ratio 1 (``phase_ode``, ``phase_runs``) when given."""
+    single_n = str(int(lines_single["n"].iloc[0])) if len(lines_single) and "n" in lines_single else ""
+    t4, t4_est = t4_cells(lines_single, lines_mix, single_n)
+    return {"T3": base.read(C.ESTIMANDS["T3"], t3_cells(table, t3)), "T4": base.read(t4_est, t4),
+            "T5": base.read(C.ESTIMANDS["T5"], *t5_cells(runs, full)),
+            "T6": base.read(C.ESTIMANDS["T6"], *t6_cells(full, phase_ode, phase_runs))}
+
+
+def asymptotics_verdicts(readings: Mapping[str, Sequence[C.Reading]]) -> dict[str, Verdict]:
+    """T3, T4, T5 and T6 from their readings (:func:`asymptotics_readings`) by
+    :func:`qkov_lib.studies.synthetic.verdict`. (S2 is decided on the phase diagram of
     :mod:`qkov_lib.studies.s2_phase`, which the chapter adds to these.)"""
-    return {"T3": C.t3_growth(*t3_inputs(table, t3)), "T4": C.t4_line(*t4_inputs(lines_single, lines_mix)),
-            "T5": C.t5_sharpening(*t5_inputs(runs, full)), "T6": C.t6_factorized_qk(t6_margins(hz, full))}
+    rule = {"T4": f"{C.ESTIMANDS['T4'].text()}; {T4_MIXTURE.text()}"}
+    return {k: base.verdict(r, C.ESTIMANDS[k], rule.get(k, "")) for k, r in readings.items()}
+
+
+def _named(readings: Sequence[C.Reading], outcome: str, prefix: str = "") -> list[str]:
+    """The cells of ``readings`` with ``outcome`` whose name starts with ``prefix`` (prefix cut)."""
+    return [r.cell[len(prefix):] for r in readings if r.outcome == outcome and r.cell.startswith(prefix)]
 
 
 def _list(items: Sequence[str]) -> str:
@@ -438,26 +494,27 @@ def _list(items: Sequence[str]) -> str:
 
 def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
                       ml: pd.DataFrame, lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame,
-                      sizes: dy.Sizes, cfg: dict, verdicts: Mapping[str, Verdict] | None = None) -> dict[str, Any]:
+                      sizes: dy.Sizes, cfg: dict, readings: Mapping[str, Sequence[C.Reading]],
+                      verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
     """Every number, verdict, rule and threshold chapter 03 quotes, as glue strings computed from
-    its tables, plus the comparisons that choose its sentences (bools and words, compared with the
-    thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). ``verdicts`` defaults
-    to :func:`asymptotics_verdicts`."""
-    verdicts = verdicts or asymptotics_verdicts(runs, table, t3, hz, lines_single, lines_mix, full)
+    its tables, plus the comparisons that choose its sentences (bools and words); every sentence
+    that counts or names cells is computed from the ``readings`` it speaks of
+    (:func:`asymptotics_readings`)."""
     f: dict[str, Any] = {f"thr_{n.lower()}": C.threshold_text(n)
                          for n in ("SLOPE_TOL", "LITERAL_TOL", "LINE_EXACT", "LINE_APPROX", "SHARPER", "CONST_TOL")}
+    f["one_rule"] = C.ONE_RULE
     ratios = sorted(float(r) for r in cfg["ratios"])
     eq = equal_or_lowest(ratios)
     f["r_lo"], f["r_hi"], f["r_eq"] = f"{ratios[0]:g}", f"{ratios[-1]:g}", f"{eq:g}"
     f["t_fit_lo"], f["t_fit_hi"] = f"{cfg['fit_windows'][-2]:.0e}", f"{cfg['fit_windows'][-1]:.0e}"
     f["t_end"], f["s_end"] = f"{cfg['t_max']:.0e}", f"{math.log(cfg['t_max']):.0f}"
-    f.update(_t3_facts(table, t3, eq))
-    f.update(_t5_facts(runs, full, ratios))
+    f.update(_t3_facts(table, t3, eq, readings["T3"]))
+    f.update(_t5_facts(runs, full, ratios, readings["T5"]))
     f.update(_t4_facts(lines_single, lines_mix))
     f.update(_ranking_facts(runs, hz, ml, full, cfg, eq))
-    margins = [m for m in t6_margins(hz, full).values() if np.isfinite(m)]
-    f["t6_k"], f["t6_n"] = str(sum(m > 0 for m in margins)), str(len(margins))
-    f["t6_min_margin"] = f"{min(margins):+.3g}" if margins else "n/a"
+    f["t6_sentence"] = _cells_sentence(
+        "Factorized QK is sharper than collapsed QK with the same OV circuit (log-odds of the attention on the "
+        "distinct token, FACO over CACO and FAFO over CAFO, at equal rates)", readings["T6"])
     att, move = s2_inputs(full)
     f["fafo_toward"] = move or "not tested"
     if move is not None:
@@ -468,13 +525,27 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
     f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
     f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], ratios[0])['n_star']:.2f}"
     f.update(C.verdict_glue(verdicts))
-    f["rule_S2"] = C.S2_RULE
     return f
 
 
-def _t3_facts(table: pd.DataFrame, t3: pd.DataFrame, eq: float) -> dict[str, Any]:
-    """T3: the fitted OV exponents, beta and A against their derived values, and the growth
-    exponents of q and exp(q) in log t per parameterization."""
+def _cells_sentence(what: str, readings: Sequence[C.Reading]) -> str:
+    """``<what>: holds at k of n cells; contradicted at <named or counted>; undecided at ...``:
+    a sentence that counts and names exactly the cells read."""
+    if not readings:
+        return f"{what}: no cell was measured."
+    n, parts = len(readings), []
+    for o in C.OUTCOMES:
+        c = [r for r in readings if r.outcome == o]
+        if c:
+            names = ", ".join(f"{r.cell} ({r.text()})" for r in c) if len(c) <= 5 else ""
+            parts.append(f"{o} at {len(c)} of {n} cells" + (f": {names}" if names else ""))
+    return f"{what}: " + "; ".join(parts) + "."
+
+
+def _t3_facts(table: pd.DataFrame, t3: pd.DataFrame, eq: float, readings: Sequence[C.Reading]) -> dict[str, Any]:
+    """T3: the fitted OV exponents, beta and A against their derived values, the growth exponents
+    of q and exp(q) in log t per parameterization, and where exp(q) ~ log² t holds and where it is
+    contradicted (from T3's ``readings``)."""
     ov = table["OV exp. fitted"].astype(float)
     a_gap = (table["A fitted/derived"] - 1).abs()
     scale = constant_scaling(table)
@@ -499,24 +570,25 @@ def _t3_facts(table: pd.DataFrame, t3: pd.DataFrame, eq: float) -> dict[str, Any
     caco_exp = float(by.loc["CACO", "exponent of exp(q) in log t"]) if "CACO" in by.index else float("nan")
     f["expq_ok"], f["caco_expq"] = bool(abs(caco_exp - 2) <= C.SLOPE_TOL), f"{caco_exp:.2f}"
     f["q_exp_max"] = f"{q_exps.max():.2f}"
-    by_law: dict[float, list[str]] = {}
-    for p in PARAMS:
-        if p in by.index:
-            by_law.setdefault(float(by.loc[p, "derived exponent of exp(q)"]), []).append(p)
-    f["t3_law"] = "; ".join(
-        f"exp(q) ~ log{'²' if k == 2 else '' if k == 1 else f'^{k:g}'} t for {', '.join(ps)} (fitted "
-        + ", ".join(f"{by.loc[p, 'exponent of exp(q) in log t']:.2f}" for p in ps) + ")" for k, ps in sorted(by_law.items()))
+    prefix = "exp(q) ~ log² t, "
+    fit = lambda p: f"{by.loc[p, 'exponent of exp(q) in log t']:.2f}"  # noqa: E731
+    f["t3_expq_holds"] = _list(_named(readings, "holds", prefix))
+    f["t3_law"] = "; ".join(f"exp(q) ~ log² t {label} for " + ", ".join(f"{p} (fitted {fit(p)})" for p in ps)
+                            for label, ps in (("holds", _named(readings, "holds", prefix)),
+                                              ("is contradicted", _named(readings, "contradicted", prefix)),
+                                              ("is undecided", _named(readings, "undecided", prefix))) if ps) or \
+        "exp(q) was not fitted"
     f["expq_fits"] = ", ".join(f"{p} {by.loc[p, 'exponent of exp(q) in log t']:.2f} "
                                f"(derived {by.loc[p, 'derived exponent of exp(q)']:g}"
                                + (" × log log t" if p.startswith("FA") else "") + ")" for p in PARAMS if p in by.index)
     return f
 
 
-def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float]) -> dict[str, Any]:
+def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float],
+              readings: Sequence[C.Reading]) -> dict[str, Any]:
     """T5: the ODE's attention on common tokens at the end (ratio x value product, whether it
-    falls with the ratio) and at matched loss (the levels every trajectory reached, whether it
-    falls with the ratio there), and the full models' per-seed fall of the log common-token mass
-    from the lowest to the highest ratio."""
+    falls with the ratio), and T5's cells at matched loss (``readings``), ODE and full model, in
+    one sentence each."""
     r_lo, r_hi = ratios[0], ratios[-1]
     end = end_common(runs)
     falls = {p: bool(np.all(np.diff(end.loc[p].to_numpy()) < 0)) for p in PARAMS if p in end.index.get_level_values(0)}
@@ -528,21 +600,11 @@ def _t5_facts(runs: pd.DataFrame, full: pd.DataFrame, ratios: Sequence[float]) -
         f["t5_prod"] = ", ".join(f"{p} {v:.2f}" for p, v in prod.items())
         f["t5_mono"] = (f"falls strictly with the ratio for {sum(falls.values())} of {len(falls)} parameterizations"
                         + ("" if all(falls.values()) else f" (not for {_list([p for p, v in falls.items() if not v])})"))
-    series, fall = t5_inputs(runs, full)
-    fratios = sorted(set(full_means(full).index.get_level_values(1)))
+    fratios = sorted(set(full_means(full).index.get_level_values(1))) or [math.nan]
     f["full_r_lo"], f["full_r_hi"] = f"{fratios[0]:g}", f"{fratios[-1]:g}"
-    f["t5_full_tested"] = bool(fall)
-    level = t5_full_level(full)
-    f["t5_full_level"] = f"{level:g}" if level is not None else "none"
-    f["t5_full"] = (f"fell by a seed interval at or above {C.threshold_text('SHARPER_LOGIT')} in log for "
-                    f"{sum(C.interval_call(c, C.SHARPER_LOGIT) == 'holds' for c in fall.values())} of {len(fall)}"
-                    if fall else "not tested (one ratio)" if len(fratios) < 2 else
-                    "not tested (no training loss level reached by every run)")
-    f["t5_full_changes"] = "; ".join(f"{p} {c.text(percent=False)}" for p, c in fall.items())
-    f["t5_loss_levels"] = ", ".join(f"{lv:g}" for lv in ode_common_at_loss(runs).dropna(axis=1).columns) or "none"
-    f["t5_ode_matched"] = (f"falls strictly with the ratio at every level for "
-                           f"{sum(all(all(b < a for a, b in zip(x, x[1:])) for x in v) for v in series.values())} of "
-                           f"{len(series)} parameterizations")
+    fall = "the fall of the log common-token mass from one ratio to the next at matched training loss"
+    f["t5_matched_sentence"] = " ".join(_cells_sentence(f"{who}, {fall}", [r for r in readings if r.cell.startswith(k)])
+                                        for who, k in (("In the ODE", "ODE"), ("In the full model", "full model")))
     return f
 
 
@@ -610,12 +672,9 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
               f"sequence has n = {f['single_n']} common tokens; with the mixture over n residual up to "
               f"{f['line_res_mix']} ({f['line_res_mix_worst']})", verdicts["T4"], ch),
         claim("T5", "faster QK learning puts more attention on relevant tokens; common-token mass shrinks faster with the ratio",
-              f"ODE at matched loss ({f['t5_loss_levels']}): common mass {f['t5_ode_matched']}; at the end it "
-              f"{f['t5_mono']}; full-model "
-              f"common-token mass {f['t5_full']} from ratio {f['full_r_lo']} to {f['full_r_hi']}", verdicts["T5"], ch),
+              f"{f['t5_matched_sentence']} At the end of the ODE the common mass {f['t5_mono']}.", verdicts["T5"], ch),
         claim("T6", "at equal rates factorized and collapsed models differ; factorized QK gives sharper attention",
-              f"factorized QK sharper than collapsed QK (FACO > CACO, FAFO > CAFO) in {f['t6_k']} of {f['t6_n']} "
-              f"comparisons (ODE horizons and full-model runs at {f['full_steps']} steps)", verdicts["T6"], ch),
+              f["t6_sentence"], verdicts["T6"], ch),
     ]
 
 

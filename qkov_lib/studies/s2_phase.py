@@ -6,8 +6,8 @@ The paper's two summaries disagree: summary A names (CACO, FACO), with a faster 
 toward FACO; summary B names (CAFO, CACO), with FAFO moving toward CACO. Here the reduced ODE of
 :mod:`qkov_lib.dynamics` ranks the four parameterizations at every cell of the map (cheap), and
 the full model, trained with the batched synthetic engine (:mod:`qkov_lib.train.engine`, GD on
-the exact population loss), ranks them at a few cells with seed intervals. The verdict is
-:func:`qkov_lib.claims.s2_phase` of the two.
+the exact population loss), ranks them at a few cells with seed intervals. The verdict reads each
+summary's pair at every cell of both by the one rule (:func:`s2_verdict`), counted per regime.
 
 Two conventions, both because the theory allows them:
 
@@ -45,6 +45,7 @@ from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig
 from qkov_lib.train.config import stable_rates
 from qkov_lib.train import engine
+from qkov_lib.studies import synthetic as base
 
 PARAMS = list(PARAMETERIZATIONS)
 AXES = ("ratio", "init", "n", "loss")  # the map's axes, in the order of a cell key
@@ -340,26 +341,118 @@ def _key(row: Mapping) -> tuple:
     return tuple(row[a] for a in AXES)
 
 
-def s2_verdict(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame | None = None) -> Verdict:
-    """The book's S2 verdict: :func:`qkov_lib.claims.s2_phase` of the ODE map's top two per cell,
-    the full-model cells' top two with their 2nd-3rd gap, and FAFO's moves (counts)."""
-    ode_calls = {_key(r): r["top two"] for _, r in ode.iterrows()}
-    full = {_key(r): (r["top two (full model)"], Change(r["2nd − 3rd"], r["±"], int(r["seeds"])))
-            for _, r in cells.iterrows()}
-    counts = moves["toward"].value_counts().to_dict() if moves is not None and len(moves) else None
-    return C.s2_phase(ode_calls, full, AXES, counts)
+PRACTICAL = 1e-4  # training loss at or above which a cell is at practical depth; below it, asymptotic
+_SHOWN = ["FACO", "CACO", "FAFO", "CAFO"]  # the order in which a pair is named
 
 
-def share_table(ode: pd.DataFrame) -> pd.DataFrame:
-    """Fraction of the map's cells whose top two is each summary's pair, neither, or a tie, per
-    value of each axis (rows: axis and value; columns: ``A``, ``B``, ``neither``, ``tie``)."""
+def regime(loss: float) -> str:
+    """``practical`` at a training loss of at least :data:`PRACTICAL`, else ``asymptotic``."""
+    return "practical" if loss >= PRACTICAL else "asymptotic"
+
+
+def _where(key: tuple) -> str:
+    return ", ".join(f"{a} {v:g}" if isinstance(v, float) else f"{a} {v}" for a, v in zip(AXES, key))
+
+
+def _margin(logodds: Mapping[str, float], pair: frozenset) -> float:
+    """A pair's log-odds margin: its lower member's log-odds minus the best other parameterization's."""
+    return min(logodds[p] for p in pair) - max(logodds[p] for p in PARAMS if p not in pair)
+
+
+def s2_cells(ode: pd.DataFrame, runs: pd.DataFrame | None = None
+             ) -> tuple[dict[str, Change], dict[str, Change], dict[str, tuple[str, str, str]]]:
+    """S2's cells, one per summary's pair and cell of the map: the pair's log-odds margin over the
+    best other parameterization (S2's estimand). Exact at every ODE cell where all four reached the
+    loss; over seeds (paired by seed) at the full-model cells (``runs``, :func:`full_runs`). Also,
+    per cell name, (summary, regime, ``ODE`` or ``full model``)."""
+    exact, seeded, meta = {}, {}, {}
+    for _, r in ode.iterrows():
+        lo = {p: float(r[f"logodds {p}"]) for p in PARAMS}
+        if all(np.isfinite(list(lo.values()))):
+            for k, pair in C.S2_PAIRS.items():
+                name = f"{C.S2_SHORT[k]}, ODE, {_where(_key(r))}"
+                exact[name], meta[name] = Change.exact(_margin(lo, pair)), (k, regime(r["loss"]), "ODE")
+    if runs is not None and len(runs):
+        for key, g in runs.groupby(list(AXES), sort=False):
+            per = g.pivot(index="seed", columns="parameterization", values="attention").dropna()
+            if set(PARAMS) <= set(per) and len(per):
+                for k, pair in C.S2_PAIRS.items():
+                    name = f"{C.S2_SHORT[k]}, full model, {_where(key)}"
+                    seeded[name] = Change.of([_margin({p: C.log_odds(x[p]) for p in PARAMS}, pair)
+                                              for _, x in per.iterrows()])
+                    meta[name] = (k, regime(key[AXES.index("loss")]), "full model")
+    return exact, seeded, meta
+
+
+def s2_readings(ode: pd.DataFrame, runs: pd.DataFrame | None = None
+                ) -> tuple[list[C.Reading], dict[str, tuple[str, str, str]]]:
+    """:func:`s2_cells` read by the one rule (the ODE's exact cells and the full model's cells over
+    seeds are separate Bonferroni families), with each cell's (summary, regime, source)."""
+    exact, seeded, meta = s2_cells(ode, runs)
+    return base.read(C.ESTIMANDS["S2"], exact, seeded), meta
+
+
+def s2_region(readings: Sequence[C.Reading], meta: Mapping[str, tuple[str, str, str]]) -> str:
+    """Where each summary's pair holds and is contradicted, counted per source and regime:
+    ``(CACO, FACO), ODE: holds at 400 of 480 asymptotic cells, 20 of 384 practical ...``."""
+    parts = []
+    for k in C.S2_PAIRS:
+        for src in ("ODE", "full model"):
+            mine = [r for r in readings if meta[r.cell][0] == k and meta[r.cell][2] == src]
+            if not mine:
+                continue
+            by = []
+            for reg in ("practical", "asymptotic"):
+                rr = [r for r in mine if meta[r.cell][1] == reg]
+                if rr:
+                    by.append(f"{reg} ({'loss ≥' if reg == 'practical' else 'loss <'} {PRACTICAL:g}): "
+                              + base.outcome_counts(rr))
+            parts.append(f"{C.S2_SHORT[k]}, {src}: " + "; ".join(by))
+    return " · ".join(parts)
+
+
+def s2_verdict(ode: pd.DataFrame, runs: pd.DataFrame | None = None) -> Verdict:
+    """S2 by the one rule over :func:`s2_cells`; its region counts the outcomes per summary,
+    source and regime (:func:`s2_region`)."""
+    readings, meta = s2_readings(ode, runs)
+    v = base.verdict(readings, C.ESTIMANDS["S2"])
+    return Verdict(v.verdict, v.rule, v.reason, region=s2_region(readings, meta) if v.region else "", effect=v.effect)
+
+
+def _pair(ranking: str) -> str:
+    """The top two of a ``"A > B > C > D"`` ranking as a pair: a summary's pair as that summary names
+    it, ``(CACO, FACO)``, any other in the naming order, ``(FACO, FAFO)``."""
+    top = ranking.split(" > ")[:2]
+    if len(top) != 2:
+        return "none"
+    k = next((k for k, pair in C.S2_PAIRS.items() if pair == frozenset(top)), None)
+    return C.S2_SHORT[k] if k else "(" + ", ".join(sorted(top, key=_SHOWN.index)) + ")"
+
+
+def regime_table(ode: pd.DataFrame, moves: pd.DataFrame) -> pd.DataFrame:
+    """Per regime (:func:`regime`) and side of equal rates (ratio below 1, ratio 1 and above): the
+    cells, the leading pair (the most frequent top two by ranking, ties of the ODE included) and its
+    share, the shares of summary A's pair, summary B's pair, neither and a tie (``top two``), and
+    where a faster QK moves FAFO from a ratio on that side (:func:`fafo_moves`: steps toward FACO,
+    toward CACO, others)."""
     rows = []
-    for axis in AXES:
-        for v, g in ode.groupby(axis, sort=axis != "n"):  # n in the order of the settings
-            c = g["top two"].value_counts(normalize=True)
-            rows.append({"axis": axis, "value": f"{v:g}" if isinstance(v, float) else v,
-                         **{k: float(c.get(k, 0.0)) for k in ("A", "B", "neither", "tie")}})
-    return pd.DataFrame(rows).set_index(["axis", "value"])
+    o = ode.assign(regime=ode["loss"].map(regime), side=np.where(ode["ratio"] >= 1.0, "ratio ≥ 1", "ratio < 1"))
+    m = moves.assign(regime=moves["loss"].map(regime), side=np.where(moves["from"] >= 1.0, "ratio ≥ 1", "ratio < 1"))
+    for reg in ("practical", "asymptotic"):
+        for side in ("ratio < 1", "ratio ≥ 1"):
+            g = o[(o["regime"] == reg) & (o["side"] == side)]
+            if not len(g):
+                continue
+            pairs = g["ranking"].map(_pair).value_counts()
+            share = g["top two"].value_counts(normalize=True)
+            mv = m[(m["regime"] == reg) & (m["side"] == side)]["toward"].value_counts()
+            rows.append({"regime": f"{reg} (loss {'≥' if reg == 'practical' else '<'} {PRACTICAL:g})", "side": side,
+                         "cells": len(g), "leading pair": pairs.index[0], "its share": pairs.iloc[0] / len(g),
+                         **{C.S2_SHORT[k] if k in C.S2_SHORT else k: float(share.get(k, 0.0))
+                            for k in ("A", "B", "neither", "tie")},
+                         "FAFO → FACO": int(mv.get("FACO", 0)), "FAFO → CACO": int(mv.get("CACO", 0)),
+                         "FAFO other": int(mv.sum() - mv.get("FACO", 0) - mv.get("CACO", 0))})
+    return pd.DataFrame(rows).set_index(["regime", "side"])
 
 
 def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, verdict: Verdict,
@@ -370,15 +463,11 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
     n = len(ode)
     everywhere = [_key(r) for _, r in ode.iterrows()]
     region = lambda sub: C.s2_region([_key(r) for _, r in sub.iterrows()], everywhere, AXES)  # noqa: E731
-    mkeys = [(m["from"], m["init"], m["n"], m["loss"]) for _, m in moves.iterrows()]
-    faco = [k for k, (_, m) in zip(mkeys, moves.iterrows()) if m["toward"] == "FACO"]
     settled = C.s2_settled({_key(r): r["top two"] for _, r in ode.iterrows()}, AXES)
-    shown = ["FACO", "CACO", "FAFO", "CAFO"]  # the order in which a pair is named
-    neither_pairs = Counter(tuple(sorted(rk.split(" > ")[:2], key=shown.index))
+    neither_pairs = Counter(tuple(sorted(rk.split(" > ")[:2], key=_SHOWN.index))
                             for rk in ode[ode["top two"] == "neither"]["ranking"])
     share = ode["top two"].value_counts().to_dict()
     deep = ode[ode["loss"] == ode["loss"].min()]["top two"].value_counts()
-    mv = moves["toward"].value_counts().to_dict()
     dis = cells[cells["agree"] == "no"]
     fmt = lambda r: f"ratio {r['ratio']:g}, init {r['init']:g}, n {r['n']}, loss {r['loss']:g}"  # noqa: E731
     top = max(cfg["s2_ratios"])
@@ -398,12 +487,8 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
         "s2p_top_settled": settle_top["settled"],
         "s2p_deep_level": f"{settled[0]:g}" if settled else "none",
         "s2p_deep_call": C.S2_WORDS[settled[1]] if settled else "none",
-        "s2p_faco_region": C.s2_region(faco, mkeys, ("ratio step from", "init", "n", "loss")),
         "s2p_deep": ", ".join(f"{C.S2_WORDS[k]} at {v} of {int(deep.sum())}" for k, v in deep.items()),
         "s2p_deep_all_A": bool(deep.index.tolist() == ["A"]),
-        "s2p_moves": ", ".join(f"{'toward ' if k in ('FACO', 'CACO') else ''}{k}: {v}" for k, v in mv.items()),
-        "s2p_moves_n": str(int(sum(mv.values()))),
-        "s2p_toward_faco": str(int(mv.get("FACO", 0))), "s2p_toward_caco": str(int(mv.get("CACO", 0))),
         "s2p_agree": str(int((cells["agree"] == "yes").sum())),
         "s2p_decided": str(int((cells["agree"] != "undecided").sum())),
         "s2p_disagree": "; ".join(f"{fmt(r)} (ODE {C.S2_WORDS[r['top two (ODE)']]}, full model "
@@ -415,8 +500,35 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
         "s2p_top_rates": f"eta_QK = {top * top_ov:g} and eta_OV = {top_ov:g} at ratio {top:g}",
         "s2p_has_disagree": bool(len(dis)),
     }
+    f.update(_regime_facts(ode, moves))
     f.update(C.verdict_glue({"S2": verdict}))
     return f
+
+
+def _regime_facts(ode: pd.DataFrame, moves: pd.DataFrame) -> dict[str, str]:
+    """The S2 sentences that count cells, computed from the cells they count: per regime the leading
+    pair and the shares of each summary's pair (``s2p_regime_sentence``), and FAFO's moves along the
+    ratio axis, per regime, with the summary whose direction more steps take (``s2p_move_sentence``)."""
+    parts = []
+    for reg in ("practical", "asymptotic"):
+        g = ode[ode["loss"].map(regime) == reg]
+        if len(g):
+            pairs, share = g["ranking"].map(_pair).value_counts(), g["top two"].value_counts(normalize=True)
+            parts.append(f"At {reg} depth (training loss {'≥' if reg == 'practical' else '<'} {PRACTICAL:g}, "
+                         f"{len(g)} cells) the leading pair is {pairs.index[0]} at {pairs.iloc[0] / len(g):.0%} of "
+                         f"the cells; summary A's pair is the top two at {share.get('A', 0):.0%}, summary B's at "
+                         f"{share.get('B', 0):.0%}.")
+    mv = moves["toward"].value_counts()
+    by = {reg: moves[moves["loss"].map(regime) == reg]["toward"].value_counts() for reg in ("practical", "asymptotic")}
+    k, m = int(mv.get("FACO", 0)), int(mv.get("CACO", 0))
+    side = "summary A (toward FACO)" if k > m else "summary B (toward CACO)" if m > k else "neither summary"
+    return {"s2p_regime_sentence": " ".join(parts),
+            "s2p_move_sentence": (
+                f"a faster QK moves FAFO toward FACO at {k} of {int(mv.sum())} steps and toward CACO at {m} (others: "
+                + (", ".join(f"{x} {int(n)}" for x, n in mv.items() if x not in ("FACO", "CACO")) or "none") + "); "
+                + "; ".join(f"at {reg} depth {int(c.get('FACO', 0))} toward FACO and {int(c.get('CACO', 0))} toward CACO"
+                            for reg, c in by.items() if c.sum())
+                + f". By the count of steps the map sides with {side} on FAFO's move:")}
 
 
 def s2_claim(facts: Mapping[str, object], verdict: Verdict) -> dict[str, str]:
@@ -508,4 +620,4 @@ def run_phase(cfg: Mapping, progress: bool = True) -> Phase:
     moves = fafo_moves(ode)
     runs = full_runs(cfg, progress)
     cells = full_cells(runs, ode)
-    return Phase(ode, moves, runs, cells, s2_verdict(ode, cells, moves))
+    return Phase(ode, moves, runs, cells, s2_verdict(ode, runs))

@@ -22,6 +22,45 @@ from qkov_lib.metrics import tag_frame
 from qkov_lib.runtime import pick_device, seed_everything
 from qkov_lib.train import History, TrainConfig, predict, train
 
+SHOWN = 12  # a verdict names the cells of an outcome when there are at most this many; else it counts them
+
+
+def read(est: "claims.Estimand | Mapping[str, claims.Estimand]",
+         *families: Mapping[str, "claims.Change | None"]) -> list[claims.Reading]:
+    """Every cell of a claim read by the one rule (:func:`qkov_lib.claims.read_cells`), one
+    Bonferroni family per mapping of ``families``: the exact values of an ODE carry no sampling
+    error, so they do not widen the seed intervals of the cells measured over seeds beside them."""
+    return [r for fam in families if fam for r in claims.read_cells(fam, est)]
+
+
+def verdict(readings: Sequence[claims.Reading], est: claims.Estimand, rule: str = "") -> claims.Verdict:
+    """The claim's :class:`qkov_lib.claims.Verdict` by :func:`qkov_lib.claims.decide` (the only
+    source of its word). Over more than :data:`SHOWN` cells the region names only the outcomes with
+    at most that many cells and counts the others, and the effect gives the range of the changes and
+    the cells at both ends, so a map of hundreds of cells still reads in a line."""
+    v = claims.decide(readings, est, rule)
+    if len(readings) <= SHOWN or v.verdict == "not tested":
+        return v
+    n = len(readings)
+    named = {o: [r.cell for r in readings if r.outcome == o] for o in claims.OUTCOMES}
+    region = "; ".join(f"{o} at " + (", ".join(c) if len(c) <= SHOWN else f"{len(c)} of {n} cells")
+                       for o, c in named.items() if c) if v.region else ""
+    have = [r for r in readings if r.change is not None and np.isfinite(r.change.mean)]
+    lo, hi = (min(have, key=lambda r: r.change.mean), max(have, key=lambda r: r.change.mean)) if have else (None, None)
+    effect = (f"{n} cells, from {lo.text()} ({lo.cell}) to {hi.text()} ({hi.cell})" if have else v.effect)
+    open_ = sorted((r for r in readings if r.outcome == "undecided"), key=lambda r: (r.seeds is None, r.seeds or 0))
+    seeds = claims.seeds_text(open_[:SHOWN]) + (f"; {len(open_) - SHOWN} more undecided cells" if len(open_) > SHOWN
+                                                else "")
+    reason = outcome_counts(readings) + (f"; {seeds}" if seeds else "")
+    return claims.Verdict(v.verdict, v.rule, reason, region=region, effect=effect)
+
+
+def outcome_counts(readings: Sequence[claims.Reading]) -> str:
+    """``k holds, m contradicted, u undecided of n cells`` (the outcomes present)."""
+    return ", ".join(f"{sum(r.outcome == o for r in readings)} {o}" for o in claims.OUTCOMES
+                     if any(r.outcome == o for r in readings)) + f" of {len(readings)} cells"
+
+
 # Profile table: test = seconds (tests, CI); cpu = default build on 2 cores; full = GPU scale.
 PROFILES: dict[str, dict] = {
     "test": dict(parameterizations=list(PARAMETERIZATIONS), ratios=[1.0, 10.0], seeds=[0],
@@ -201,7 +240,7 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
     by = summary.set_index(["parameterization", "ratio"])
     f = {"r_low": f"{lo:g}", "r_high": f"{hi:g}", "n_param": str(len(params)),
          "rank_low": " > ".join(ranking(summary, lo)), "rank_high": " > ".join(ranking(summary, hi)),
-         "rule_S1": claims.S1_RULE, "rule_S3": claims.S3_RULE}
+         "rule_S1": claims.ESTIMANDS["S1"].text(), "rule_S3": claims.ESTIMANDS["S3"].text(), "one_rule": claims.ONE_RULE}
     tv = pairwise_tv(dtaps, params, lo)
     if tv:
         (a, b), t = max(tv.items(), key=lambda kv: kv[1])

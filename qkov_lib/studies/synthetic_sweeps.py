@@ -193,6 +193,40 @@ def _run(p: str, r: float, s: int, h: engine.EngineHistory, row: dict, dt: torch
     return base.Run(p, r, s, h, test, dt, train_set)
 
 
+LOCKED_CLASS_ACC = 0.5  # a class whose test accuracy at the end is below this never learned (class lock-in)
+
+
+def lowest_class_accuracy(models: Sequence[SyntheticModel], tests: Sequence[Batch]) -> list[float]:
+    """Each model's lowest per-class test accuracy on its own test sample (models sharing a test
+    sample are evaluated in one stack): near 0 or chance when one class never learned."""
+    out = [math.nan] * len(models)
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(tests):
+        groups.setdefault(id(t), []).append(i)
+    for idx in groups.values():
+        stack = engine.Stack([models[i] for i in idx])
+        bag = engine.bag_of(tests[idx[0]], stack.E.shape[1])
+        with torch.no_grad():
+            _, probs = engine.predict_bag(stack, bag)
+        pred, y = probs.argmax(-1), bag.y.reshape(1, -1).expand(len(idx), -1)
+        acc = torch.stack([((pred == k) & (y == k)).sum(-1) / (y == k).sum(-1).clamp(min=1)
+                           for k in range(probs.shape[-1])], -1)
+        for j, i in enumerate(idx):
+            out[i] = float(acc[j].min())
+    return out
+
+
+def lockin_table(table: pd.DataFrame) -> pd.DataFrame:
+    """Class lock-in per parameterization (rows) and ratio (columns): the runs (not diverged) in
+    which one class never learned, its lowest per-class test accuracy at the end below
+    :data:`LOCKED_CLASS_ACC`, as ``k of n``."""
+    ok = table[table["diverged"] == 0]
+    g = ok.groupby(["parameterization", "ratio"], sort=False)["lowest_class_acc"]
+    out = (g.apply(lambda x: f"{int((x < LOCKED_CLASS_ACC).sum())} of {len(x)}")).unstack("ratio")
+    out.columns = [f"ratio {c:g}" for c in out.columns]
+    return out.reindex(list(dict.fromkeys(ok["parameterization"])))
+
+
 def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: Sequence[float] | None = None,
              seeds: Sequence[int] | None = None, steps: int | None = None,
              matched_loss: float | Sequence[float] | None = None, desc: str = "sweep",
@@ -230,6 +264,8 @@ def run_grid(cfg: dict, parameterizations: Sequence[str] | None = None, ratios: 
             hists[i] = h
     tests = [b.seed(s)[3] for _, _, s in grid]
     rows, dtaps = engine.evaluate_models(models, tests, TAUS)
+    for row, low in zip(rows, lowest_class_accuracy(models, tests)):
+        row["lowest_class_acc"] = low
     runs = [_run(p, r, s, h, row, dt, float("nan"), rate[r], b.train_set())
             for (p, r, s), h, row, dt in zip(grid, hists, rows, dtaps)]
     levels = [] if matched_loss is None else sorted({float(x) for x in (
@@ -433,16 +469,18 @@ def ladder_levels(cfg: Mapping[str, Any]) -> list[float]:
     return sorted({float(x) for x in cfg["loss_ladder"]} | {float(cfg["matched_loss"])}, reverse=True)
 
 
-def ladder_s1_table(pairs: Mapping[float, Mapping[tuple[str, str], C.Change]], digits: int = 3) -> pd.DataFrame:
-    """:func:`ladder_pairs` as a table: one row per pair, one column per training-loss level
-    (highest first), each cell the per-seed distance's mean ± 95 % half-width, the number of seeds
-    and :func:`qkov_lib.claims.s1_pair`'s call."""
-    cells: dict[str, dict[str, str]] = {}
-    for lv in sorted(pairs, reverse=True):
-        for (a, b), c in pairs[lv].items():
-            ci = f" ± {c.half_width:.{digits}f}" if c.bounded else ""
-            cells.setdefault(f"loss {lv:g}", {})[f"{a} vs {b}"] = f"{c.mean:.{digits}f}{ci} ({c.n} seeds): {C.s1_pair(c)}"
-    return pd.DataFrame(cells).rename_axis("pair")
+def s1_named(pairs: Mapping[float, Mapping[tuple[str, str], C.Change]]) -> dict[str, C.Change]:
+    """S1's cells named in words (``FAFO vs CAFO, loss 0.05``): :func:`ladder_pairs` flattened,
+    highest loss first."""
+    return {f"{a} vs {b}, loss {lv:g}": c for lv in sorted(pairs, reverse=True) for (a, b), c in pairs[lv].items()}
+
+
+def readings_table(readings: Sequence[C.Reading], digits: int = 3) -> pd.DataFrame:
+    """Readings as a table: one row per cell with its change (mean ± family half-width, seeds), its
+    outcome and the seeds that would decide it (undecided cells only)."""
+    return pd.DataFrame([{"cell": r.cell, "change": r.text(digits), "outcome": r.outcome,
+                          "seeds to decide": (r.seeds if r.seeds is not None else "none ≤ 1000")
+                          if r.outcome == "undecided" else ""} for r in readings]).set_index("cell")
 
 
 def ladder_dtaps(ladder: Mapping[float, Sequence[base.Run]], ratio: float) -> dict[tuple[str, float], np.ndarray]:
@@ -466,8 +504,8 @@ def ladder_s2(ladder: Mapping[float, Sequence[base.Run]], ratio: float, params: 
     two or more FAFO seeds reached the level, on mean heatmaps at that level, its tie decided
     over FAFO's per-seed heatmaps (:func:`.synthetic.fafo_gap`). Without two seeds (for the
     second and third, or for FAFO at every faster ratio) that part is ``"not tested"``. Returns
-    the table (:data:`LADDER_S2_COLUMNS`) and, for :func:`qkov_lib.claims.s2_ladder`, (top two,
-    move) of each level reached by all four parameterizations at ``ratio``."""
+    the table (:data:`LADDER_S2_COLUMNS`) and (top two, move) of each level reached by all four
+    parameterizations at ``ratio`` (evidence for S2, decided on chapter 03's map)."""
     rows, calls = [], {}
     for level, runs in ladder.items():
         by = _reached_by(runs, ratio)
@@ -581,25 +619,43 @@ def r3_cells(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]
     return {(lv, p): (c[0], c[2]) for (lv, r), d in cells.items() if r == hi for p, c in d.items()}
 
 
-def matched_change_table(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame], digits: int = 3) -> pd.DataFrame:
-    """:func:`s3_cells` as a table: one row per (loss level, ratio, parameterization) with the
-    mean attention on the distinct token at the lowest ratio and at that ratio (seeds that reached
-    the level at both), the log-odds change ± 95 % seed interval, the test-loss and accuracy
-    changes and :func:`qkov_lib.claims.matched_call`'s call."""
+def s3_named(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame], min_ratio: float | None = None
+             ) -> dict[str, C.Change]:
+    """S3's cells named in words (``FAFO, ratio 0.1 → 100, loss 0.05``): the log-odds change of
+    :func:`s3_cells` per (loss level, higher ratio, parameterization); ``min_ratio`` drops the
+    ratios below it first (S3 against ratio 1)."""
     frames = _frames(ladder)
+    if min_ratio is not None:
+        frames = {lv: f[f["ratio"] >= min_ratio] for lv, f in frames.items()}
     cells, lo = s3_cells(frames)
-    rows = []
-    for (lv, r), d in sorted(cells.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
-        ok = _reached_frame(frames[lv])
-        for p, (dl, dloss, dacc) in d.items():
-            pair = lambda x: ok[(ok.parameterization == p) & (ok.ratio == x)].set_index("seed")["attn_relevant"]  # noqa: E731
-            a, b = pair(lo), pair(r)
-            common = sorted(set(a.index) & set(b.index))
-            rows.append({"training loss": lv, "ratio": f"{lo:g} -> {r:g}", "parameterization": p,
-                         "attention": f"{a.loc[common].mean():.{digits}f} -> {b.loc[common].mean():.{digits}f}",
-                         "Δ log-odds": dl.text(percent=False), "Δ test loss": dloss.text(percent=False),
-                         "Δ accuracy": dacc.text(percent=False), "call": C.matched_call(dl, dloss, dacc)})
-    return pd.DataFrame(rows)
+    return {f"{p}, ratio {lo:g} → {r:g}, loss {lv:g}": c[0]
+            for (lv, r), d in sorted(cells.items(), key=lambda kv: (-kv[0][0], kv[0][1])) for p, c in d.items()}
+
+
+def r3_named(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]) -> dict[str, C.Change]:
+    """R3-synthetic's cells: :func:`s3_named` at the highest ratio only."""
+    cells = s3_named(ladder)
+    hi = max((k.split(" → ")[1].split(",")[0] for k in cells), key=float, default=None)
+    return {k: c for k, c in cells.items() if k.split(" → ")[1].split(",")[0] == hi}
+
+
+def t5_named(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]) -> dict[str, C.Change]:
+    """T5's cells on the sweep: per parameterization, step of the ratio (each ratio to the next)
+    and loss level, the per-seed fall of the log common-token mass, log(1 - a) at the lower ratio
+    minus at the higher, over the seeds that reached the level at both (nats; positive: sharper)."""
+    out = {}
+    for lv, f in sorted(_frames(ladder).items(), reverse=True):
+        ok = _reached_frame(f)
+        ratios = sorted({float(r) for r in f["ratio"]})
+        for p in dict.fromkeys(f["parameterization"]):
+            for lo, hi in zip(ratios, ratios[1:]):
+                a = ok[(ok.parameterization == p) & (ok.ratio == lo)].set_index("seed")["attn_relevant"]
+                b = ok[(ok.parameterization == p) & (ok.ratio == hi)].set_index("seed")["attn_relevant"]
+                seeds = sorted(set(a.index) & set(b.index))
+                if seeds:
+                    out[f"{p}, ratio {lo:g} → {hi:g}, loss {lv:g}"] = C.Change.of(
+                        [math.log(max(1 - a[s_], 1e-300)) - math.log(max(1 - b[s_], 1e-300)) for s_ in seeds])
+    return out
 
 
 def robustness(cfg: dict, progress_desc: str = "robustness") -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -653,20 +709,15 @@ def ratio_changes(summary: pd.DataFrame, metrics: Sequence[str] = ("attn_relevan
     return {m: [_val(by, p, hi, m) - _val(by, p, lo, m) for p in params] for m in metrics}
 
 
-def robustness_s3(rob_matched: pd.DataFrame, variants: Sequence[str] = ()) -> dict[str, Verdict]:
-    """S3's rule (:func:`qkov_lib.claims.s3_ratio_sharpens`) for each robustness variant, at its
-    matched training loss (:func:`robustness`'s second table); a variant in ``variants`` without
-    matched runs (minibatch) is not tested."""
+def robustness_readings(rob_matched: pd.DataFrame) -> dict[str, list[C.Reading]]:
+    """S3's cells for each robustness variant at its matched training loss (:func:`robustness`'s
+    second table), read by the one rule with each variant its own Bonferroni family; a minibatch
+    variant has no matched runs and no cell."""
     out = {}
-    for v in dict.fromkeys([*variants, *rob_matched.get("variant", pd.Series(dtype=str))]):
-        sub = rob_matched[rob_matched["variant"] == v] if len(rob_matched) else rob_matched
-        if sub.empty:
-            out[str(v)] = Verdict("not tested", C.S3_ROBUST_RULE, "minibatch training: no full-batch loss to match")
-            continue
+    for v in dict.fromkeys(rob_matched.get("variant", pd.Series(dtype=str))):
+        sub = rob_matched[rob_matched["variant"] == v]
         level = float(sub["matched_level"].iloc[0]) if "matched_level" in sub else math.nan
-        cells, lo = s3_cells({level: sub})
-        gd = sub[sub["optimizer"] == "gd"] if "optimizer" in sub else sub.iloc[0:0]
-        out[str(v)] = C.s3_ratio_sharpens(cells, lo, unstable=sorted(set(gd.loc[gd["loss_rises"] > 0, "ratio"])))
+        out[str(v)] = base.read(C.ESTIMANDS["S3"], {f"{v}: {k}": c for k, c in s3_named({level: sub}).items()})
     return out
 
 
@@ -678,7 +729,9 @@ def robustness_verdicts(table: pd.DataFrame, matched: pd.DataFrame, ref_ratio: f
     test accuracy below ``claims.STUCK_ACC`` or diverged ("stuck"), and S3's verdict for the
     variant at its matched training loss (:func:`robustness_s3`: the label and the effect)."""
     summary = robustness_summary(table)
-    s3 = robustness_s3(matched, list(dict.fromkeys(table["variant"])))
+    rr = robustness_readings(matched)
+    s3 = {v: base.verdict(r, C.ESTIMANDS["S3"]) for v, r in rr.items()}
+    none = Verdict("not tested", C.ESTIMANDS["S3"].text(), "minibatch training: no full-batch loss to match")
     rows = []
     for v, sub in summary.groupby("variant", sort=False):
         ratios = sorted(sub["ratio"].unique())
@@ -691,8 +744,10 @@ def robustness_verdicts(table: pd.DataFrame, matched: pd.DataFrame, ref_ratio: f
                      "GD runs whose loss rose": (int((runs["loss_rises"] > 0).sum())
                                                  if (runs["optimizer"] == "gd").all() else math.nan),
                      "stuck or diverged": int((runs["accuracy"] < C.STUCK_ACC).sum() + runs["accuracy"].isna().sum()),
-                     "runs at highest ratio": len(runs), "S3 verdict": s3[str(v)].label,
-                     "S3 effect": s3[str(v)].effect})
+                     "locked in": f"{int((runs['lowest_class_acc'] < LOCKED_CLASS_ACC).sum())} of {len(runs)}"
+                     if "lowest_class_acc" in runs else "",
+                     "runs at highest ratio": len(runs), "S3 verdict": s3.get(str(v), none).verdict,
+                     "S3 counts": base.outcome_counts(rr.get(str(v), []))})
     return pd.DataFrame(rows).set_index("variant")
 
 
@@ -789,26 +844,74 @@ def s1_inputs(dtaps: Mapping[tuple[str, float], np.ndarray], params: Sequence[st
     return base.pairwise_tv(dtaps, have, ratio)
 
 
-def chapter_verdicts(ladder: Mapping[float, Sequence[base.Run]],
+def adam_frames(ladder: Mapping[float, Sequence[base.Run]], rob_matched: pd.DataFrame | None,
+                level: float) -> dict[str, pd.DataFrame]:
+    """The runs S3-adam compares at matched training loss ``level``, ratios 1 and above: gradient
+    descent (the main grid, at the ratios AdamW ran) and AdamW (the robustness variant whose
+    optimizer is ``adamw``; absent when the variants were not run)."""
+    gd = base.runs_frame(ladder[level]) if level in ladder else pd.DataFrame()
+    out = {"gradient descent": gd[gd["ratio"] >= 1.0]} if len(gd) else {}
+    if rob_matched is not None and len(rob_matched) and "optimizer" in rob_matched:
+        ad = rob_matched[(rob_matched["optimizer"] == "adamw") & (rob_matched["ratio"] >= 1.0)]
+        if len(ad):
+            out["AdamW"] = ad
+            if out.get("gradient descent") is not None:  # the same ratios on both sides
+                out["gradient descent"] = out["gradient descent"][out["gradient descent"]["ratio"].isin(set(ad["ratio"]))]
+    return out
+
+
+def chapter_readings(ladder: Mapping[float, Sequence[base.Run]],
                      pairs: Mapping[float, Mapping[tuple[str, str], C.Change]],
-                     rob: tuple[pd.DataFrame, pd.DataFrame] | None) -> dict[str, Verdict]:
-    """The chapter's verdicts by the rules of :mod:`qkov_lib.claims`, all at matched training loss
-    on the ladder (``ladder``: loss level -> runs there, ``Grid.matched``): S1
-    (:func:`ladder_pairs`), S3 (:func:`s3_cells`), the extensions R3-synthetic
-    (:func:`r3_cells`) and S3-robustness (:func:`robustness_s3` per variant, combined by
-    :func:`qkov_lib.claims.s3_robustness`; not tested when the variants were not run, ``rob``
-    None). S2 is decided by chapter 03's phase map, not here."""
-    cells, lo = s3_cells(ladder)
-    # ratios at which some run's full-batch loss rose: past gradient descent's stable range
-    unstable = sorted({r.ratio for runs in ladder.values() for r in runs if r.test.get("loss_rises", 0) > 0})
-    deepest = min(ladder) if ladder else math.nan
-    hi = max((r for _, r in cells), default=math.nan)
-    if rob is not None and len(rob[0]):
-        robv = C.s3_robustness(robustness_s3(rob[1], list(dict.fromkeys(rob[0]["variant"]))))
-    else:
-        robv = Verdict("not tested", C.S3_ROBUST_RULE, "robustness variants not run")
-    return {"S1": C.s1_ladder(pairs), "S3": C.s3_ratio_sharpens(cells, lo, effect_at=(deepest, hi), unstable=unstable),
-            "R3-synthetic": C.r3_synthetic(r3_cells(ladder), deepest), "S3-robustness": robv}
+                     rob_matched: pd.DataFrame | None, level: float) -> dict[str, list[C.Reading]]:
+    """Every cell the chapter's claims read, by the one rule, all at matched training loss on the
+    ladder (``ladder``: loss level -> runs there, ``Grid.matched``): S1 (:func:`s1_named`), S3 against
+    the lowest ratio (:func:`s3_named`), T5 per step of the ratio (:func:`t5_named`), R3-synthetic
+    (:func:`r3_named`), S3-robustness (:func:`robustness_readings`, one family per variant) and
+    S3 under AdamW against ratio 1 at ``level`` (``S3-adam``) with gradient descent's same cells
+    beside it (``S3-gd``, shown, not a claim)."""
+    out = {"S1": base.read(C.ESTIMANDS["S1"], s1_named(pairs)), "S3": base.read(C.ESTIMANDS["S3"], s3_named(ladder)),
+           "T5": base.read(C.ESTIMANDS["T5"], t5_named(ladder)),
+           "R3-synthetic": base.read(C.ESTIMANDS["S3"], r3_named(ladder)),
+           "S3-robustness": [r for rr in robustness_readings(rob_matched).values() for r in rr]
+           if rob_matched is not None and len(rob_matched) else []}
+    frames = adam_frames(ladder, rob_matched, level)
+    for key, name in (("S3-gd", "gradient descent"), ("S3-adam", "AdamW")):
+        out[key] = base.read(C.ESTIMANDS["S3"], {f"{name}, {k}": c for k, c in s3_named({level: frames[name]}).items()}
+                             if name in frames else {})
+    return out
+
+
+def chapter_verdicts(readings: Mapping[str, Sequence[C.Reading]]) -> dict[str, Verdict]:
+    """The chapter's claims (S1, S3, T5 and the extensions R3-synthetic, S3-robustness, S3-adam)
+    from :func:`chapter_readings` by :func:`qkov_lib.studies.synthetic.verdict`, the only source of
+    their words. S2 is decided by chapter 03's phase map, not here."""
+    est = {"S1": "S1", "S3": "S3", "T5": "T5", "R3-synthetic": "S3", "S3-robustness": "S3", "S3-adam": "S3"}
+    return {k: base.verdict(readings[k], C.ESTIMANDS[e]) for k, e in est.items()}
+
+
+def plot_adam(readings: Mapping[str, Sequence[C.Reading]]):
+    """S3 under gradient descent and under AdamW: per cell (parameterization, ratio against 1), the
+    log-odds change at matched training loss with its family interval, and the margin."""
+    import matplotlib.pyplot as plt
+
+    from qkov_lib.plotting import FACE, setup
+
+    setup()
+    fig, ax = plt.subplots(figsize=(7.5, 3.2), facecolor=FACE)
+    labels = list(dict.fromkeys(r.cell.split(", ", 1)[1] for key in ("S3-gd", "S3-adam") for r in readings[key]))
+    for j, (key, name, mk) in enumerate((("S3-gd", "gradient descent", "o"), ("S3-adam", "AdamW", "s"))):
+        by = {r.cell.split(", ", 1)[1]: r for r in readings[key]}
+        xs = [i + (j - 0.5) * 0.3 for i, lab in enumerate(labels) if lab in by]
+        rs = [by[lab] for lab in labels if lab in by]
+        ax.errorbar(xs, [r.change.mean for r in rs], yerr=[r.hw if np.isfinite(r.hw) else 0 for r in rs], fmt=mk,
+                    capsize=3, label=name)
+    ax.axhline(C.ESTIMANDS["S3"].margin, color="k", ls="--", lw=1, label="margin")
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set_xticks(range(len(labels)), [lab.replace(", loss", "\nloss") for lab in labels], rotation=60, fontsize=7)
+    ax.set_ylabel("Δ log-odds of attention\non the distinct token")
+    ax.legend(fontsize=8, frameon=False)
+    fig.tight_layout()
+    return fig
 
 
 def _counts(match: Mapping[float, str], n: int) -> str:
@@ -819,7 +922,8 @@ def _counts(match: Mapping[float, str], n: int) -> str:
 def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFrame, mtable: pd.DataFrame,
                   toward: pd.DataFrame, rob_verdicts: pd.DataFrame | None, dtaps: dict, cfg: dict,
                   verdicts: Mapping[str, Verdict],
-                  pairs: Mapping[float, Mapping[tuple[str, str], C.Change]] | None = None) -> dict[str, Any]:
+                  pairs: Mapping[float, Mapping[tuple[str, str], C.Change]] | None = None,
+                  readings: Mapping[str, Sequence[C.Reading]] | None = None) -> dict[str, Any]:
     """Every number, threshold and verdict (with rule and reason) the chapter's prose quotes, as
     glue strings, and the comparisons that choose its sentences (bools, counts and words, from
     the thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). Comparisons the
@@ -830,6 +934,8 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
     f: dict[str, Any] = {f"thr_{k.lower()}": C.threshold_text(k)
                          for k in ("SHARPER", "SAME_LOSS", "SAME_ACC", "DTAP_TV", "STUCK_ACC")}
     f.update(C.verdict_glue(verdicts))
+    f["one_rule"] = C.ONE_RULE
+    f.update(_adam_facts(readings or {}, verdicts))
     f.update({"r_lo": f"{ratios[0]:g}", "r_hi": f"{ratios[-1]:g}", "r_eq": f"{eq:g}", "n_runs": str(len(table)),
               "n_param": str(len(params)), "n_seeds": str(len(cfg["seeds"])),
               "n_diverged": str(int(table["diverged"].sum())), "matched_loss": f"{cfg['matched_loss']:g}",
@@ -841,8 +947,7 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
     f["rob_tested"] = rob_verdicts is not None and len(rob_verdicts) > 0
     if f["rob_tested"]:
         rv = rob_verdicts
-        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].map(
-                     lambda x: "holds where" if x.startswith("holds where") else x).value_counts().items()),
+        f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].value_counts().items()),
                  rob_n=str(len(rv)), rob_stuck=str(int(rv["stuck or diverged"].sum())),
                  rob_hi_runs=str(int(rv["runs at highest ratio"].sum())),
                  rob_rises=str(int(rv["GD runs whose loss rose"].sum())),
@@ -850,6 +955,17 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
                  rob_same_rank=str(int((rv["ranking at equal rates"] == " > ".join(order_at(summary, eq))).sum())),
                  rob_top2=", ".join(f"{k}: {n}" for k, n in rv["top two match"].value_counts().items()))
     return f
+
+
+def _adam_facts(readings: Mapping[str, Sequence[C.Reading]], verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
+    """S3 under AdamW beside gradient descent, in one sentence computed from both sets of cells."""
+    gd, ad = readings.get("S3-gd", []), readings.get("S3-adam", [])
+    if not ad:
+        return {"adam_tested": False, "adam_sentence": "The AdamW variant was not run, so S3 under Adam is not tested."}
+    return {"adam_tested": True, "adam_sentence": (
+        f"At matched training loss, against ratio 1, S3 under AdamW reads {verdicts['S3-adam'].verdict} "
+        f"({base.outcome_counts(ad)}); the same cells under gradient descent read "
+        f"{C.word([r.outcome for r in gd])} ({base.outcome_counts(gd)}).")}
 
 
 def stability_facts(table: pd.DataFrame, check: pd.DataFrame | None, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -896,14 +1012,16 @@ def _s1_facts(summary: pd.DataFrame, dtaps: dict, pairs: Mapping[float, Mapping[
               params: Sequence[str], ratios: Sequence[float]) -> dict[str, Any]:
     """S1 on the matched-loss ladder (the verdict's inputs) and the DTAP distances at equal rates."""
     eq, by, f = equal_rate(ratios), summary.set_index(["parameterization", "ratio"]), {}
-    calls = {lv: [C.s1_pair(c) for c in d.values()] for lv, d in (pairs or {}).items() if d}
+    outcome = {r.cell: r.outcome for r in base.read(C.ESTIMANDS["S1"], s1_named(pairs or {}))}
+    calls = {lv: [outcome[f"{a} vs {b}, loss {lv:g}"] for a, b in d] for lv, d in (pairs or {}).items() if d}
     f["ladder"] = ", ".join(f"{lv:g}" for lv in sorted(calls, reverse=True)) or "none"
     f["s1_all_differ_at"] = ", ".join(f"{lv:g}" for lv in sorted(calls, reverse=True)
-                                      if all(c == "differ" for c in calls[lv])) or "none"
-    deepest = min((lv for lv in calls if all(c == "differ" for c in calls[lv])), default=None)
+                                      if all(c == "holds" for c in calls[lv])) or "none"
+    deepest = min((lv for lv in calls if all(c == "holds" for c in calls[lv])), default=None)
     f["s1_deepest_differ"] = "none" if deepest is None else f"{deepest:g}"
-    f["s1_ladder_counts"] = "; ".join(f"loss {lv:g}: {cs.count('differ')} of {len(cs)}" for lv, cs in
-                                      sorted(calls.items(), reverse=True)) or "no level reached"
+    f["s1_ladder_counts"] = "; ".join(f"loss {lv:g}: " + ", ".join(f"{cs.count(o)} {o}" for o in C.OUTCOMES
+                                                                   if o in cs) + f" of {len(cs)} pairs"
+                                      for lv, cs in sorted(calls.items(), reverse=True)) or "no level reached"
     tv = s1_inputs(dtaps, params, eq)
     weak = lambda r: ", ".join(f"{p} {_fmt(_val(by, p, r, 'weak_attn_confident'))}" for p in params)  # noqa: E731
     f["weak_lo"], f["weak_eq"] = weak(ratios[0]), weak(eq)
@@ -984,6 +1102,12 @@ def _s3_facts(summary: pd.DataFrame, table: pd.DataFrame, params: Sequence[str],
     n_fail_hi = int((top["accuracy"] < C.STUCK_ACC).sum())
     f: dict[str, Any] = {"n_fail_hi": str(n_fail_hi), "n_hi_runs": str(len(top)),
                          "n_fail_below": str(int(((table["ratio"] < hi) & (table["accuracy"] < C.STUCK_ACC)).sum()))}
+    if "lowest_class_acc" in table:
+        ok = table[table["diverged"] == 0]
+        f["lockin_by_ratio"] = "; ".join(
+            f"ratio {r:g}: {int((g['lowest_class_acc'] < LOCKED_CLASS_ACC).sum())} of {len(g)}"
+            for r, g in ok.groupby("ratio"))
+        f["thr_locked"] = f"{LOCKED_CLASS_ACC:g}"
     if len(ratios) >= 2:
         f["s3_n_up"] = str(sum(x >= C.SHARPER for x in ratio_changes(summary, ("attn_relevant",))["attn_relevant"]))
     if n_fail_hi:
@@ -1017,25 +1141,32 @@ def s2_verdict(top_fixed: Sequence[str], top_matched: Sequence[str]) -> str:
     return a if a == b else "mixed"
 
 
+ADAM_STATEMENT = ("S3 under AdamW: at matched training loss, a larger eta_QK/eta_OV (1, 10, 100) still sharpens "
+                  "attention on the distinct token, as under gradient descent.")
+
+
 def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
-    """Scorecard rows for the paper's S1 and S3 and the extensions R3-synthetic and S3-robustness
-    (S2 is decided by chapter 03's phase map): one line of measured numbers each, from
-    :func:`chapter_facts`; verdicts (with rule, reason, region and effect) from
+    """Scorecard rows for the paper's S1, S3 and T5 (T5 read on the sweep's ratios) and the
+    extensions R3-synthetic, S3-robustness and S3-adam (S2 is decided by chapter 03's phase map):
+    one line of measured numbers each, from :func:`chapter_facts`; verdicts from
     :func:`chapter_verdicts`."""
     f, ch = facts, "04_sweep"
-    s1 = (f"total-variation distance between mean heatmaps at ratio {f['r_eq']}: {f['tv_range']} ({f['tv_n_differ']} of "
-          f"{f['tv_n_pairs']} pairs at least {f['thr_dtap_tv']})" if f["s1_tested"] else "fewer than two parameterizations")
+    s3_adam = C.EXTENSIONS["S3-adam"][1] if "S3-adam" in C.EXTENSIONS else ADAM_STATEMENT
     return [
         claim("S1", "DTAP heatmaps differ between the four parameterizations",
-              f"pairs of parameterizations whose per-seed heatmap distance at ratio {f['r_eq']} is at least "
-              f"{f['thr_dtap_tv']} (95 % interval), by training loss: {f['s1_ladder_counts']}; after the fixed steps: "
-              f"{s1}", verdicts["S1"], ch),
+              f"pairs of parameterizations whose per-seed heatmap distance at ratio {f['r_eq']}, by training loss: "
+              f"{verdicts['S1'].effect or 'not measured'}", verdicts["S1"], ch),
         claim("S3", "a larger eta_QK/eta_OV moves DTAP mass to high attention, loss about the same",
               f"at matched training loss, {verdicts['S3'].effect or 'no change measured'}", verdicts["S3"], ch),
+        claim("T5", "faster QK learning puts more attention on relevant tokens; common-token mass shrinks faster "
+                    "with the ratio",
+              f"full model, per step of the ratio at matched training loss: {verdicts['T5'].effect or 'not measured'}",
+              verdicts["T5"], ch),
         claim("R3-synthetic", C.statement("R3-synthetic"),
               f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss {f['matched_loss']}; "
               f"{verdicts['R3-synthetic'].effect or 'no change measured'}", verdicts["R3-synthetic"], ch),
         claim("S3-robustness", C.statement("S3-robustness"),
               f"per variant at matched loss S3 gives {f['rob_counts']} (of {f['rob_n']})" if f["rob_tested"]
               else "robustness variants not run", verdicts["S3-robustness"], ch),
+        claim("S3-adam", s3_adam, f["adam_sentence"], verdicts["S3-adam"], ch),
     ]
