@@ -181,6 +181,9 @@ def _readings(cells: pd.DataFrame, cid: str) -> tuple[list[claims.Reading], list
     """The claim's readings over ``cells`` (one route of :func:`protocol_cells`) by the one rule, and
     the cells not comparable (left out of the family, named in the reason)."""
     g = cells[cells["claim"] == cid]
+    # read back from a results file, a missing change is None, not NaN
+    g = g.assign(**{c: pd.to_numeric(g[c], errors="coerce") for c in ("mean", "hw", "n")})
+    g = g.assign(n=g["n"].fillna(0), note=g["note"].fillna(""))
     apart = [f"{c} ({n})" for c, n in zip(g["cell"], g["note"]) if str(n).startswith("not comparable")]
     g = g[~g["note"].astype(str).str.startswith("not comparable")]
     changes = {c + (" (η_QK past the stable rate)" if past else ""):

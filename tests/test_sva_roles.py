@@ -173,14 +173,10 @@ def _natural_frame(acc1: list[float], acc10: list[float]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def test_natural_r1_reads_a_drop_at_one_base_rate_as_inconclusive():
-    from qkov_lib import claims
-
+def test_natural_r1_reads_a_drop_by_the_one_rule():
     drop = _natural_frame([0.60, 0.62, 0.58, 0.61], [0.40, 0.43, 0.37, 0.41])  # -20 points, tight
-    d = claims.Change.of(np.array([-0.20, -0.19, -0.21, -0.20]))
-    assert claims.r1_performance_stable([d], [], ratios=[10.0]).verdict == "not reproduced"  # the plain rule
     v = sr.natural_r1(drop)
-    assert v.verdict == "inconclusive" and "at one base rate (eta_OV 0.001) only" in v.reason
-    assert "-20.0 %" in v.reason and "several base rates" in v.rule
+    # the same bar confirms and refutes: a drop whose whole interval lies below -2 points contradicts R1
+    assert v.verdict == "not reproduced" and "natural prefixes, η_OV 0.001, ratio 10 vs 1: -0.200" in v.effect
     same = sr.natural_r1(_natural_frame([0.60, 0.62, 0.58, 0.61], [0.605, 0.622, 0.581, 0.612]))
     assert same.verdict == "reproduced"  # a stable accuracy still reads as the claim holding
