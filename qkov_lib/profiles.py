@@ -12,8 +12,9 @@ to ``-p``/``-g`` values before a kernel starts; :func:`resolve` applies it to ev
 setting, and checks the type of each override against the profile's value.
 
 A dry run (:func:`set_dry_run`, :func:`cap_steps`) keeps a profile's models, training data and grids
-but caps every step count, and evaluates on :data:`DRY_RUN_EVAL_ROWS` rows of each evaluation
-split, so the ``full`` profile's shapes and code paths run on a CPU in minutes.
+but caps every step count, evaluates each run at its start and its end only, on
+:data:`DRY_RUN_EVAL_ROWS` rows of each evaluation split, so the ``full`` profile's shapes and code
+paths run on a CPU in minutes.
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ from typing import Any
 PROFILES = ("test", "cpu", "full")
 PROFILE_ENV = "QKOV_PROFILE"
 DRY_RUN_ENV = "QKOV_DRY_RUN"
-#: step budget of every run in a dry run: enough for a validation evaluation mid-run and at the end
+#: step budget of every run in a dry run
 DRY_RUN_STEPS = 20
+#: evaluation interval (a key ending in ``every``) of a dry run, in step caps: longer than any capped
+#: run (a map's slower base rates get at most twice the cap, ``max_step_scale``), so every run
+#: evaluates at its start and at its end only. At half the cap, SQuAD's 200 runs evaluated their
+#: validation rows every 10 steps: 5 stacked evaluations a run where 2 show the same shapes
+DRY_RUN_EVERY_CAPS = 2
 # step counts (steps, adamw_steps, full_steps, warmup_steps...) and evaluation intervals by name
 _STEP_KEY = re.compile(r"(^|_)steps$")
 _EVERY_KEY = re.compile(r"(^|_)every$")
@@ -135,10 +141,11 @@ def dry_run_active() -> bool:
 
 def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any]:
     """A copy of the settings ``cfg`` with every step count (a key ending in ``steps``) at most
-    ``cap``, every interval (a key ending in ``every``: evaluation, logging) at most ``cap // 2``,
-    so a capped run still evaluates before its end, the log-spaced points of a run (``n_logs``) at
-    most :data:`DRY_RUN_LOGS`, and the instances scored one by one after each run (``n_eraser``) at
-    most :data:`DRY_RUN_SAMPLES`. Everything else (models, data sizes, grids) is kept."""
+    ``cap``, every interval (a key ending in ``every``: evaluation, logging) :data:`DRY_RUN_EVERY_CAPS`
+    times ``cap``, so a capped run evaluates at its start and its end only, the log-spaced points of
+    a run (``n_logs``) at most :data:`DRY_RUN_LOGS`, and the instances scored one by one after each
+    run (``n_eraser``) at most :data:`DRY_RUN_SAMPLES`. Everything else (models, data sizes, grids)
+    is kept."""
     if isinstance(cap, bool) or not isinstance(cap, int) or cap < 2:
         raise ValueError(f"the dry-run step cap must be an integer >= 2, got {cap!r}")
     out = dict(cfg)
@@ -148,7 +155,7 @@ def cap_steps(cfg: Mapping[str, Any], cap: int = DRY_RUN_STEPS) -> dict[str, Any
         if _STEP_KEY.search(key):
             out[key] = min(int(value), cap)
         elif _EVERY_KEY.search(key):
-            out[key] = min(int(value), cap // 2)
+            out[key] = DRY_RUN_EVERY_CAPS * cap
         elif _SAMPLE_KEY.search(key):
             out[key] = min(int(value), DRY_RUN_SAMPLES)
         elif _LOGS_KEY.search(key):

@@ -10,11 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-from qkov_lib import cost, profiles
+from qkov_lib import cost, profiles, protocol
 from qkov_lib.data import sources
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.studies import agreement_roles, realmap, reduction, synthetic, synthetic_sweeps
 from qkov_lib.tooling import cache, chapters, results
+from qkov_lib.train.config import log_schedule
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -72,11 +73,12 @@ def test_cap_steps_caps_step_counts_and_intervals_and_keeps_everything_else():
            "d_model": 128, "max_len": 128, "batch_size": 64, "variants": [{"name": "x", "steps": 9}], "t_max": 1e200,
            "n_eraser": 2000, "n_val": None, "n_logs": 20}
     out = profiles.cap_steps(cfg, 20)
-    assert out == {**cfg, "steps": 20, "adamw_steps": 20, "variant_steps": 20, "eval_every": 10,
-                   "n_eraser": profiles.DRY_RUN_SAMPLES, "n_logs": profiles.DRY_RUN_LOGS}
+    every = profiles.DRY_RUN_EVERY_CAPS * 20  # every interval, shorter or longer: a run evaluates at its ends
+    assert out == {**cfg, "steps": 20, "adamw_steps": 20, "variant_steps": 20, "eval_every": every,
+                   "log_every": every, "n_eraser": profiles.DRY_RUN_SAMPLES, "n_logs": profiles.DRY_RUN_LOGS}
     assert profiles.cap_steps({"n_eraser": 10, "n_logs": 3}, 20) == {"n_eraser": 10, "n_logs": 3}
     assert cfg["steps"] == 20000  # a copy: the profile is untouched
-    assert profiles.cap_steps({"steps": 7, "eval_every": 100}, 3) == {"steps": 3, "eval_every": 1}
+    assert profiles.cap_steps({"steps": 7, "eval_every": 100}, 3) == {"steps": 3, "eval_every": 3 * every // 20}
 
 
 @pytest.mark.parametrize("cap", [1, 0, 2.5, True, "20"])
@@ -91,7 +93,7 @@ def test_resolve_caps_steps_only_in_a_dry_run():
     profiles.set_dry_run(True)
     dry = profiles.resolve(realmap.MAPS["squad"].profiles, "full", sgd_steps=5000)
     cap = profiles.DRY_RUN_STEPS
-    assert (dry["adamw_steps"], dry["sgd_steps"], dry["eval_every"]) == (cap, cap, cap // 2)
+    assert (dry["adamw_steps"], dry["sgd_steps"], dry["eval_every"]) == (cap, cap, profiles.DRY_RUN_EVERY_CAPS * cap)
     assert dry["n_eraser"] == profiles.DRY_RUN_SAMPLES
     assert {k: v for k, v in dry.items() if not k.endswith(("steps", "every", "eraser"))} == \
         {k: v for k, v in full.items() if not k.endswith(("steps", "every", "eraser"))}
@@ -99,6 +101,66 @@ def test_resolve_caps_steps_only_in_a_dry_run():
     assert profiles.resolve(realmap.MAPS["squad"].profiles, "full") == full
     with pytest.raises(TypeError, match="True or False"):
         profiles.set_dry_run("yes")
+
+
+@pytest.mark.parametrize("name", list(realmap.MAPS))
+def test_every_run_of_a_dry_full_map_evaluates_at_its_start_and_its_end_only(name):
+    """A dry run caps the evaluations with the steps: SQuAD's 200 dry runs each evaluated the
+    validation rows every 10 steps (5 stacked evaluations a run of 40 steps). Every run of each
+    dry ``full`` map, at every base rate (the slower ones keep twice the steps), and every
+    natural-prefix run of the SVA chapter now logs at step 0 and at its last step, nothing between."""
+    full = realmap.map_config(name, "full")
+    profiles.set_dry_run(True)
+    cfg = realmap.map_config(name, "full")
+    natural = profiles.resolve(agreement_roles.NATURAL_PROFILES, "full")
+    profiles.set_dry_run(False)
+    cells = protocol.grid(cfg["optimizers"], realmap.base_rates(cfg), cfg["ratios"], cfg["map_seeds"])
+    assert len(cells) == len(protocol.grid(full["optimizers"], realmap.base_rates(full), full["ratios"],
+                                           full["map_seeds"]))  # the grid is kept
+    budgets = set()
+    for cell in cells:
+        tc = realmap.cell_config(cfg, cell)
+        assert log_schedule(tc) == [0, tc.steps], cell
+        budgets.add(tc.steps)
+    cap = profiles.DRY_RUN_STEPS
+    assert budgets == ({cap, 2 * cap} if full["step_growth"] > 1 else {cap})  # the step growth is kept
+    for ratio in natural["ratios"]:
+        tc = agreement_roles.natural_train_config(natural, ratio, 0)
+        assert log_schedule(tc) == [0, tc.steps] and tc.steps == cap
+
+
+def test_a_dry_map_run_is_evaluated_twice_during_training_whatever_its_budget():
+    """The same through the map's training loop: a made-up dataset's ``full`` map (200-step runs,
+    evaluated every 10 steps, slower base rates at twice the steps), run dry, logs two records
+    per run (steps 0 and the run's last), where the same profile would log 21 or 41."""
+    import random
+
+    from qkov_lib.data.text import Example, finish
+
+    rnd = random.Random(0)
+
+    def example():
+        words = [f"w{rnd.randrange(12)}" for _ in range(8)]
+        y = rnd.randrange(2)
+        words[3] = "yes" if y else "no"
+        return Example(words, [3], y)
+
+    ds = finish("made-up", [example() for _ in range(200)], [example() for _ in range(60)], ["no", "yes"], {},
+                min_freq=1)
+    base = dict(realmap.COMMON, d_model=8, max_len=9, adamw_steps=200, sgd_steps=200, eval_every=10, patience=None,
+                adamw_rates=[1e-2, 1e-1], sgd_rates=[1.0], ratios=[1.0, 10.0], map_seeds=[0], n_eraser=10,
+                processes=1, step_growth=2.0, max_step_scale=2.0)
+    table = profiles.profile_table(base, {}, {}, {})
+    ds, val = realmap.hold_out_validation(ds, {"val_frac": 0.2, "data_seed": 0})
+    profiles.set_dry_run(True)
+    cfg = profiles.resolve(table, "full")
+    result = realmap.run_map(ds, val, cfg)
+    profiles.set_dry_run(False)
+    cap = profiles.DRY_RUN_STEPS
+    steps = {c: [r["step"] for r in h.records] for c, h in result.histories.items()}
+    assert len(steps) == 6 and all(s == [0, realmap.run_steps(cfg, c.optimizer, c.eta_ov)] for c, s in steps.items())
+    assert {s[-1] for s in steps.values()} == {cap, 2 * cap}
+    assert len(result.table) == 6 and "val_loss" in result.table  # each run measured after training
 
 
 @pytest.mark.parametrize("raw, on", [("", False), ("0", False), ("false", False), ("off", False),
@@ -127,17 +189,20 @@ def test_work_of_the_full_profiles_counted_by_hand():
     squad = cost.work("squad", realmap.map_config("squad", "full"))
     # per optimizer and base rate: 5 ratios x 5 seeds, up to 8000 steps at the top rate, twice that a decade
     # and more below it (step_growth 2, at most x2)
+    # then per optimizer the protocol cells (the tuned rate at 5 ratios, the control at 4) at 3 more seeds,
+    # counted at the top rate's budget
     assert [(p.name, p.runs, p.steps) for p in squad] == [
         (f"map, {o}, eta_ov {e:g}", 25, n) for o, rates in (("adamw", (1e-5, 1e-4, 1e-3, 1e-2)),
                                                             ("sgd", (0.003, 0.03, 0.3, 3.0)))
-        for e, n in zip(rates, (16000, 16000, 16000, 8000))]
+        for e, n in zip(rates, (16000, 16000, 16000, 8000))] + [
+        (f"protocol cells, {o}, 3 more seeds", 27, 8000) for o in ("adamw", "sgd")]
     sva = cost.work("sva", realmap.map_config("sva", "full"),
                     natural=profiles.resolve(agreement_roles.NATURAL_PROFILES, "full"))
     assert [(p.runs, p.steps) for p in sva] == [(25, 12000)] * 3 + [(25, 6000)] + [(25, 12000)] * 3 + [(25, 6000)] + [
-        (5 * 5, 8000)]
+        (27, 6000)] * 2 + [(5 * 5, 8000)]
     no_nat = cost.work("sva", realmap.map_config("sva", "full"),
                        natural=profiles.resolve(agreement_roles.NATURAL_PROFILES, "full", linzen=False))
-    assert len(no_nat) == 8
+    assert len(no_nat) == 10  # the map and its protocol cells
     red = cost.work("theory_reduction", profiles.resolve(reduction.PROFILES_REDUCTION, "full"))
     # 4 parameterizations x 3 ratios; 2 x 4 etas, the longest 10000 * 0.05 / 0.025 steps
     assert [(p.runs, p.steps) for p in red] == [(12, 10000), (8, 20000)]
@@ -149,14 +214,15 @@ def test_estimate_is_runs_times_fixed_plus_steps_times_seconds_per_step(monkeypa
     monkeypatch.setattr(cost, "probe", fake_probe(per_step=0.01, per_run=2.0))
     cfg = realmap.map_config("squad", "full")
     est = cost.estimate("squad", cfg, CPU)
-    # per optimizer: three base rates of 25 runs at 16000 steps (twice the top rate's 8000), one at 8000
-    assert est.seconds == pytest.approx(2 * (75 * (2.0 + 16000 * 0.01) + 25 * (2.0 + 8000 * 0.01)))
+    # per optimizer: three base rates of 25 runs at 16000 steps (twice the top rate's 8000), one at 8000,
+    # and 27 protocol cells at 8000
+    assert est.seconds == pytest.approx(2 * (75 * (2.0 + 16000 * 0.01) + 52 * (2.0 + 8000 * 0.01)))
     assert est.full_seconds == est.seconds and not est.dry_run
     dry = cost.estimate("squad", cfg, CPU, dry_run=True)
     d = profiles.DRY_RUN_STEPS  # the cap applies to the top rate's budget; the slower rates keep their factor 2
-    assert dry.seconds == pytest.approx(2 * (75 * (2.0 + 2 * d * 0.01) + 25 * (2.0 + d * 0.01)))
+    assert dry.seconds == pytest.approx(2 * (75 * (2.0 + 2 * d * 0.01) + 52 * (2.0 + d * 0.01)))
     assert dry.full_seconds == pytest.approx(est.seconds)
-    assert list(dry.frame()["runs x steps"]) == [25 * 2 * d] * 3 + [25 * d] + [25 * 2 * d] * 3 + [25 * d]
+    assert list(dry.frame()["runs x steps"]) == [25 * 2 * d] * 3 + [25 * d] + [25 * 2 * d] * 3 + [25 * d] + [27 * d] * 2
     assert "(dry run)" in dry.summary() and "profile's own steps" in dry.summary()
     # the cpu map trains in two processes at once: its parts take half the probe's CPU seconds on a
     # CPU, and all of them on a GPU (processes only apply on a CPU)
@@ -245,7 +311,7 @@ def test_full_on_a_machine_without_a_gpu_stops_with_the_estimate_and_how_to_go_o
     with pytest.raises(cost.TooCostly) as e:
         cost.preflight("squad", cfg, CPU)
     msg = str(e.value)
-    assert "meant for a GPU" in msg and "Estimated wall time" in msg and "200 runs" in msg
+    assert "meant for a GPU" in msg and "Estimated wall time" in msg and "254 runs" in msg  # 200 + 2 x 27
     assert "-p force true" in msg and "-p dry_run true" in msg and "DRY_RUN=1" in msg
     assert cost.recorded("squad") is None and not profiles.dry_run_active()
 
@@ -274,7 +340,7 @@ def test_other_settings_of_a_chapter_are_capped_with_it(monkeypatch):
     natural = profiles.resolve(agreement_roles.NATURAL_PROFILES, "full")
     plan = cost.preflight("sva", realmap.map_config("sva", "full"), CPU, dry_run=True, natural=natural)
     assert plan.configs["natural"]["steps"] == profiles.DRY_RUN_STEPS
-    assert plan.configs["natural"]["log_every"] == profiles.DRY_RUN_STEPS // 2
+    assert plan.configs["natural"]["log_every"] == profiles.DRY_RUN_EVERY_CAPS * profiles.DRY_RUN_STEPS
     with pytest.raises(TypeError, match="'force' must be True, False or None"):
         cost.preflight("sva", realmap.map_config("sva", "full"), CPU, force="yes")
 
@@ -286,12 +352,12 @@ def test_the_results_file_records_the_estimate_beside_the_measured_wall_time(mon
     doc = json.loads(out.read_text())
     c = doc["cost"]
     d = profiles.DRY_RUN_STEPS
-    expected = 2 * (75 * (2.0 + 2 * d * 0.01) + 25 * (2.0 + d * 0.01))  # slower base rates: twice the steps
+    expected = 2 * (75 * (2.0 + 2 * d * 0.01) + 52 * (2.0 + d * 0.01))  # slower base rates: twice the steps
     assert c["dry_run"] is True and c["dry_run_steps"] == profiles.DRY_RUN_STEPS
     assert c["estimated_s"] == pytest.approx(expected) and c["measured_wall_time_s"] == 120.0
     assert c["measured_over_estimated"] == pytest.approx(120.0 / expected)
     # the full run from the dry one: what the dry run took plus the steps per run it left out
-    left_out = 2 * (75 * (16000 - 2 * d) + 25 * (8000 - d))
+    left_out = 2 * (75 * (16000 - 2 * d) + 52 * (8000 - d))
     assert c["estimated_full_from_dry_run_s"] == pytest.approx(120.0 + left_out * 0.01)
     assert doc["params"]["adamw_steps"] == profiles.DRY_RUN_STEPS  # the file says what ran
     # another chapter's results do not take this estimate
