@@ -266,3 +266,32 @@ def test_main_prints_the_findings_and_exits_1_when_there_are_any(site, tmp_path,
     write_book(html, results, "<p>Fine.</p>")
     assert bt.main([str(html), "--results", str(results), "--repo", str(repo)]) == 0
     assert bt.main([str(tmp_path / "nothing")]) == 2
+
+
+# ---------------------------------------------------------------- verdicts
+
+def test_an_outcome_cell_must_agree_with_its_own_interval():
+    ok = table(["cell", "R2"], [["AdamW ×10", "holds: +0.154 ± 0.030 (n = 8)"],
+                                ["SGD ×10", "contradicted: -0.011 ± 0.012 (n = 4)"],
+                                ["SGD ×100", "undecided: +0.116 ± 0.172 (n = 4)"]])
+    assert bt.verdict_findings(page(ok)) == []
+    planted = table(["cell", "R2"], [["AdamW ×10", "holds: +0.010 ± 0.005 (n = 8)"],       # below the +0.05 margin
+                                     ["SGD ×10", "contradicted: +0.116 ± 0.172 (n = 4)"],  # straddles it
+                                     ["SGD ×100", "undecided: +0.300 ± 0.010 (n = 4)"]])   # wholly above it
+    found = bt.verdict_findings(page(planted))
+    assert len(found) == 3 and all(f.kind == "verdicts" for f in found)
+    assert "says holds, its interval against Δ ≥ +0.05 says contradicted" in found[0].text
+    # R1's margin is -0.02: a fall of 0.01 holds
+    assert bt.verdict_findings(page(table(["cell", "R1"], [["x", "holds: -0.010 ± 0.005 (n = 4)"]]))) == []
+    # a cell on the margin up to the printed rounding may read either way
+    assert bt.verdict_findings(page(table(["cell", "R2"], [["x", "holds: +0.080 ± 0.030 (n = 4)"]]))) == []
+
+
+def test_a_quantifying_sentence_must_be_computed_not_typed():
+    typed = page("<p>FAFO moves toward CACO, as summary A says.</p><p>The claim holds everywhere.</p>"
+                 "<p>exp(q) grows like log² t for FACO, CACO.</p>")
+    found = bt.verdict_findings(typed)
+    assert [f.text.split("'")[1] for f in found] == ["as summary A says", "everywhere", "for FACO, CACO"]
+    glued = page("<p>The claim holds <span class='pasted-text'>everywhere</span>; exp(q) grows like log² t "
+                 "<span class='pasted-text'>for FACO, CACO</span>.</p>")
+    assert bt.verdict_findings(glued) == []
