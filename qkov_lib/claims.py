@@ -1076,7 +1076,8 @@ def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
     if len(tested) == 1:
         return w, "", str(tested[0].get("region", "")) if w in ("holds where", "mixed") else ""
     if w not in ("holds where", "mixed"):
-        return w, f"{len(tested)} chapters, each {w}" if all(m["verdict"] == w for m in tested) else each, ""
+        n = len(dict.fromkeys(name(m) for m in tested))  # one chapter may report several rows on a claim
+        return w, f"{n} chapter{'s' if n > 1 else ''}, each {w}" if all(m["verdict"] == w for m in tested) else each, ""
     holds = [name(m) + (f" ({m['region']})" if m.get("region") and m["verdict"] != "reproduced" else "")
              for m in tested if "holds" in WORD_OUTCOMES[m["verdict"]]]
     against = [name(m) for m in tested if "contradicted" in WORD_OUTCOMES[m["verdict"]]]

@@ -416,6 +416,7 @@ def _change(row: pd.Series | None, key: str) -> claims.Change | None:
     return claims.Change(float(row[key]), float(row[f"{key}_ci"]), int(n) if math.isfinite(float(n)) else 0)
 
 
+LOWER_IS_BETTER = frozenset({"sufficiency"})  # metrics whose fall is an improvement
 PHASE_LABEL_CHARS = 5  # the longest cell label of :func:`plot_phase` ("+.12*")
 PHASE_COLS = 2  # panels side by side in a phase map (more rows instead): the labels stay legible on a page
 PHASE_SCALE_BELOW = 0.05  # a phase-map panel whose largest |change| is below this is drawn in units of 10^k
@@ -483,12 +484,14 @@ def plot_phase(phase: pd.DataFrame, metrics: Sequence[str], selected: Mapping[st
                                  for vr, sr in zip(shown.to_numpy(dtype=float), sig.to_numpy())],
                                 index=val.index, columns=val.columns)
             lim = lim / 10.0 ** k
-            sns.heatmap(shown, ax=ax, cmap="RdBu", center=0, vmin=-lim or -1, vmax=lim or 1, annot=text, fmt="",
+            # blue means better for every metric: a fall of sufficiency (lower is better) is drawn blue
+            sns.heatmap(shown, ax=ax, cmap="RdBu_r" if m in LOWER_IS_BETTER else "RdBu", center=0, vmin=-lim or -1, vmax=lim or 1, annot=text, fmt="",
                         annot_kws={"fontsize": font}, cbar=True, cbar_kws={"shrink": 0.85, "pad": 0.03},
                         linewidths=0.5, linecolor="white")
             ax.collections[0].colorbar.ax.tick_params(labelsize=7)
             ax.grid(False)  # a missing cell stays blank
-            ax.set_title(f"{opt}: Δ {m}" + (f" (×$10^{{{k}}}$)" if k else ""), fontsize=9)
+            ax.set_title(f"{opt}: Δ {m}" + (f" (×$10^{{{k}}}$)" if k else "")
+                         + (" (lower is better)" if m in LOWER_IS_BETTER else ""), fontsize=9)
             ax.set_xlabel("eta_QK / eta_OV", fontsize=8)
             ax.set_ylabel("eta_OV" if j == 0 else "", fontsize=8)
             ax.set_yticklabels([f"{e:g}" for e in val.index], rotation=0, fontsize=8)

@@ -289,7 +289,7 @@ def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | 
     iso-ratio diagonals ``eta_QK = r eta_OV`` dashed and labelled, ratio-1 runs as open circles,
     each higher-ratio cell a square coloured by its change (symmetric scale per optimizer) and
     labelled with :func:`qkov_lib.protocol.phase_label` (``*``: the 95% seed interval excludes 0;
-    grey "n/a": no trained pair), a thin arrow from its reference, and the stable ceiling
+    grey "no run trained": no trained pair), a thin arrow from its reference, and the stable ceiling
     (``ceiling``) as a dotted line above which cells are faded (shown, not read)."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
@@ -340,7 +340,7 @@ def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | 
             for _, c in cells.iterrows():
                 sig = bool(c.get(f"{col}_ci", np.nan) < abs(c[col])) if np.isfinite(c[col]) and \
                     c.get(f"{col}_n", 0) >= 2 else False
-                ax.annotate(protocol.phase_label(float(c[col]), sig) or "n/a", (c["eta_ov"], c["eta_qk"]),
+                ax.annotate(protocol.phase_label(float(c[col]), sig) or "no run trained", (c["eta_ov"], c["eta_qk"]),
                             xytext=(8, -3), textcoords="offset points", fontsize=7, zorder=5)
             if ceiling and math.isfinite(ceiling.get(opt, math.nan)):
                 ax.axhline(ceiling[opt], ls=":", lw=1, color="tab:red")

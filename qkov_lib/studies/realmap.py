@@ -576,9 +576,11 @@ def attention_facts(result: MapResult) -> dict[str, str]:
     for opt in OPTIMIZERS:
         runs = tuned_runs(result, opt)
         ratios = sorted(set(runs["ratio"])) if len(runs) else []
-        f[f"att_{opt}_r_hi"] = f"{ratios[-1]:g}" if ratios else "n/a"
+        # with no trained run above ratio 1 there is no second number to quote beside ratio 1's
+        f[f"att_{opt}_r_hi"] = (f"{ratios[-1]:g}" if ratios and ratios[-1] > 1.0 else
+                                "n/a (no run above ratio 1 trained)")
         f[f"att_{opt}_seeds"] = str(int(runs[runs["ratio"] == 1.0]["seed"].nunique())) if len(runs) else "0"
-        for at, r in (("lo", 1.0), ("hi", ratios[-1] if ratios else None)):
+        for at, r in (("lo", 1.0), ("hi", ratios[-1] if ratios and ratios[-1] > 1.0 else None)):
             sub = runs[runs["ratio"] == r] if r is not None else runs.iloc[0:0]
             for key, col in (("accuracy", "accuracy"), ("AC", "AC@0.5"), ("mass", "attn_relevant")):
                 v = list(sub[col]) if col in sub else []
