@@ -29,8 +29,9 @@ chapter glued (``{glue:text}``, computed when the book was built) is told apart 
 - ``verdicts`` (:func:`verdict_findings`): a table cell under a claim's column (``R1`` ... ``T6``,
   an ID of :data:`qkov_lib.claims.ESTIMANDS`) that reads ``holds: +0.154 ± 0.030 (n = 8)`` must say the
   outcome its interval gives against that claim's margin (:func:`qkov_lib.claims.outcome`, up to the
-  printed rounding); and a sentence that quantifies over cells ("everywhere", "in every cell", "as summary
-  A says", "for FACO, CACO") must be glued (computed from the cells it quantifies over), never typed.
+  printed rounding); and a sentence that states a finding over cells ("everywhere", "over the whole
+  range", "as summary A says", "for FACO, CACO") must be glued (computed from the cells it quantifies
+  over), never typed.
 - ``references`` (:func:`reference_findings`): a relative link must resolve to a file of the
   built site; a file path in a code span (``tests/test_head_model.py``, ``benchmarks/README.md``,
   ``tests/test_realmap.py::test_x``) must exist in the repository checkout (and the test it names
@@ -614,8 +615,9 @@ def interval_findings(page: Page, seeds: Iterable[int] = ()) -> list[Finding]:
 
 
 _OUTCOME_CELL = re.compile(rf"^(holds|contradicted|undecided): ([+-]?{NUM}) ± ({NUM}) \(n = \d+\)")
-_QUANTIFIER = re.compile(r"\beverywhere\b|\bin every (?:cell|comparison|regime)\b|\bat every (?:cell|ratio|loss)\b"
-                         r"|\bas summary [AB] says\b|\bfor (?:FAFO|CAFO|FACO|CACO)(?:, (?:FAFO|CAFO|FACO|CACO))+\b")
+# the words by which a sentence states a finding over cells (definitions say "every cell" and are not findings)
+_QUANTIFIER = re.compile(r"\beverywhere\b|\bover the whole range\b|\bas summary [AB] says\b"
+                         r"|\bfor (?:FAFO|CAFO|FACO|CACO)(?:, (?:FAFO|CAFO|FACO|CACO))+\b")
 
 
 def verdict_findings(page: Page) -> list[Finding]:
