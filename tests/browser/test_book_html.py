@@ -57,7 +57,7 @@ RAW_TEX = re.compile(r"\\\(|\\\[|\$\$")  # TeX delimiters MathJax would have con
 CHAPTER_WITH_BARS = "book/01_synthetic"
 LAYOUT_WIDTHS = (1300, 400)  # a desktop and a phone viewport (CSS px)
 SCORECARD = "book/10_scorecard"
-LAYOUT_SHOTS = (SCORECARD, "book/05_squad")  # pages saved at every layout width
+LAYOUT_SHOTS = (SCORECARD, "book/05_squad", "book/intro")  # pages saved at every layout width
 # What reaches past the article's right edge (outside any box that scrolls sideways by itself),
 # what pandas cut ("..." cells, "N rows × M columns"), and the page's own sideways scroll.
 LAYOUT = r"""
