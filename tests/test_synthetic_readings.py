@@ -60,6 +60,9 @@ def test_t1_reads_exact_gaps_and_the_ode_gap_each_against_its_own_bound():
     assert v["T2"].verdict == "mixed" and "contradicted at velocity, CACO" in v["T2"].region
     assert {k: x.verdict for k, x in red.reduction_verdicts(grad, vel.iloc[:1], summ.iloc[:1]).items()} == \
         {"T1": "reproduced", "T2": "reproduced"}
+    n = red.reduction_numbers(grad, vel, summ)
+    assert (n["loss_err"], n["grad_err"], n["overlay_err"]) == (1e-15, 2e-15, 0.3)
+    assert n["vel_err"] == pytest.approx(0.5 / 1.0)  # CACO's dw off by 0.5 against the larger component, 1
 
 
 # --- T3-T6 ---------------------------------------------------------------------------------------

@@ -290,18 +290,15 @@ def _order(errs: np.ndarray, etas: np.ndarray) -> float:
 
 
 def reduction_numbers(grad: pd.DataFrame, vel: pd.DataFrame, summ: pd.DataFrame) -> dict[str, float]:
-    """The gaps T1 and T2 are judged by, as floats (NaN for an empty table): ``loss_err`` and
-    ``grad_err`` (largest reduced-vs-autograd gap of the loss and of any matrix-gradient entry),
-    ``overlay_err`` (largest ODE-vs-GD gap of ``w`` or ``q``) and ``vel_err`` (largest gap between
-    factor-level autograd and the rescaled ODE velocity, relative to the larger velocity component,
-    recomputed from the velocity columns of :func:`velocity_check`)."""
-    nan = float("nan")
-    rel = (np.maximum((vel["dw_full"] - vel["dw_ode"]).abs(), (vel["dq_full"] - vel["dq_ode"]).abs())
-           / np.maximum(np.maximum(vel["dw_full"].abs(), vel["dq_full"].abs()), 1e-300)) if len(vel) else None
-    return {"loss_err": float(grad["err_loss"].max()) if len(grad) else nan,
-            "grad_err": float(max(grad["err_grad_QK"].max(), grad["err_grad_OV"].max())) if len(grad) else nan,
-            "overlay_err": float(np.maximum(summ["err_w"], summ["err_q"]).max()) if len(summ) else nan,
-            "vel_err": float(rel.max()) if rel is not None else nan}
+    """The largest gaps of T1's and T2's cells (:func:`t1_cells`, :func:`t2_cells`), as floats (NaN
+    for an empty table): ``loss_err``, ``grad_err`` (reduced vs autograd), ``overlay_err`` (ODE vs
+    GD, any parameterization) and ``vel_err`` (relative velocity gap, any parameterization)."""
+    cells, _ = t1_cells(grad, summ)
+    at = lambda k: cells[k].mean if k in cells else math.nan  # noqa: E731
+    top = lambda cs: max((c.mean for c in cs), default=math.nan)  # noqa: E731
+    return {"loss_err": at("reduced loss vs autograd"), "grad_err": at("reduced gradients vs autograd"),
+            "overlay_err": top(c for k, c in cells.items() if k.startswith("ODE")),
+            "vel_err": top(t2_cells(vel).values()) if len(vel) else math.nan}
 
 
 # T1 reads two quantities: the exact gaps (its estimand) and the ODE-vs-GD gap (a bound of its own).

@@ -392,7 +392,7 @@ def s2_readings(ode: pd.DataFrame, runs: pd.DataFrame | None = None
     return base.read(C.ESTIMANDS["S2"], exact, seeded), meta
 
 
-def s2_region(readings: Sequence[C.Reading], meta: Mapping[str, tuple[str, str, str]]) -> str:
+def regime_region(readings: Sequence[C.Reading], meta: Mapping[str, tuple[str, str, str]]) -> str:
     """Where each summary's pair holds and is contradicted, counted per source and regime:
     ``(CACO, FACO), ODE: holds at 400 of 480 asymptotic cells, 20 of 384 practical ...``."""
     parts = []
@@ -413,10 +413,10 @@ def s2_region(readings: Sequence[C.Reading], meta: Mapping[str, tuple[str, str, 
 
 def s2_verdict(ode: pd.DataFrame, runs: pd.DataFrame | None = None) -> Verdict:
     """S2 by the one rule over :func:`s2_cells`; its region counts the outcomes per summary,
-    source and regime (:func:`s2_region`)."""
+    source and regime (:func:`regime_region`)."""
     readings, meta = s2_readings(ode, runs)
     v = base.verdict(readings, C.ESTIMANDS["S2"])
-    return Verdict(v.verdict, v.rule, v.reason, region=s2_region(readings, meta) if v.region else "", effect=v.effect)
+    return Verdict(v.verdict, v.rule, v.reason, region=regime_region(readings, meta) if v.region else "", effect=v.effect)
 
 
 def _pair(ranking: str) -> str:

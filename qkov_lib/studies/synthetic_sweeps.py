@@ -609,16 +609,6 @@ def s3_cells(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]
     return cells, lo
 
 
-def r3_cells(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame]
-             ) -> dict[tuple[float, str], tuple[C.Change, C.Change]]:
-    """R3-synthetic's numbers at matched training loss: per (loss level, parameterization), the
-    paired changes of the log-odds of attention on the distinct token and of test accuracy from
-    the lowest to the highest ratio (:func:`s3_cells` at the highest ratio)."""
-    cells, _ = s3_cells(ladder)
-    hi = max((r for _, r in cells), default=None)
-    return {(lv, p): (c[0], c[2]) for (lv, r), d in cells.items() if r == hi for p, c in d.items()}
-
-
 def s3_named(ladder: Mapping[float, Sequence[base.Run] | pd.DataFrame], min_ratio: float | None = None
              ) -> dict[str, C.Change]:
     """S3's cells named in words (``FAFO, ratio 0.1 → 100, loss 0.05``): the log-odds change of
