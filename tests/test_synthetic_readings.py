@@ -254,6 +254,6 @@ def test_s2_reads_each_summary_pair_per_cell_and_counts_per_regime():
     assert t.loc[("practical (loss ≥ 0.0001)", "ratio ≥ 1"), "leading pair"] == "(FACO, FAFO)"
     assert t.loc[("asymptotic (loss < 0.0001)", "ratio ≥ 1"), "(CACO, FACO)"] == 1.0
     f = s2_phase._regime_facts(ode, moves)
-    assert "At practical depth (training loss ≥ 0.0001, 2 cells) the leading pair is (FACO, FAFO) at 100%" in \
-        f["s2p_regime_sentence"]
+    assert "practical (loss ≥ 0.0001), ratio ≥ 1: 2 cells, leading pair (FACO, FAFO) at 100%, summary A's pair at 0%" \
+        in f["s2p_regime_sentence"]
     assert f["s2p_move_sentence"].startswith("a faster QK moves FAFO toward FACO at ")

@@ -506,23 +506,18 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
 
 
 def _regime_facts(ode: pd.DataFrame, moves: pd.DataFrame) -> dict[str, str]:
-    """The S2 sentences that count cells, computed from the cells they count: per regime the leading
+    """The S2 sentences that count cells, computed from the cells they count: per regime and side of equal rates the leading
     pair and the shares of each summary's pair (``s2p_regime_sentence``), and FAFO's moves along the
     ratio axis, per regime, with the summary whose direction more steps take (``s2p_move_sentence``)."""
-    parts = []
-    for reg in ("practical", "asymptotic"):
-        g = ode[ode["loss"].map(regime) == reg]
-        if len(g):
-            pairs, share = g["ranking"].map(_pair).value_counts(), g["top two"].value_counts(normalize=True)
-            parts.append(f"At {reg} depth (training loss {'≥' if reg == 'practical' else '<'} {PRACTICAL:g}, "
-                         f"{len(g)} cells) the leading pair is {pairs.index[0]} at {pairs.iloc[0] / len(g):.0%} of "
-                         f"the cells; summary A's pair is the top two at {share.get('A', 0):.0%}, summary B's at "
-                         f"{share.get('B', 0):.0%}.")
+    t = regime_table(ode, moves)
+    parts = [f"{reg}, {side}: {int(r['cells'])} cells, leading pair {r['leading pair']} at {r['its share']:.0%}, "
+             f"summary A's pair at {r[C.S2_SHORT['A']]:.0%}, summary B's at {r[C.S2_SHORT['B']]:.0%}"
+             for (reg, side), r in t.iterrows()]
     mv = moves["toward"].value_counts()
     by = {reg: moves[moves["loss"].map(regime) == reg]["toward"].value_counts() for reg in ("practical", "asymptotic")}
     k, m = int(mv.get("FACO", 0)), int(mv.get("CACO", 0))
     side = "summary A (toward FACO)" if k > m else "summary B (toward CACO)" if m > k else "neither summary"
-    return {"s2p_regime_sentence": " ".join(parts),
+    return {"s2p_regime_sentence": "Per regime and side of equal rates: " + "; ".join(parts) + ".",
             "s2p_move_sentence": (
                 f"a faster QK moves FAFO toward FACO at {k} of {int(mv.sum())} steps and toward CACO at {m} (others: "
                 + (", ".join(f"{x} {int(n)}" for x, n in mv.items() if x not in ("FACO", "CACO")) or "none") + "); "
