@@ -506,9 +506,10 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
 
 
 def _regime_facts(ode: pd.DataFrame, moves: pd.DataFrame) -> dict[str, str]:
-    """The S2 sentences that count cells, computed from the cells they count: per regime and side of equal rates the leading
-    pair and the shares of each summary's pair (``s2p_regime_sentence``), and FAFO's moves along the
-    ratio axis, per regime, with the summary whose direction more steps take (``s2p_move_sentence``)."""
+    """The S2 sentences that count cells, computed from the cells they count: per regime and side of
+    equal rates the leading pair and the shares of each summary's pair (``s2p_regime_sentence``), and
+    FAFO's moves along the ratio axis, per regime, with the summary whose direction more steps take
+    (``s2p_move_sentence``)."""
     t = regime_table(ode, moves)
     parts = [f"{reg}, {side}: {int(r['cells'])} cells, leading pair {r['leading pair']} at {r['its share']:.0%}, "
              f"summary A's pair at {r[C.S2_SHORT['A']]:.0%}, summary B's at {r[C.S2_SHORT['B']]:.0%}"
