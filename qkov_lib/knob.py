@@ -11,7 +11,8 @@ Recognised attention modules ("families"):
   and ``in_proj_bias`` (3E,) = ``[Q; K; V]`` (separate weights with ``kdim``/``vdim``), ``bias_k``,
   ``bias_v``, ``out_proj``.
 * Sibling modules (:data:`SEPARATE_FAMILIES`: Llama/OPT/BART/Phi ``q_proj`` ..., BERT
-  ``query``/``key``/``value`` with ``attention.output.dense``, T5, DistilBERT, and the
+  ``query``/``key``/``value`` and DeBERTa-v2/v3 ``query_proj``/``key_proj``/``value_proj`` (with
+  ``pos_query_proj``/``pos_key_proj`` as Q/K) with ``attention.output.dense``, T5, DistilBERT, and the
   ``to_q``/``to_k``/``to_v``/``to_out`` of diffusers' and x-transformers' ``Attention``, with
   diffusers' joint-attention ``add_q_proj`` ... ``to_add_out``, its qk-norms ``norm_q`` ...,
   x-transformers' memory key/values and qk-norm scales; the ``q_norm``/``k_norm`` of Hugging Face's
@@ -34,6 +35,12 @@ Recognised attention modules ("families"):
 * TransformerLens attention (``W_Q`` ... ``b_O``, grouped-query ``_W_K`` ...) and the library's
   :class:`qkov_lib.models.QKOVAttention`.
 
+What no family places goes to ``other``, but :func:`knob_optimizer` refuses (``strict=False``:
+warns about) a tensor that looks like an attention projection and is left there, and every
+call refuses a tensor tied between places of different groups (Q and V, or an attention
+projection and an embedding) unless a rule places it. Rates are any real numbers
+(:func:`real_number`).
+
 Scaling the gradient of a slice gives per-slice rates for SGD but not for Adam (``m / sqrt(v)``
 ignores the scale), so :func:`split_packed` re-registers each packed tensor as leaf parameters, one
 per run of adjacent slices of the same group (``[Q; K; V]``: Q+K and V; GPT-NeoX: per head Q+K and
@@ -50,7 +57,9 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from operator import attrgetter
@@ -81,7 +90,7 @@ from qkov_lib.knob_layouts import (  # the layouts are re-exported: part of knob
     rule_spec,
     stacked_layout,  # noqa: F401
 )
-from qkov_lib.models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention, check_rate
+from qkov_lib.models import GROUPS, OV_PARAMS, QK_PARAMS, QKOVAttention
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -184,6 +193,17 @@ class KnobReport:
     entries: list[Entry]
     lrs: dict[str, float] | None = None
     decay_rule: str = ""  # which tensors got no weight decay, in words
+    split: tuple[str, ...] = ()  # tensors split into slices, in place, by the call that made the report
+
+    @property
+    def split_note(self) -> str:
+        """What the split did to optimizers built before it (empty when nothing was split)."""
+        if not self.split:
+            return ""
+        names = ", ".join(self.split[:6]) + (f" ... ({len(self.split)} tensors)" if len(self.split) > 6 else "")
+        return (f"split into slices in place: {names}. An optimizer built before this call still holds the old "
+                "tensors, which are no longer the model's parameters: its step would not move them. Use the "
+                "optimizer (or groups) this call returned")
 
     def frame(self) -> pd.DataFrame:
         """One row per tensor or slice: where, part, family, group, lr, weight_decay, shape,
@@ -198,10 +218,16 @@ class KnobReport:
         return pd.DataFrame(rows)
 
     def summary(self) -> pd.DataFrame:
-        """Per group: number of tensors/slices, number of scalars and learning rate."""
+        """Per group: number of tensors/slices, number of scalars, learning rate and ``split``: how
+        many of its slices come from tensors split in place by this call (named, with what that
+        means for optimizers built earlier, in ``str(report)`` and ``attrs["split"]``)."""
         f = self.frame()
-        out = f.groupby("group", sort=False).agg(tensors=("numel", "size"), numel=("numel", "sum"), lr=("lr", "first"))
-        return out.reindex([g for g in GROUPS if g in out.index])
+        f["split"] = [e.tensor in self.split for e in self.entries]
+        out = f.groupby("group", sort=False).agg(tensors=("numel", "size"), numel=("numel", "sum"), lr=("lr", "first"),
+                                                 split=("split", "sum"))
+        out = out.reindex([g for g in GROUPS if g in out.index])
+        out.attrs["split"] = self.split_note
+        return out
 
     def __str__(self) -> str:
         lines = [f"weight decay: {self.decay_rule}"] if self.decay_rule else []
@@ -216,11 +242,18 @@ class KnobReport:
                 tag = f"{e.part} ({e.family})" if e.part != "-" else e.family
                 wd = f"  wd {e.weight_decay:g}" if show_wd else ""
                 lines.append(f"  {e.where:<60} {tag}{wd}")
+        if self.split:  # last: the line a long listing leaves on screen
+            lines.append(self.split_note)
         return "\n".join(lines)
 
 
 def _join(*names: str) -> str:
     return ".".join(n for n in names if n)
+
+
+def _exact(name: str) -> str:
+    """A rule's regular expression that matches the tensor ``name`` alone."""
+    return "^" + re.escape(name) + "$"
 
 
 _SLOT = attrgetter("group", "dim", "start", "stop")
@@ -240,20 +273,29 @@ class _Plan:
         self.frozen: list[str] = []  # attention tensors left out because requires_grad is False
         self.shared: dict[str, list[str]] = {}  # packed tensors held by more than one module
         self.attention: dict[str, str] = {}  # attention modules recognised: name -> family
+        self.holders: set[int] = set()  # modules whose own tensors were placed (whole or packed)
+        self.leaf_ids: dict[str, int] = {}  # whole tensors placed: parameter name -> id
+        self.conflicts: dict[str, str] = {}  # tensors reached with different groups -> why
+        self.reached: dict[str, str] = {}  # placed tensor -> the name by which a family first reached it
 
-    def _add(self, key: str, entries: list[Entry]) -> None:
+    def _add(self, key: str, entries: list[Entry], reached: str = "") -> None:
         old = self.by_param.get(key)
         if old is None:
             self.by_param[key] = entries
-        elif list(map(_SLOT, old)) != list(map(_SLOT, entries)):
-            raise ValueError(
-                f"ambiguous tensor {key}: it is reached as {old[0].where} ({old[0].part}, {old[0].family}) "
-                f"and as {entries[0].where} ({entries[0].part}, {entries[0].family}) with different groups; "
-                "untie the weights or pass rules={regex: group} to decide")
+            self.reached[key] = reached or key
+        elif list(map(_SLOT, old)) != list(map(_SLOT, entries)) and key not in self.conflicts:
+            # decided later: a rule that places the tensor resolves it
+            first = self.reached.get(key, key)
+            self.conflicts[key] = (
+                f"tied weights in different groups: {first} ({old[0].part}, {old[0].family}) and "
+                f"{reached or entries[0].where} ({entries[0].part}, {entries[0].family}) are one tensor, "
+                f"{key}, which cannot train at both rates. Untie them, or place it whole with a rule: "
+                f"rules={{r'{_exact(key)}': 'qk'}} (or 'ov', 'other')")
 
-    def _leaf(self, p: nn.Parameter, group: str, part: str, family: str) -> None:
+    def _leaf(self, p: nn.Parameter, group: str, part: str, family: str, reached: str = "") -> None:
         key = self.ids[id(p)]
-        self._add(key, [Entry(key, group, part, family, tuple(p.shape), parameter=key)])
+        self.leaf_ids[key] = id(p)
+        self._add(key, [Entry(key, group, part, family, tuple(p.shape), parameter=key)], reached)
 
     def whole(self, module: nn.Module, mname: str, attr: str, part: str, family: str,
               group: str | None = None) -> None:
@@ -263,8 +305,9 @@ class _Plan:
             return
         if _packing(module, attr) is not None:
             raise ValueError(f"{_join(mname, attr)} was split into slices but should be whole; call merge_packed first")
+        self.holders.add(id(module))
         if isinstance(p, nn.Parameter) and p.requires_grad:
-            self._leaf(p, group or PART_GROUP[part], part, family)
+            self._leaf(p, group or PART_GROUP[part], part, family, _join(mname, attr))
         elif isinstance(p, nn.Parameter):  # else a buffer or a computed tensor: nothing to train
             self.frozen.append(_join(mname, attr))
 
@@ -273,7 +316,7 @@ class _Plan:
         self.handled_modules.update(id(m) for m in module.modules())
         for pname, p in module.named_parameters():
             if p.requires_grad:
-                self._leaf(p, group or PART_GROUP[part], part, family)
+                self._leaf(p, group or PART_GROUP[part], part, family, _join(mname, pname))
             else:
                 self.frozen.append(_join(mname, pname))
 
@@ -295,6 +338,7 @@ class _Plan:
         value = getattr(module, attr, None)
         if value is None:
             return
+        self.holders.add(id(module))
         if isinstance(layout, str):
             n = value.shape[dim]
             if n % len(layout):
@@ -582,6 +626,20 @@ def _assign(model: nn.Module, rules: Mapping[str, RuleSpec] | None,
         problem(t, "packed tensor(s) shared by several modules: "
                 f"{t} (also {', '.join(o for o in owners if o != t)}). Splitting one would break the tie; untie "
                 "them, or pass rules={regex: group} to keep each whole in one group")
+    for t, why in {**plan.conflicts, **rplan.conflicts}.items():
+        if t not in ruled and t not in by_rule:
+            problem(t, why)
+    # a tensor tied to a module that is no attention projection (an embedding) would silently train at
+    # the attention rate: refused, as a tie between Q and V is
+    held = plan.handled_modules | plan.holders
+    for key, pid in plan.leaf_ids.items():
+        outside = [o for o in plan.owners[pid] if id(_owner(model, o)[0]) not in held]
+        if outside and key not in ruled and key not in by_rule:
+            e = plan.by_param[key][0]
+            problem(key, f"tied weights: the attention projection {plan.reached[key]} ({e.part}, {e.family}) is the "
+                    f"same tensor as {', '.join(outside)}, outside any attention module, which would train at the "
+                    f"{e.group} rate with it. Untie them, or place it whole with a rule: "
+                    f"rules={{r'{_exact(key)}': 'other'}} (or {e.group!r})")
 
     for n in names:
         if n in ruled or n not in seen:
@@ -603,6 +661,11 @@ def classify(model: nn.Module, rules: Mapping[str, RuleSpec] | None = None) -> K
     are frozen), when a tensor is reached with different groups (tied weights), when a packed
     tensor is shared by several modules or cannot be split, or when a rule is invalid;
     :func:`inspect` shows what was found without raising."""
+    return _classify(model, rules)[0]
+
+
+def _classify(model: nn.Module, rules: Mapping[str, RuleSpec] | None) -> tuple[KnobReport, _Plan]:
+    """:func:`classify`, and the families' plan."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     entries, plan = _assign(model, rules)
@@ -613,19 +676,83 @@ def classify(model: nn.Module, rules: Mapping[str, RuleSpec] | None = None) -> K
                 f"{plan.frozen[:4]}; the knob has nothing to act on. Unfreeze them (requires_grad_(True)) first")
         raise ValueError(
             f"no attention parameters recognised in {type(model).__name__}: looked for "
-            "nn.MultiheadAttention, QKOVAttention, q_proj/k_proj/v_proj/o_proj, query/key/value + "
-            "attention.output.dense, q/k/v/o, q_lin/k_lin/v_lin/out_lin, to_q/to_k/to_v/to_out, GPT-2 c_attn/c_proj, "
+            "nn.MultiheadAttention, QKOVAttention, q_proj/k_proj/v_proj/o_proj, query/key/value or "
+            "query_proj/key_proj/value_proj + attention.output.dense, q/k/v/o, q_lin/k_lin/v_lin/out_lin, to_q/to_k/to_v/to_out, GPT-2 c_attn/c_proj, "
             f"TransformerLens W_Q/W_K/W_V/W_O, fused {known_fused()}; knob.inspect(model) lists the attention-like "
             "modules it found; pass rules={regex: group} or rules={regex: 'QKV'} for other layouts")
     if not any(e.group == "qk" for e in entries):
         raise ValueError(f"no trainable query/key parameters recognised in {type(model).__name__}"
                          + (f" (frozen: {plan.frozen[:4]})" if plan.frozen else "")
                          + ": the ratio eta_QK/eta_OV would act on nothing")
-    return KnobReport(entries)
+    return KnobReport(entries), plan
 
 
 # --- a model the families do not know ------------------------------------------------------
 ATTENTION_CLASS = re.compile(r"attn|attention", re.IGNORECASE)
+# the name of a child (or own tensor) of an attention-like module that looks like a projection of
+# Q, K, V or O, or a qk-norm: left unplaced, it would silently train at the "other" rate
+PROJECTION_NAME = re.compile(
+    r"[qkvo]|query|key|value|qkv|qk|kv|out|dense|proj|w_?(?:q|k|v|o|qkv|kv|pack)|c_attn|[qkv]_attn"
+    r"|[qkv]_?bias|\w*_proj(?:_\w+)?|proj_\w+|to_\w+|in_proj\w*|[qkv]_?lin(?:ear)?|[qk]_?(?:norm|ln|layer_?norm)",
+    re.IGNORECASE)
+
+
+def _attention_like(model: nn.Module, plan: _Plan, problems: Mapping[str, str] | None = None) -> list[str]:
+    """The names of the attention-like modules of ``model``, innermost (longest name) first: those
+    a family recognised, those of a class named ``*Attention*`` / ``*Attn*``, and the parents of
+    a projection named like ``qkv`` or of a module that could not be placed."""
+    mods = dict(model.named_modules())
+    like = set(plan.attention) | {n for n, m in mods.items() if ATTENTION_CLASS.search(type(m).__name__)}
+    like |= {n.rpartition(".")[0] for n in mods if n.rsplit(".", 1)[-1].lower() in UNSUPPORTED_PACKED}
+    like |= {n.rpartition(".")[0] for n in problems or () if n in mods}
+    return sorted(like, key=len, reverse=True)
+
+
+def _owner_of(tname: str, like: Sequence[str]) -> str | None:
+    """The innermost attention-like module (of ``like``, innermost first) that holds ``tname``."""
+    return next((m for m in like if not m or tname.startswith(m + ".")), None)
+
+
+def _looks_unplaced(tname: str, like: Sequence[str]) -> bool:
+    """Whether the tensor ``tname``, which no family or rule placed, is a child (or own tensor)
+    of an attention-like module with a projection-like name (:data:`PROJECTION_NAME`)."""
+    owner = _owner_of(tname, like)
+    return owner is not None and bool(PROJECTION_NAME.fullmatch(tname[len(owner) + bool(owner):].split(".")[0]))
+
+
+def _guess_group(name: str) -> str:
+    """The group a projection name suggests (``query_proj`` -> qk, ``wo`` -> ov), or ``"?"``."""
+    words = set(re.split(r"[_\W\d]+", name.lower()))
+    if words & {"q", "k", "query", "key", "wq", "wk", "qk", "norm", "ln"} and not words & {"v", "value", "kv", "qkv"}:
+        return "qk"
+    if words & {"v", "o", "value", "out", "dense", "proj", "wv", "wo"} and not words & {"q", "k", "query", "key"}:
+        return "ov"
+    return "?"
+
+
+def _check_placed(model: nn.Module, report: KnobReport, plan: _Plan, strict: bool) -> None:
+    """Refuse (``strict``; else warn about) the tensors that look like attention projections but
+    that no family or rule placed: they would train at the ``other`` rate."""
+    like = _attention_like(model, plan)
+    loose = [e.tensor for e in report.entries if e.family == "other" and _looks_unplaced(e.tensor, like)]
+    if not loose:
+        return
+    names = ", ".join(loose[:6]) + (f" ... ({len(loose)} tensors)" if len(loose) > 6 else "")
+    rules: dict[str, str] = {}
+    for t in loose:
+        owner = _owner_of(t, like)
+        child = t[len(owner) + bool(owner):].split(".")[0]
+        rules.setdefault(rf"(^|\.){re.escape(child)}(\.|$)", _guess_group(child))
+    body = ", ".join(f"r'{rx}': '{g}'" for rx, g in rules.items())
+    classes = sorted({type(model.get_submodule(_owner_of(t, like))).__name__ for t in loose})
+    what = (f"tensor(s) that look like attention projections in {', '.join(classes)} but that no family or rule "
+            f"places: {names}. They would train at the 'other' rate, not at the rate of their circuit.")
+    if strict:
+        raise ValueError(f"{what} Check what each computes (knob.inspect(model) lists them) and place them with "
+                         f"rules, e.g. rules={{{body}}} ('qk' for what enters the attention scores, 'ov' for the "
+                         "values and output; '?': decide, or knob.Fused for a fused one), or pass strict=False "
+                         "to train them in 'other'")
+    warnings.warn(f"{what} strict=False: they go to 'other'; rules={{regex: group}} places them", stacklevel=3)
 
 
 def _placed(ents: Sequence[Entry]) -> str:
@@ -705,22 +832,22 @@ def inspect(model: nn.Module, rules: Mapping[str, RuleSpec] | None = None) -> In
     problems: dict[str, str] = {}
     entries, plan = _assign(model, rules, problems)
     mods = dict(model.named_modules())
-    like = set(plan.attention) | {n for n, m in mods.items() if ATTENTION_CLASS.search(type(m).__name__)}
-    like |= {n.rpartition(".")[0] for n in mods if n.rsplit(".", 1)[-1].lower() in UNSUPPORTED_PACKED}
-    like |= {n.rpartition(".")[0] for n in problems if n in mods}
     by_tensor: dict[str, list[Entry]] = {}
     for e in entries:
         by_tensor.setdefault(original_name(e.tensor), []).append(e)
-    rows, innermost_first = [], sorted(like, key=len, reverse=True)
+    rows, like = [], _attention_like(model, plan, problems)
     for tname, ents in by_tensor.items():
-        owner = next((m for m in innermost_first if not m or tname.startswith(m + ".")), None)
+        owner = _owner_of(tname, like)
         if owner is None:
             continue
         mod, shape = mods[owner], tuple(tensor_value(model, tname).shape)
         note = ""
         if ents[0].family == "other":
             bad = next((w for w in problems if tname.startswith(w + ".")), None)
-            note = "cannot place: see below" if bad else "not placed by any family: goes to other"
+            note = ("cannot place: see below" if bad else
+                    "looks like a projection no family places: knob_optimizer refuses it (place it with rules=, "
+                    "or strict=False: other)" if _looks_unplaced(tname, like) else
+                    "not placed by any family: goes to other")
         family = plan.attention.get(owner) or ("rules" if any(e.family.startswith("rule ") for e in ents)
                                                 else "no family matched")
         rows.append({"module": owner, "class": type(mod).__name__, "family": family, "tensor": tname,
@@ -875,12 +1002,43 @@ def default_no_decay(name: str, param: Tensor, module: nn.Module) -> bool:
     return param.dim() < 2 or bool(BIAS_NAME.search(name)) or bool(NORM_CLASS.search(type(module).__name__))
 
 
+def real_number(name: str, value: object, minimum: str = "> 0") -> float:
+    """``value`` as a Python float, when it is one real number: an ``int`` or ``float``, a numpy
+    scalar (``np.int64``, ``np.float32`` ...: anything registered as ``numbers.Real``), or a 0-d
+    numpy array or torch tensor of an integer or floating dtype. A bool is not a number. TypeError
+    for anything else (a function gets what to do instead: a schedule goes on the optimizer);
+    ValueError unless finite and ``> 0`` (``minimum=">= 0"``: finite and >= 0)."""
+    if callable(value) and not isinstance(value, (numbers.Number, Tensor)):
+        raise TypeError(f"{name} must be a number, got the function {getattr(value, '__name__', value)!r}: the knob "
+                        "sets each group's rate from numbers; to change rates during training put a scheduler on the "
+                        "optimizer it returns, e.g. torch.optim.lr_scheduler.LambdaLR(opt, lambda step: ...), which "
+                        "scales every group alike and keeps the ratio")
+    dtype = getattr(value, "dtype", None)
+    kind = "b" if dtype is torch.bool else "f" if isinstance(dtype, torch.dtype) and dtype.is_floating_point \
+        else "i" if isinstance(dtype, torch.dtype) and not dtype.is_complex else getattr(dtype, "kind", None)
+    if isinstance(value, bool) or kind == "b":
+        raise TypeError(f"{name} must be a number, got the bool {value!r}")
+    if isinstance(value, numbers.Real):
+        x = float(value)
+    elif getattr(value, "ndim", None) == 0 and kind in ("i", "u", "f"):  # 0-d numpy array or torch tensor
+        x = float(value.item())
+    else:
+        shape = getattr(value, "shape", None)
+        what = f"{type(value).__name__} of shape {tuple(shape)}" if shape is not None else type(value).__name__
+        raise TypeError(f"{name} must be one real number (int, float, a numpy scalar or a 0-d array or tensor), "
+                        f"got {what}: {value!r}")
+    if not math.isfinite(x) or (x <= 0 if minimum == "> 0" else x < 0):
+        source = "" if type(value) in (int, float) else f" (a {type(value).__module__}.{type(value).__name__})"
+        raise ValueError(f"{name} must be a finite number {minimum}, got {x!r}{source}")
+    return x
+
+
 def group_rates(eta_ov: float, ratio: float = 1.0, eta_other: float | None = None) -> dict[str, float]:
     """``{"qk": eta_ov * ratio, "ov": eta_ov, "other": eta_other or eta_ov}``, validated: each a
-    finite number > 0."""
-    eta_ov = check_rate("eta_ov", eta_ov)
-    ratio = check_rate("ratio (eta_QK/eta_OV)", ratio)
-    eta_other = eta_ov if eta_other is None else check_rate("eta_other", eta_other)
+    finite real number > 0 (:func:`real_number`)."""
+    eta_ov = real_number("eta_ov", eta_ov)
+    ratio = real_number("ratio (eta_QK/eta_OV)", ratio)
+    eta_other = eta_ov if eta_other is None else real_number("eta_other", eta_other)
     qk = eta_ov * ratio
     if not (math.isfinite(qk) and qk > 0):
         raise ValueError(f"the QK learning rate eta_ov * ratio = {eta_ov!r} * {ratio!r} = {qk!r} is not a finite "
@@ -889,16 +1047,13 @@ def group_rates(eta_ov: float, ratio: float = 1.0, eta_other: float | None = Non
 
 
 def _check_weight_decay(weight_decay: float) -> float:
-    if isinstance(weight_decay, bool) or not (isinstance(weight_decay, (int, float)) and weight_decay >= 0
-                                              and math.isfinite(weight_decay)):
-        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
-    return float(weight_decay)
+    return real_number("weight_decay", weight_decay, ">= 0")
 
 
 def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: float | None = None,
                 weight_decay: float = 0.0, rules: Mapping[str, str] | None = None, split: bool = True,
                 no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay,
-                ) -> tuple[list[dict], KnobReport]:
+                strict: bool = True) -> tuple[list[dict], KnobReport]:
     """Optimizer parameter groups for any model, and the report.
 
     Groups ``qk`` (``lr = eta_ov * ratio``), ``ov`` (``eta_ov``) and ``other`` (``eta_other``,
@@ -909,21 +1064,30 @@ def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: 
     ``lr`` / ``eta_ov``), for schedulers that set absolute per-group rates
     (``OneCycleLR(max_lr=[peak * g["lr_scale"] for g in groups])``). Empty groups are dropped.
 
+    ``strict`` (default): a tensor that looks like an attention projection (a child of an
+    attention-like module named like ``q``, ``key``, ``value_proj``, ``wq``, ``qkv`` ...) but that
+    no family or rule places is refused, naming it and the ``rules=`` that would place it;
+    ``strict=False`` puts it in ``other`` with a warning. :func:`inspect` lists such tensors.
+
     Everything is checked before the model is changed, so a refused call leaves it untouched.
     Then packed tensors are split in place (:func:`split_packed`; with ``split=False`` a model
-    that needs it raises ValueError): build the optimizer from the returned groups after this call.
+    that needs it raises ValueError), and the report's ``split`` names them: an optimizer built
+    before this call holds the old packed tensors, which are no longer the model's parameters
+    (its step would not move them). Build the optimizer from the returned groups.
     """
     weight_decay = _check_weight_decay(weight_decay)
     lrs = group_rates(eta_ov, ratio, eta_other)
     if no_decay is not None and not callable(no_decay):
         raise TypeError(f"no_decay must be a function (name, param, module) -> bool or None, got {no_decay!r}")
-    report = classify(model, rules)
+    report, plan = _classify(model, rules)
+    _check_placed(model, report, plan, strict)
     pending = sorted({e.tensor for e in report.entries if e.dim is not None and not e.parameter})
+    done: list[str] = []
     if pending:
         if not split:
             raise ValueError(f"packed tensors {pending} hold slices of different groups; per-slice learning "
                              "rates need split=True (re-registers each slice as its own parameter)")
-        split_packed(model, report)
+        done = split_packed(model, report)
         report = classify(model, rules)
     params = dict(model.named_parameters())
     quiet = set()
@@ -954,7 +1118,7 @@ def knob_groups(model: nn.Module, eta_ov: float, ratio: float = 1.0, eta_other: 
     for m in model.modules():
         for _, pk in _packed_attrs(m):
             pk.in_optimizer = True
-    return groups, replace(report, entries=entries, lrs=lrs, decay_rule=rule)
+    return groups, replace(report, entries=entries, lrs=lrs, decay_rule=rule, split=tuple(done))
 
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
@@ -975,16 +1139,27 @@ def knob_optimizer(model: nn.Module, optimizer_cls: Any = torch.optim.AdamW, lr:
                    weight_decay: float = 0.0, *, other_lr: float | None = None,
                    rules: Mapping[str, str] | None = None,
                    no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay,
-                   **optimizer_kwargs) -> tuple[torch.optim.Optimizer, KnobReport]:
+                   strict: bool = True, **optimizer_kwargs) -> tuple[torch.optim.Optimizer, KnobReport]:
     """``(optimizer_cls(groups, **optimizer_kwargs), report)`` over :func:`knob_groups`: the call
     of peft's ``create_loraplus_optimizer(model, optimizer_cls, lr, loraplus_lr_ratio, **kwargs)``.
 
     ``lr`` is the OV rate ``eta_OV`` (and the default of ``other_lr``), ``qk_ratio`` the knob
     ``eta_QK / eta_OV``; ``optimizer_cls`` is any class taking parameter groups or the shortcut
-    ``"adamw"`` / ``"sgd"``. The optimizer and its keyword arguments (built first on stand-in
-    tensors), the rates, the rules and the model are all checked before the model is changed."""
+    ``"adamw"`` / ``"sgd"``. ``lr``, ``qk_ratio``, ``other_lr`` and ``weight_decay`` are real
+    numbers (numpy scalars and 0-d arrays or tensors too, :func:`real_number`); a schedule goes on
+    the returned optimizer (``LambdaLR`` ...), not in ``lr``. ``strict`` (default) refuses a tensor
+    that looks like an attention projection but that no family or rule places
+    (:func:`knob_groups`). The optimizer and its keyword arguments (built first on stand-in
+    tensors), the rates, the rules and the model are all checked before the model is changed.
+
+    An optimizer built before this call is stale: where a packed tensor is split into slices
+    (``nn.MultiheadAttention``'s ``in_proj_weight``, GPT-2's ``c_attn`` ...: ``report.split``
+    names them), it holds the old tensors, which are no longer the model's parameters, and its
+    step would not move them. Use the returned optimizer."""
     cls = _optimizer_class(optimizer_cls)
     weight_decay = _check_weight_decay(weight_decay)
+    lr, qk_ratio = real_number("lr (eta_ov)", lr), real_number("qk_ratio", qk_ratio)
+    other_lr = None if other_lr is None else real_number("other_lr", other_lr)
     lrs = group_rates(lr, qk_ratio, other_lr)
     classify(model, rules)  # refuses a model it cannot place before the dry run
     probe = next((p for p in model.parameters() if p.requires_grad), None)
@@ -996,7 +1171,7 @@ def knob_optimizer(model: nn.Module, optimizer_cls: Any = torch.optim.AdamW, lr:
         kind = type(err) if isinstance(err, (TypeError, ValueError)) else ValueError
         raise kind(f"{getattr(cls, '__name__', cls)} refused the knob's groups with {optimizer_kwargs}: {err} "
                    "(the model was not changed)") from err
-    groups, report = knob_groups(model, lr, qk_ratio, other_lr, weight_decay, rules, no_decay=no_decay)
+    groups, report = knob_groups(model, lr, qk_ratio, other_lr, weight_decay, rules, no_decay=no_decay, strict=strict)
     return cls(groups, **optimizer_kwargs), report
 
 

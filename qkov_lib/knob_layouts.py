@@ -30,6 +30,10 @@ SEPARATE_FAMILIES: tuple[tuple[str, dict[str, str]], ...] = (
     ("q_proj/k_proj/v_proj/o_proj", {"q_proj": "Q", "k_proj": "K", "v_proj": "V", "o_proj": "O", "out_proj": "O",
                                      "dense": "O"}),
     ("query/key/value", {"query": "Q", "key": "K", "value": "V"}),
+    # DeBERTa-v2/v3 DisentangledSelfAttention: the relative-position projections only enter the
+    # scores (content-to-position, position-to-content), so they are Q and K
+    ("query_proj/key_proj/value_proj (DeBERTa-v2)",
+     {"query_proj": "Q", "key_proj": "K", "value_proj": "V", "pos_query_proj": "Q", "pos_key_proj": "K"}),
     ("q/k/v/o (T5)", {"q": "Q", "k": "K", "v": "V", "o": "O"}),
     ("q_lin/k_lin/v_lin/out_lin (DistilBERT)", {"q_lin": "Q", "k_lin": "K", "v_lin": "V", "out_lin": "O"}),
     # diffusers' Attention (Stable Diffusion, DiT, SD3/Flux joint attention with the add_*_proj of

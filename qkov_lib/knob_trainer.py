@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from torch import Tensor, nn
 from transformers import Trainer, TrainingArguments
 
-from qkov_lib.knob import KnobReport, default_no_decay, knob_optimizer
-from qkov_lib.models import check_rate
+from qkov_lib.knob import KnobReport, default_no_decay, knob_optimizer, real_number
 
 
 @dataclass
@@ -47,26 +46,27 @@ class KnobTrainingArguments(TrainingArguments):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_rate("qk_ratio", self.qk_ratio)
+        self.qk_ratio = real_number("qk_ratio", self.qk_ratio)
         if self.other_lr is not None:
-            check_rate("other_lr", self.other_lr)
+            self.other_lr = real_number("other_lr", self.other_lr)
 
 
 class KnobTrainer(Trainer):
     """A ``transformers.Trainer`` that trains with the knob's ``qk``/``ov``/``other`` groups.
 
     ``args`` should be :class:`KnobTrainingArguments` (plain ``TrainingArguments`` mean
-    ``qk_ratio = 1``); ``knob_rules`` and ``knob_no_decay`` go to
-    :func:`qkov_lib.knob.knob_optimizer` (``rules``, ``no_decay``). After the optimizer is made,
+    ``qk_ratio = 1``); ``knob_rules``, ``knob_no_decay`` and ``knob_strict`` go to
+    :func:`qkov_lib.knob.knob_optimizer` (``rules``, ``no_decay``, ``strict``). After the optimizer is made,
     ``knob_report`` says which tensor (or slice) went to which group."""
 
     def __init__(self, *args, knob_rules: Mapping[str, str] | None = None,
-                 knob_no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay, **kwargs) -> None:
+                 knob_no_decay: Callable[[str, Tensor, nn.Module], bool] | None = default_no_decay,
+                 knob_strict: bool = True, **kwargs) -> None:
         if kwargs.get("optimizers", (None, None))[0] is not None:
             raise ValueError("KnobTrainer builds its own optimizer from the knob's groups; pass the optimizer class "
                              "through args.optim or optimizer_cls_and_kwargs instead of optimizers=(opt, sched)")
         super().__init__(*args, **kwargs)
-        self.knob_rules, self.knob_no_decay = knob_rules, knob_no_decay
+        self.knob_rules, self.knob_no_decay, self.knob_strict = knob_rules, knob_no_decay, knob_strict
         self.knob_report: KnobReport | None = None
 
     def create_optimizer(self, model: nn.Module | None = None):
@@ -86,7 +86,7 @@ class KnobTrainer(Trainer):
             self.optimizer, self.knob_report = knob_optimizer(
                 opt_model, cls, lr=lr, qk_ratio=getattr(self.args, "qk_ratio", 1.0),
                 weight_decay=self.args.weight_decay, other_lr=getattr(self.args, "other_lr", None),
-                rules=self.knob_rules, no_decay=self.knob_no_decay, **kwargs)
+                rules=self.knob_rules, no_decay=self.knob_no_decay, strict=self.knob_strict, **kwargs)
         return self.optimizer
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:

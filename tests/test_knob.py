@@ -467,8 +467,12 @@ def test_error_when_nothing_is_recognised():
 def test_error_on_tied_weights_in_different_groups():
     model = build("llama")
     model.layers[0].self_attn.o_proj.weight = model.layers[0].self_attn.k_proj.weight
-    with pytest.raises(ValueError, match="ambiguous tensor"):
+    with pytest.raises(ValueError, match=r"tied weights in different groups: layers.0.self_attn.k_proj.weight \(K.*"
+                                         r"and layers.0.self_attn.o_proj.weight \(O"):
         knob.classify(model)
+    # the rule the message names places the tied tensor whole, as it says
+    rep = knob.classify(model, rules={r"^layers\.0\.self_attn\.k_proj\.weight$": "qk"})
+    assert groups_by_tensor(rep)["layers.0.self_attn.k_proj.weight"] == "qk"
 
 
 def test_error_on_packed_tensor_that_does_not_split():
