@@ -35,6 +35,8 @@ PROBE_STEPS = (3, 12)
 PROBE_STEPS_OF = {"pythia": (1, 3), "sweep": (10, 100)}
 #: training rows a real-data probe reads (its model, batch size and padded length are the chapter's)
 PROBE_ROWS = 2000
+#: torch's intra-op threads of a chapter's dry run on a CPU (:func:`preflight`)
+DRY_RUN_THREADS = 1
 
 
 class TooCostly(RuntimeError):
@@ -430,7 +432,8 @@ def preflight(chapter: str, cfg: Mapping[str, Any], device: torch.device | str |
     """Before a chapter trains: state its work and estimated time on ``device`` (where the
     chapter trains; None: :func:`qkov_lib.runtime.pick_device`), printed, and either go on or stop.
     ``dry_run`` (None: ``$QKOV_DRY_RUN``) caps every step count of ``cfg`` and ``others`` and of
-    every later :func:`qkov_lib.profiles.resolve` in this process. A ``full`` profile on a machine
+    every later :func:`qkov_lib.profiles.resolve` in this process and, on a CPU, sets torch to
+    :data:`DRY_RUN_THREADS` thread for the rest of the process. A ``full`` profile on a machine
     without a GPU raises :class:`TooCostly` with the estimate and how to go on anyway, unless
     ``force`` or ``dry_run``. The estimate is kept for the chapter's results file (:func:`recorded`)."""
     device = torch.device(device) if device is not None else pick_device()
@@ -451,6 +454,11 @@ def preflight(chapter: str, cfg: Mapping[str, Any], device: torch.device | str |
             f"(qkov run {chapter} -p profile '\"full\"' -p dry_run true; make book PROFILE=full DRY_RUN=1).")
     profiles.set_dry_run(dry)
     _RECORDED[chapter] = est
+    if dry and device.type == "cpu":
+        # one torch thread, as the maps and the cpu profiles train: the dry book runs two chapters at
+        # once on two cores, and a second intra-op thread each then spins; a dry 20-step run of the
+        # multi-layer grid took 111 s (26 CPU s) on two threads of a busy 2-core machine, 21 s (4 CPU s) on one
+        torch.set_num_threads(DRY_RUN_THREADS)
     if dry:
         return Plan(profiles.cap_steps(cfg), {k: profiles.cap_steps(v) for k, v in others.items()}, est)
     return Plan(dict(cfg), {k: dict(v) for k, v in others.items()}, est)

@@ -26,9 +26,11 @@ def _no_dry_run(monkeypatch):
     monkeypatch.delenv(profiles.DRY_RUN_ENV, raising=False)
     profiles.set_dry_run(False)
     cost._RECORDED.clear()
+    threads = torch.get_num_threads()
     yield
     profiles.set_dry_run(False)
     cost._RECORDED.clear()
+    torch.set_num_threads(threads)  # a dry preflight on a CPU sets one thread
 
 
 def fake_probe(per_step=0.01, per_run=2.0, n_params=100):
@@ -323,11 +325,14 @@ def test_full_goes_on_when_forced_dry_or_on_a_gpu(monkeypatch, how):
     if how == "env":
         monkeypatch.setenv(profiles.DRY_RUN_ENV, "1")
     cfg = realmap.map_config("squad", "cpu" if how == "cpu profile" else "full")
+    torch.set_num_threads(2)
     plan = cost.preflight("squad", cfg, CPU, force=True if how == "force" else None,
                           dry_run=True if how == "dry_run" else None)
     dry = how in ("dry_run", "env")
     assert plan.estimate.dry_run is dry and cost.recorded("squad") is plan.estimate
     assert profiles.dry_run_active() is dry
+    # a dry run on a CPU trains on one torch thread (two chapters at once on two cores); others keep theirs
+    assert torch.get_num_threads() == (cost.DRY_RUN_THREADS if dry else 2)
     if dry:  # this chapter's settings and every later resolve are capped
         assert plan.cfg["adamw_steps"] == profiles.DRY_RUN_STEPS and plan.cfg["n_train"] is None
         assert profiles.resolve(synthetic.PROFILES, "full")["steps"] == profiles.DRY_RUN_STEPS
