@@ -690,7 +690,20 @@ def cache_dir() -> Path:
     else ``~/.cache/qkov/datasets`` (never the repository)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "qkov" / "datasets"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qkov" / "datasets"  # set and empty: unset
+
+
+def _cache_fault(err: BaseException, data_files: Iterable[str]) -> OSError | None:
+    """The OSError in ``err``'s chain about a path that is not one of ``data_files`` (so a cache
+    folder or file that could not be made or written), if any."""
+    data = {os.path.realpath(f) for f in data_files}
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.filename and os.path.realpath(str(err.filename)) not in data:
+            return err
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def check_json_file(path: str | os.PathLike) -> str:
@@ -727,6 +740,14 @@ def load_files(builder: str, data_files: Mapping[str, str | os.PathLike], **kwar
     try:
         return datasets.load_dataset(builder, data_files=files, cache_dir=str(cache_dir()), **kwargs)
     except Exception as err:  # noqa: BLE001 - re-raised with the file names
+        unwritable = _cache_fault(err, files.values())
+        if unwritable is not None:  # the cache, not the data: a read-only HOME, a full or unwritable disk
+            raise ValueError(
+                f"the datasets library could not write its cache ({unwritable.strerror or unwritable}: "
+                f"{unwritable.filename}) while reading {', '.join(files.values())}; the data file is not at fault. "
+                f"Point the caches at a writable folder: {CACHE_ENV} (our cache, now {cache_dir()}) and "
+                f"HF_DATASETS_CACHE (the datasets library's own, under HF_HOME by default), e.g. "
+                f"{CACHE_ENV}=/tmp/qkov-cache HF_DATASETS_CACHE=/tmp/hf-datasets") from err
         if builder == "json":
             for f in files.values():
                 check_json_file(f)  # raises a ValueError naming the file and the corrupt line
