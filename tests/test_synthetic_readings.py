@@ -257,3 +257,15 @@ def test_s2_reads_each_summary_pair_per_cell_and_counts_per_regime():
     assert "practical (loss ≥ 0.0001), ratio ≥ 1: 2 cells, leading pair (FACO, FAFO) at 100%, summary A's pair at 0%" \
         in f["s2p_regime_sentence"]
     assert f["s2p_move_sentence"].startswith("a faster QK moves FAFO toward FACO at ")
+
+
+def test_a_variant_may_run_its_own_ratios_and_seeds():
+    from qkov_lib.profiles import resolve
+
+    adam = {"name": "AdamW", "optimizer": "adamw", "eta_ov": 0.02, "variant_ratios": [1.0, 10.0], "variant_seeds": [0, 1, 2]}
+    cfg = resolve(synthetic_sweeps.PROFILES, "test", parameterizations=["FAFO"], variant_ratios=[0.1, 1.0],
+                  variant_seeds=[0], variants=[adam, {"name": "plain", "n_common": [2]}])
+    table, matched = synthetic_sweeps.robustness(cfg)
+    got = {v: (sorted(set(g["ratio"])), sorted(set(g["seed"]))) for v, g in table.groupby("variant")}
+    assert got == {"AdamW": ([1.0, 10.0], [0, 1, 2]), "plain": ([0.1, 1.0], [0])}
+    assert set(matched[matched["variant"] == "AdamW"]["optimizer"]) == {"adamw"}
