@@ -693,7 +693,8 @@ ATTENTION_CLASS = re.compile(r"attn|attention", re.IGNORECASE)
 # Q, K, V or O, or a qk-norm: left unplaced, it would silently train at the "other" rate
 PROJECTION_NAME = re.compile(
     r"[qkvo]|query|key|value|qkv|qk|kv|out|dense|proj|w_?(?:q|k|v|o|qkv|kv|pack)|c_attn|[qkv]_attn"
-    r"|[qkv]_?bias|\w*_proj(?:_\w+)?|proj_\w+|to_\w+|in_proj\w*|[qkv]_?lin(?:ear)?|[qk]_?(?:norm|ln|layer_?norm)",
+    r"|[qkv]_?bias|\w*_proj(?:_\w+)?|proj_\w+|to_\w+|in_proj\w*|[qkv]_?lin(?:ear)?|[qk]_?(?:norm|ln|layer_?norm)"
+    r"|(?:query|key|value|[qkv])_\w+",
     re.IGNORECASE)
 
 

@@ -47,8 +47,10 @@ SEPARATE_FAMILIES: tuple[tuple[str, dict[str, str]], ...] = (
 )
 # normalisations inside a separate-projection family, placed once its Q and K children matched
 # (never enough to recognise a module by): Hugging Face's qk-norms (Qwen3, OLMo 2, Gemma 3, Cohere
-# ...) act on Q and K before the scores, like timm's and diffusers' qk-norms
-FAMILY_NORMS: dict[str, dict[str, str]] = {"q_proj/k_proj/v_proj/o_proj": {"q_norm": "Q", "k_norm": "K"}}
+# ...; Phi and StableLM with qk_layernorm) act on Q and K before the scores, like timm's and
+# diffusers' qk-norms
+FAMILY_NORMS: dict[str, dict[str, str]] = {
+    "q_proj/k_proj/v_proj/o_proj": {"q_norm": "Q", "k_norm": "K", "q_layernorm": "Q", "k_layernorm": "K"}}
 # diffusers' Attention.fuse_projections() (set fused_projections=True): a fused projection that is
 # the concatenation of its siblings' weights, [to_q; to_k; to_v] ..., the siblings staying in place
 DIFFUSERS_FUSED: dict[str, tuple[str, ...]] = {

@@ -616,6 +616,10 @@ REAL: dict[str, RealCase] = {
                          max_position_embeddings=8),
                       hf_run, r"layers\.(\d+)\.self_attn\.([qkv]_proj|[qk]_norm)\.weight$", r"self_attn\.o_proj\.",
                       "q_proj/k_proj/v_proj/o_proj"),
+    # Phi's qk_layernorm (LayerNorm gains and biases on Q and K per head) goes with Q and K
+    "phi_qk_layernorm": RealCase(hf("PhiModel", "PhiConfig", qk_layernorm=True, **NEOX), hf_run,
+                                 r"layers\.(\d+)\.self_attn\.([qkv]_proj|[qk]_layernorm)\.weight$",
+                                 r"self_attn\.dense\.", "q_proj/k_proj/v_proj/o_proj"),
     "t5": RealCase(hf("T5EncoderModel", "T5Config", num_layers=2, d_model=E, d_kv=E // H, num_heads=H, d_ff=16,
                       vocab_size=20),
                    hf_run, r"block\.(\d+)\.layer\.0\.SelfAttention\.[qkv]\.weight$", r"SelfAttention\.o\.", "q/k/v/o (T5)"),

@@ -187,3 +187,26 @@ def test_strict_false_accepts_with_a_warning():
     with warnings.catch_warnings():  # a model the families place entirely: no warning either way
         warnings.simplefilter("error")
         knob.knob_optimizer(nn.MultiheadAttention(E, 2), "sgd", strict=False)
+
+
+@pytest.mark.parametrize("child, flagged", [
+    ("query_global", True), ("key_global", True), ("kv_a_proj_with_mqa", True), ("q_b_proj", True), ("wo", True),
+    ("pos_proj", True), ("q_layer_norm", True), ("relative_attention_bias", False), ("rel_embeddings", False),
+    ("LayerNorm", False), ("gate", False), ("mlp", False),
+])
+def test_which_children_of_an_attention_module_look_like_projections(child, flagged):
+    """Beside placed q_proj ... o_proj siblings (Longformer's global projections, DeepSeek's
+    low-rank ones): refused when named like a projection, in other silently when not."""
+    class XAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(E, E) for _ in range(4))
+            setattr(self, child, nn.Linear(E, E))
+
+    if flagged:
+        with pytest.raises(ValueError, match=rf"in XAttention but that no family or rule places: {child}.weight, "
+                                             rf"{child}.bias\."):
+            knob.knob_optimizer(XAttention(), "sgd")
+    else:
+        _, rep = knob.knob_optimizer(XAttention(), "sgd")
+        assert {e.tensor: e.group for e in rep.entries}[f"{child}.weight"] == "other"
