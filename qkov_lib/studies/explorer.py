@@ -245,7 +245,7 @@ _SCRIPT = r"""
   var c = {};
   ['ratio', 'init', 'n', 'level', 'y'].forEach(function (k) { c[k] = root.querySelector('[data-control="' + k + '"]'); });
   var curves = root.querySelector('.qkov-explorer-curves'), phase = root.querySelector('.qkov-explorer-phase');
-  var cfg = {responsive: true, displaylogo: false};
+  var cfg = {responsive: true, displayModeBar: false};
   function at(k) { return parseInt(c[k].value, 10); }
   function draw() {
     var n = at('n'), i = at('init'), r = at('ratio'), l = at('level'), y = c.y.value;
@@ -261,11 +261,12 @@ _SCRIPT = r"""
     });
     var mark = D.phase_levels[l];
     Plotly.react(curves, traces, {
-      height: 560, margin: {l: 60, r: 10, t: 30, b: 50}, legend: {orientation: 'h', y: 1.08},
-      xaxis: {type: 'log', range: D.xrange[l], matches: 'x2', showticklabels: false},
-      xaxis2: {type: 'log', range: D.xrange[l], title: {text: D.text.x}, anchor: 'y2'},
+      height: 560, margin: {l: 60, r: 10, t: 40, b: 60},
+      legend: {orientation: 'h', x: 0, y: 1.02, xanchor: 'left', yanchor: 'bottom'},
+      xaxis: {type: 'log', range: D.xrange[l], matches: 'x2', showticklabels: false, exponentformat: 'power'},
+      xaxis2: {type: 'log', range: D.xrange[l], title: {text: D.text.x}, anchor: 'y2', exponentformat: 'power'},
       yaxis: {domain: [0.55, 1], title: {text: D.text[y]}},
-      yaxis2: {domain: [0, 0.45], title: {text: D.text.w}, anchor: 'x2'},
+      yaxis2: {domain: [0, 0.45], type: 'log', title: {text: D.text.w}, anchor: 'x2'},
       shapes: [{type: 'line', xref: 'x', yref: 'paper', x0: mark, x1: mark, y0: 0, y1: 1,
                 line: {color: '#444', width: 1, dash: 'dot'}}]
     }, cfg);
@@ -274,7 +275,7 @@ _SCRIPT = r"""
     Plotly.react(phase, [{type: 'heatmap', z: h.z, text: h.text, x: D.labels.ratio, y: D.labels.level,
                           hovertemplate: '%{text}<extra></extra>', colorscale: D.colorscale, zmin: -0.5,
                           zmax: D.calls.length - 0.5, showscale: false, xgap: 1, ygap: 1}], {
-      height: 460, margin: {l: 60, r: 10, t: 10, b: 50},
+      height: 480, margin: {l: 70, r: 10, t: 10, b: 70},
       xaxis: {type: 'category', title: {text: D.text.ratio}},
       yaxis: {type: 'category', autorange: 'reversed', title: {text: D.text.x}},
       shapes: [{type: 'rect', xref: 'x', yref: 'y', x0: r - 0.5, x1: r + 0.5, y0: l - 0.5, y1: l + 0.5,
@@ -291,8 +292,22 @@ _SCRIPT = r"""
 """
 
 TEXT = {"x": "training loss", "attention": "attention on the distinct token",
-        "logodds": "log-odds of the attention on the distinct token", "w": "OV margin w",
+        "logodds": "log-odds of the attention", "w": "OV margin w (log scale)",
         "ratio": "η_QK / η_OV", "ranking": "S2 ranking (most attention on the distinct token first) at training loss"}
+STYLE = """
+.qkov-explorer-controls{display:flex;flex-wrap:wrap;gap:.4rem 1.4rem;align-items:center;margin-bottom:.4rem}
+.qkov-explorer-controls label{display:flex;flex-wrap:wrap;align-items:center;gap:.2rem .5rem;max-width:100%}
+.qkov-explorer-controls output{min-width:3em;font-weight:600}
+.qkov-explorer-controls input[type=range]{width:12rem;max-width:100%}
+.qkov-explorer-controls select{max-width:100%}
+.qkov-explorer-ranking{font-size:.9rem;margin:.3rem 0}
+.qkov-explorer-caption{font-size:.9rem;margin:.8rem 0 .2rem}
+.qkov-explorer-legend{display:flex;flex-wrap:wrap;gap:.2rem 1.2rem;font-size:.85rem}
+.qkov-explorer-legend i{display:inline-block;width:.9em;height:.9em;border:1px solid #555;margin-right:.35em;
+  vertical-align:middle}
+"""
+PHASE_CAPTION = ("S2 phase map at the chosen init scale and n: the top two at each ratio (columns) and training "
+                 "loss (rows). Hover over a cell for its four attentions; click it to draw its curves.")
 NO_PLOTLY = ("The interactive figure needs Plotly's JavaScript, which the built book serves from its _static folder; "
              "it is not loaded here.")
 
@@ -327,10 +342,11 @@ def figure_html(grid: Grid, root_id: str = "qkov-explorer") -> str:
     ])
     legend = "".join(f'<span class="qkov-explorer-swatch"><i style="background:{c["colour"]}"></i>{esc(c["name"])}</span>'
                      for c in data["calls"])
-    return (f'<div class="qkov-explorer" id="{root_id}" data-qkov-plotly="1">'
+    return (f'<style>{STYLE}</style><div class="qkov-explorer" id="{root_id}" data-qkov-plotly="1">'
             f'<div class="qkov-explorer-controls">{controls}</div>'
             f'<p class="qkov-explorer-ranking" aria-live="polite"></p>'
             f'<div class="qkov-explorer-curves"></div>'
+            f'<p class="qkov-explorer-caption">{esc(PHASE_CAPTION)}</p>'
             f'<div class="qkov-explorer-legend">{legend}</div>'
             f'<div class="qkov-explorer-phase"></div></div>'
             f'<script type="application/json" id="{root_id}-data">{payload}</script>'
