@@ -71,53 +71,50 @@ def _wait_state(driver, timeout: float = 30) -> dict:
 
 
 def _shot(driver, name: str, width: int) -> None:
+    """The figure as the window shows it (the window is tall enough for all of it)."""
     SHOTS.mkdir(parents=True, exist_ok=True)
-    _viewport(driver, width, 2400)  # the whole figure inside the viewport
-    fig = driver.find_element("css selector", ".qkov-explorer")
-    driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", fig)
-    time.sleep(0.5)  # Plotly relayouts on resize
+    driver.execute_script("window.scrollTo(0, document.querySelector('.qkov-explorer').getBoundingClientRect().top"
+                          " + window.scrollY - 80)")  # below the sticky header
+    time.sleep(0.5)
     path = SHOTS / f"{name}__{width}.png"
-    fig.screenshot(str(path))
+    driver.save_screenshot(str(path))
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_moving_a_control_changes_the_plotted_curve(site, driver):
+@pytest.mark.parametrize("width", WIDTHS)
+def test_moving_a_control_changes_the_plotted_curve(site, driver, width):
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select
 
     _need(EXPLORER)
-    _viewport(driver, 1300)
-    _open(driver, f"{site}/{EXPLORER}.html")
-    before = _wait_state(driver)
-    assert before["traces"] == 8 and before["d"], "four attention and four OV-margin curves"
-    for width in WIDTHS:
+    _viewport(driver, width, 2000)  # loaded at this width: no relayout between the shots
+    try:
+        _open(driver, f"{site}/{EXPLORER}.html")
+        before = _wait_state(driver)
+        assert before["traces"] == 8 and before["d"], "four attention and four OV-margin curves"
         _shot(driver, "book__dynamics-explorer__before", width)
-    _viewport(driver, 1300)
 
-    # the ratio slider, moved with the keyboard as a reader would: a real input event
-    slider = driver.find_element("css selector", '.qkov-explorer [data-control="ratio"]')
-    slider.send_keys(Keys.END)
-    after = _wait_state(driver)
-    assert after["ratio"] != before["ratio"]
-    assert after["y0"] != before["y0"], "the data of the first curve did not change with the ratio"
-    assert after["d"] != before["d"], "the drawn curve did not change with the ratio"
-    assert after["marker"] != before["marker"], "the phase map's marker did not follow the ratio"
-    assert "top two" in after["ranking"] or "reaches this loss" in after["ranking"]
-    for width in WIDTHS:
+        # the ratio slider, moved with the keyboard as a reader would: a real input event
+        driver.find_element("css selector", '.qkov-explorer [data-control="ratio"]').send_keys(Keys.END)
+        after = _wait_state(driver)
+        assert after["ratio"] != before["ratio"]
+        assert after["y0"] != before["y0"], "the data of the first curve did not change with the ratio"
+        assert after["d"] != before["d"], "the drawn curve did not change with the ratio"
+        assert after["marker"] != before["marker"], "the phase map's marker did not follow the ratio"
+        assert "top two" in after["ranking"] or "reaches this loss" in after["ranking"]
         _shot(driver, "book__dynamics-explorer__after", width)
-    _viewport(driver, 1300)
 
-    # the init-scale menu changes the curves too
-    menu = Select(driver.find_element("css selector", '.qkov-explorer [data-control="init"]'))
-    menu.select_by_index(0)
-    other = _wait_state(driver)
-    assert other["d"] != after["d"], "the drawn curve did not change with the init scale"
+        # the init-scale menu changes the curves too
+        Select(driver.find_element("css selector", '.qkov-explorer [data-control="init"]')).select_by_index(0)
+        other = _wait_state(driver)
+        assert other["d"] != after["d"], "the drawn curve did not change with the init scale"
 
-    # the loss slider moves the ranking line's level
-    level = driver.find_element("css selector", '.qkov-explorer [data-control="level"]')
-    level.send_keys(Keys.END)
-    deep = _wait_state(driver)
-    assert deep["level"] != other["level"] and deep["ranking"] != other["ranking"]
+        # the loss slider moves the ranking line's level
+        driver.find_element("css selector", '.qkov-explorer [data-control="level"]').send_keys(Keys.END)
+        deep = _wait_state(driver)
+        assert deep["level"] != other["level"] and deep["ranking"] != other["ranking"]
+    finally:
+        _viewport(driver, 1280)
 
 
 def test_a_click_on_the_phase_map_selects_its_cell(site, driver):
