@@ -269,3 +269,10 @@ def test_a_variant_may_run_its_own_ratios_and_seeds():
     got = {v: (sorted(set(g["ratio"])), sorted(set(g["seed"]))) for v, g in table.groupby("variant")}
     assert got == {"AdamW": ([1.0, 10.0], [0, 1, 2]), "plain": ([0.1, 1.0], [0])}
     assert set(matched[matched["variant"] == "AdamW"]["optimizer"]) == {"adamw"}
+    rv = synthetic_sweeps.robustness_verdicts(table, matched)
+    assert rv.loc["AdamW", "optimizer"] == "adamw" and rv.loc["AdamW", "ratios"] == "1 -> 10"
+    ladder = {0.3: [r for r in synthetic_sweeps.run_grid(cfg, ratios=[1.0, 10.0], seeds=[0, 1], matched_loss=0.3).matched[0.3]]}
+    rd = synthetic_sweeps.chapter_readings(ladder, {}, matched, 0.3)
+    f = synthetic_sweeps._adam_facts(rd, synthetic_sweeps.chapter_verdicts(rd), rv)
+    assert f["adam_sentence"].endswith(f"Under AdamW one class never learned in {rv.loc['AdamW', 'locked in']} runs at "
+                                       "ratio 10.")
