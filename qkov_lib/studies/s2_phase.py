@@ -467,7 +467,6 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
     neither_pairs = Counter(tuple(sorted(rk.split(" > ")[:2], key=_SHOWN.index))
                             for rk in ode[ode["top two"] == "neither"]["ranking"])
     share = ode["top two"].value_counts().to_dict()
-    deep = ode[ode["loss"] == ode["loss"].min()]["top two"].value_counts()
     dis = cells[cells["agree"] == "no"]
     fmt = lambda r: f"ratio {r['ratio']:g}, init {r['init']:g}, n {r['n']}, loss {r['loss']:g}"  # noqa: E731
     top = max(cfg["s2_ratios"])
@@ -487,8 +486,6 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
         "s2p_top_settled": settle_top["settled"],
         "s2p_deep_level": f"{settled[0]:g}" if settled else "none",
         "s2p_deep_call": C.S2_WORDS[settled[1]] if settled else "none",
-        "s2p_deep": ", ".join(f"{C.S2_WORDS[k]} at {v} of {int(deep.sum())}" for k, v in deep.items()),
-        "s2p_deep_all_A": bool(deep.index.tolist() == ["A"]),
         "s2p_agree": str(int((cells["agree"] == "yes").sum())),
         "s2p_decided": str(int((cells["agree"] != "undecided").sum())),
         "s2p_disagree": "; ".join(f"{fmt(r)} (ODE {C.S2_WORDS[r['top two (ODE)']]}, full model "
@@ -496,7 +493,6 @@ def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, ver
         **{f"s2p_{k}_region": region(ode[ode["top two"] == k]) for k in ("A", "B", "neither", "tie")},
         "s2p_has_B": bool(share.get("B", 0)), "s2p_has_neither": bool(share.get("neither", 0)),
         "s2p_neither_pairs": ", ".join(f"({a}, {b}) at {k}" for (a, b), k in neither_pairs.most_common()),
-        "s2p_neither_faco_fafo": set(neither_pairs) <= {("FACO", "FAFO")},
         "s2p_top_rates": f"eta_QK = {top * top_ov:g} and eta_OV = {top_ov:g} at ratio {top:g}",
         "s2p_has_disagree": bool(len(dis)),
     }
