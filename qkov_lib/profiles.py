@@ -7,7 +7,8 @@ profile table, so a papermill parameter of the wrong type fails with a clear mes
 Values are checked twice, both before anything trains: :func:`check_value` knows the shared
 parameter names by their meaning (a parameterization is one of FAFO/CAFO/FACO/CACO, a rate or a
 ratio is a finite number > 0, a seed an integer >= 0, a step or size count an integer >= 1, a
-fraction lies in (0, 1)) and needs no profile table, so ``qkov run`` and ``qkov sweep`` apply it
+fraction lies in (0, 1), ``force`` and ``dry_run`` are booleans, a path a string, a profile one of
+:data:`PROFILES` as spelt there) and needs no profile table, so ``qkov run`` and ``qkov sweep`` apply it
 to ``-p``/``-g`` values before a kernel starts; :func:`resolve` applies it to every resolved
 setting, and checks the type of each override against the profile's value.
 
@@ -64,6 +65,13 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": ("sva", "hatexplain", "squad"),
     "datasets": ("sva", "hatexplain", "squad"),
 }
+#: Parameters that are True or False (a JSON boolean on the command line: ``-p force true``).
+BOOLEANS = ("force", "dry_run")
+#: Parameters that name a file or folder: a string (a path), or None for the chapter's default.
+PATHS = ("results_path", "results_dir", "data_dir")
+#: Numeric parameters that take a list of values (``ratios``, ``map_seeds``, ``s2_losses``...); the
+#: others (``steps``, ``n_heads``, ``processes``...) take one, whatever their name ends with.
+_LIST_KEY = re.compile(r"(^|_)(ratios|rates|seeds|losses|scales|ladder|etas_convergence)$")
 # Numeric parameters by name (each element of a list is checked): (pattern, test, what it must be).
 _NUMERIC: tuple[tuple[re.Pattern, Any, str], ...] = tuple((re.compile(p), f, w) for p, f, w in (
     (r"(^|_)(ratios?|rates|etas_convergence)$|^eta_|_eta_ov$|^matched_loss$|^loss_ladder$|^t_max$|^init_scale$|^q0|^w0$",
@@ -87,6 +95,19 @@ def check_value(name: str, value: Any) -> None:
     Types against a profile's defaults are :func:`resolve`'s job."""
     if value is None:
         return
+    if name == "profile":
+        try:
+            profile_name(value)
+        except ValueError as e:
+            raise ValueError(f"parameter 'profile': {e}") from None
+        return
+    if name in BOOLEANS or name in PATHS:
+        ok = isinstance(value, bool) if name in BOOLEANS else isinstance(value, (str, os.PathLike)) and str(value)
+        if not ok:
+            what = ("true or false (a JSON boolean: -p " + name + " true)" if name in BOOLEANS
+                    else "a path: a non-empty string (-p " + name + " '\"/some/path\"')")
+            raise ValueError(f"parameter {name!r} must be {what}, got {type(value).__name__} {value!r}")
+        return
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     if name in CHOICES:
         allowed = CHOICES[name]
@@ -99,11 +120,17 @@ def check_value(name: str, value: Any) -> None:
     for pattern, ok, what in _NUMERIC:
         if pattern.search(name):
             for v in items:
+                # a list parameter is named as such; a scalar one ("steps", "n_heads") given a string is
+                # told it takes a number, whatever its name ends with
+                listed = isinstance(value, (list, tuple)) or bool(_LIST_KEY.search(name))
+                each = "each value of " if isinstance(value, (list, tuple)) else ""
                 if v is not None and not _number(v):
-                    raise ValueError(f"parameter {name!r}: {v!r} is not a number; {name!r} must be "
-                                     f"{'a non-empty list of values, each ' if name.endswith('s') else ''}{what}")
+                    shape = f"a non-empty list of values, each {what}" if listed and not each else what
+                    example = "'[1, 10]'" if listed else "10"
+                    raise ValueError(f"parameter {name!r}: {v!r} is not a number; {each}{name!r} must be {shape}"
+                                     + (f" (numbers take no quotes on the command line: -p {name} {example})"
+                                        if isinstance(v, str) else ""))
                 if v is not None and not ok(v):
-                    each = "each value of " if isinstance(value, (list, tuple)) else ""
                     raise ValueError(f"parameter {name!r}: {v!r} is not allowed; {each}{name!r} must be {what}")
             return
 
@@ -174,7 +201,9 @@ def profile_name(profile: str | None) -> str:
     """``profile``, or ``$QKOV_PROFILE``, or ``"cpu"``; raises ValueError if unknown."""
     name = profile if profile is not None else os.environ.get(PROFILE_ENV, "cpu")
     if name not in PROFILES:
-        raise ValueError(f"unknown profile {name!r}; expected one of {', '.join(PROFILES)}")
+        near = next((p for p in PROFILES if isinstance(name, str) and p == name.strip().lower()), None)
+        hint = f" (profile names are lower case: did you mean {near!r}?)" if near else ""
+        raise ValueError(f"unknown profile {name!r}; expected one of {', '.join(PROFILES)}{hint}")
     return name
 
 

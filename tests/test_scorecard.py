@@ -12,6 +12,11 @@ from qkov_lib import claims
 
 from qkov_lib.tooling import cli, results, scorecard
 
+# rules as a chapter states them (the scorecard shows whatever rule a measurement carries)
+R1_RULE = "reproduced: attention is sharper at the higher ratio in every decided cell"
+R3_RULE = "decoupled: the heads sharpen while accuracy stays within its margin"
+
+
 @pytest.fixture
 def book(tmp_path: Path) -> Path:
     d = tmp_path / "book"
@@ -32,12 +37,11 @@ def _results(folder: Path) -> None:
         claims.claim("S3", "ratio sharpens", "ODE says yes", "reproduced", "theory"),
         claims.claim("T9", "not a claim", "?", "not tested", "theory"),
         claims.claim("R3-multilayer", "decoupled", "heads sharpen",
-                     claims.r3_decoupled([claims.Change(0.1, 0.01, 4)], [claims.Change(0.0, 0.005, 4)]), "theory")]},
+                     claims.Verdict("reproduced", R3_RULE, "sharper at equal accuracy"), "theory")]},
         path=folder / "theory.json", wall_time_s=2.0, device="cpu")
     results.save_results("removed", {}, {"claims": [claims.claim("T1", "p", "o", "reproduced", "05_removed")]},
                          path=folder / "removed.json")
     results.save_results("plain", {}, [{"no": "claims"}], path=folder / "plain.json")
-    (folder / "broken.json").write_text("{not json")
 
 
 def test_claim_ids_are_the_papers():
@@ -49,7 +53,8 @@ def test_load_results_keeps_only_files_with_claims(tmp_path: Path, book: Path):
     _results(tmp_path)
     found = scorecard.load_results(tmp_path)
     assert [p.name for p, _ in found] == ["removed.json", "synthetic.json", "theory.json"]
-    assert scorecard.load_results(tmp_path / "missing") == []
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # not an empty scorecard
+        scorecard.load_results(tmp_path / "missing")
 
 
 def test_find_doc_maps_names_to_numbered_pages(book: Path):
@@ -128,7 +133,7 @@ def test_the_matrix_is_one_row_per_claim_with_links_and_the_details_fold_out(tmp
     assert "{bdg-success}`reproduced`" in text and "{bdg-warning}`holds where`" in text
     # header + one row per claim of the paper + the extension and the unknown ID; five columns
     assert _table_widths(text) == (1 + len(scorecard.CLAIMS) + 2, {5})
-    assert claims.R3_RULE.split(":")[0] not in text  # rules are in the details, not the matrix
+    assert R3_RULE.split(":")[0] not in text  # rules are in the details, not the matrix
     s3 = next(line for line in text.splitlines() if line.startswith("| **S3** |"))
     assert "{doc}`01_synthetic`, {doc}`03_theory`" in s3 and s3.count("bdg-") == 3  # combined + one per chapter
     assert "in 01_synthetic for FAFO, CAFO, FACO; not CACO; in theory" in s3  # where it holds
@@ -136,7 +141,7 @@ def test_the_matrix_is_one_row_per_claim_with_links_and_the_details_fold_out(tmp
     assert found.count("\n") == len(scorecard.CLAIMS) - 1 and "- **S3** {bdg-warning}`holds where` in 01_synthetic" in found
     details = scorecard.to_details(card)
     assert details.count(":::{dropdown}") == len(card) and "they differ \\| a lot" in details
-    assert claims.R3_RULE.split(":")[0] in details
+    assert R3_RULE.split(":")[0] in details
     plain, plain_details = scorecard.to_matrix(card, link=False), scorecard.to_details(card, link=False)
     assert "{doc}" not in plain + plain_details and "{bdg" not in plain + plain_details and "**not run**" in plain
     assert "dropdown" not in plain_details
@@ -166,7 +171,7 @@ def test_results_of_failed_runs_are_ignored_and_named_on_stderr(tmp_path: Path, 
     assert scorecard.load_results(tmp_path) == [] and results.mark_failed(tmp_path / "gone.json", "e") is None
 
 
-def _r1_rows(verdicts: dict[str, str], rule: str = claims.R1_RULE):
+def _r1_rows(verdicts: dict[str, str], rule: str = R1_RULE):
     import pandas as pd
 
     return pd.DataFrame([{**claims.claim("R1", "stable", f"{ch} numbers", claims.Verdict(v, rule, f"{ch} why"), ch),
@@ -199,7 +204,7 @@ def test_disagreeing_chapters_keep_every_verdict_visible():
 def test_a_claims_rule_is_shown_once():
     text = scorecard.to_details(scorecard.build(_r1_rows({"05_squad": "reproduced", "06_hatexplain": "inconclusive",
                                                           "07_sva": "not reproduced"})))
-    assert text.count(scorecard.myst_cell(claims.R1_RULE)) == 1
+    assert text.count(scorecard.myst_cell(R1_RULE)) == 1
     rows = [line for line in text.splitlines() if "numbers" in line]
     assert len(rows) == 3 and all("*Rule:*" not in line for line in rows)  # the rule folds out once, after them
     # a measurement with a different rule still shows it

@@ -207,13 +207,23 @@ def setup(app) -> dict[str, Any]:
 
 
 def toc_files(root: str | os.PathLike = REPO_ROOT) -> list[str]:
-    """Docnames in ``_toc.yml`` (root first), in reading order."""
+    """Docnames in ``_toc.yml`` (root first), in reading order. FileNotFoundError when there is no
+    ``_toc.yml``; ValueError, naming the line, when it is not YAML or not a mapping with a ``root``."""
     import yaml
 
     path = Path(root) / "_toc.yml"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    toc = yaml.safe_load(path.read_text())
+    if not path.is_file():
+        raise FileNotFoundError(f"the book's table of contents {path} does not exist")
+    try:
+        toc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"the book's table of contents {path} is not valid YAML{where}: "
+                         f"{getattr(e, 'problem', None) or e}") from None
+    if not isinstance(toc, Mapping) or not isinstance(toc.get("root"), str):
+        raise ValueError(f"the book's table of contents {path} must be a mapping with a 'root' page "
+                         f"(Jupyter Book's _toc.yml), found {type(toc).__name__}")
     out: list[str] = []
 
     def walk(node: Any) -> None:
@@ -244,17 +254,30 @@ def is_notebook(path: str | os.PathLike) -> bool:
     return "kernelspec:" in head or "jupytext:" in head
 
 
-def chapters(root: str | os.PathLike = REPO_ROOT) -> list[Path]:
-    """The executable pages of the book (MyST notebooks in ``_toc.yml``), in toc order."""
+def toc_pages(root: str | os.PathLike = REPO_ROOT) -> list[Path]:
+    """The file of every page in ``_toc.yml`` (``<doc>.md``, else ``<doc>.ipynb``), in toc order.
+    FileNotFoundError naming every entry that has no file, so no page is left out unseen."""
     root = Path(root)
-    out = []
-    for doc in toc_files(root):
-        for suffix in (".md", ".ipynb"):
-            p = root / f"{doc}{suffix}"
-            if p.exists() and is_notebook(p):
-                out.append(p)
-                break
-    return out
+    docs = toc_files(root)
+    found = {doc: next((p for p in (root / f"{doc}.md", root / f"{doc}.ipynb") if p.is_file()), None) for doc in docs}
+    missing = [doc for doc, p in found.items() if p is None]
+    if missing:
+        raise FileNotFoundError(f"{root / '_toc.yml'} lists {', '.join(missing)}, but there is no "
+                                f"{' or '.join(f'{m}.md (or .ipynb)' for m in missing)}: restore the file or fix the entry")
+    return [found[doc] for doc in docs]
+
+
+def chapters(root: str | os.PathLike = REPO_ROOT) -> list[Path]:
+    """The executable pages of the book (MyST notebooks in ``_toc.yml``), in toc order; an entry
+    without a file is an error (:func:`toc_pages`)."""
+    return [p for p in toc_pages(root) if is_notebook(p)]
+
+
+def chapter_name(path: str | os.PathLike) -> str:
+    """``book/01_synthetic.md`` -> ``synthetic`` (the number prefix only sets the order)."""
+    stem = Path(path).stem
+    head, _, tail = stem.partition("_")
+    return tail if head.isdigit() and tail else stem
 
 
 def _executed_for(src: Path, executed: Path) -> Path | None:

@@ -10,13 +10,18 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import tempfile
-from collections.abc import Mapping
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from qkov_lib.tooling.results import output_lock, publish_run, record_failure, running_path, start_run
-from qkov_lib.runtime import REPO_ROOT
+# the checkout (the chapters are under book/); not runtime.REPO_ROOT, whose module imports torch, and a
+# chapter's parameters are read without it (qkov chapters --run-order)
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def chapter_path(chapter: str | os.PathLike) -> Path:
@@ -152,6 +157,40 @@ def check_settings(src: str | os.PathLike, parameters: Mapping[str, Any],
         raise ValueError(str(e)) from e
 
 
+#: The longest file names a run makes from its name (``.x.lock``, ``x.failed.ipynb``, an atomic write's
+#: ``.x.failed.json.<pid>.tmp``; a PID has at most 7 digits on Linux): a name is checked with them.
+STAGED_NAMES = (".{}.lock", "{}.failed.ipynb", ".{}.failed.json.9999999.tmp", ".{}.ipynb.9999999.tmp",
+                "{}.input.ipynb")
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) the file system of ``folder`` (or its nearest existing parent) takes."""
+    for f in (folder, *folder.absolute().parents):
+        if f.exists():
+            try:
+                return os.pathconf(f, "PC_NAME_MAX")
+            except (OSError, ValueError):
+                break
+    return 255
+
+
+def check_name(name: str, out_dir: str | os.PathLike) -> None:
+    """Raise ValueError when ``name`` cannot name a run's files in ``out_dir``: it must be one path
+    component (no ``/``, not ``.`` or ``..``, not empty) short enough that the file system takes
+    every file a run makes from it (:data:`STAGED_NAMES`). Checked before anything runs."""
+    seps = {"/", os.sep, os.altsep} - {None}
+    if not name or name in (".", "..") or any(c in name for c in seps) or "\0" in name:
+        raise ValueError(f"the name {name!r} must be one file name (no {' or '.join(sorted(seps))}, not "
+                         "'.' or '..', not empty): the run writes NAME.ipynb and NAME.json into the output folder")
+    limit = _name_max(Path(out_dir))
+    longest = max(len(os.fsencode(t.format(name))) for t in STAGED_NAMES)
+    if longest > limit:
+        room = limit - (longest - len(os.fsencode(name)))
+        raise ValueError(f"the name is {len(os.fsencode(name))} bytes long; the file system of {out_dir} takes "
+                         f"file names of at most {limit} bytes, and a run adds up to {longest - len(os.fsencode(name))} "
+                         f"to it (e.g. {STAGED_NAMES[2].format('NAME')}): give at most {room}")
+
+
 #: A kernel that dies before its first reply (jupyter_client's message) is started again, this often.
 KERNEL_START_TRIES = 3
 KERNEL_DIED = "Kernel died before replying to kernel_info"
@@ -187,6 +226,102 @@ def error_line(exc: BaseException) -> str:
     return f"{name}: {value}" if str(value) else name
 
 
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal: ``signum`` is SIGINT (Ctrl-C) or SIGTERM (``kill``, ``timeout``, Slurm,
+    ``docker stop``). A KeyboardInterrupt, so that what catches Ctrl-C catches both."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+#: seconds a kernel asked to interrupt its cell has to end it before the run stops without it
+STOP_GRACE_S = 10.0
+#: a signal this soon after the first is the same request (``timeout`` signals the process and then its
+#: process group); a later one stops the run at once
+REPEAT_S = 1.0
+_KERNELS: weakref.WeakSet = weakref.WeakSet()  # kernel managers of this process's runs (see _kernel_manager_class)
+
+
+def _kernel_manager_class():
+    """jupyter_client's kernel manager, recording each instance, so that a signal can reach the kernel."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class TrackedKernelManager(AsyncKernelManager):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            _KERNELS.add(self)
+
+    return TrackedKernelManager
+
+
+def _interrupt_kernels() -> bool:
+    """SIGINT to the process group of every running kernel of this process (what Jupyter's interrupt
+    does): its cell raises KeyboardInterrupt and papermill ends the run with that error. False when
+    no kernel is running."""
+    sent = False
+    for km in list(_KERNELS):
+        provisioner = getattr(km, "provisioner", None)
+        pgid, process = getattr(provisioner, "pgid", None), getattr(provisioner, "process", None)
+        if pgid and process is not None and process.poll() is None:  # a kernel that ended: its group is gone
+            with contextlib.suppress(OSError):
+                os.killpg(pgid, signal.SIGINT)
+                sent = True
+    return sent
+
+
+@contextlib.contextmanager
+def stopping_on_signals(grace_s: float = STOP_GRACE_S) -> Iterator[list[int]]:
+    """While inside (main thread only; elsewhere nothing changes): SIGINT and SIGTERM stop a run
+    alike, noted in the list it yields. The first one, while a kernel runs, interrupts the kernel's
+    cell (:func:`_interrupt_kernels`), so papermill ends the run and shuts the kernel down itself,
+    with no half-closed socket left to print tracebacks; :class:`Interrupted` is raised at once
+    before a kernel runs, on a second signal (:data:`REPEAT_S` or more after the first), or when the
+    kernel has not ended its cell ``grace_s`` seconds after the first (SIGALRM)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    noted: list[int] = []
+    first: list[float] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        noted.append(signum)
+        if not first:
+            first.append(time.monotonic())
+            if _interrupt_kernels():
+                signal.setitimer(signal.ITIMER_REAL, grace_s)
+                return
+        elif time.monotonic() - first[0] < REPEAT_S:
+            return  # the same stop once more (timeout sends it to the process, then to its group)
+        raise Interrupted(noted[0])
+
+    def overdue(signum: int, frame: Any) -> None:
+        raise Interrupted(noted[0])
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old[signal.SIGALRM] = signal.signal(signal.SIGALRM, overdue)
+    try:
+        yield noted
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_noted(noted: list[int]) -> Iterator[None]:
+    """While inside (main thread only): SIGINT and SIGTERM are only noted, so a run's clean-up ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, lambda signum, frame: noted.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
 def _execute(nb_in: Path, nb_out: Path, params: Mapping[str, Any], cwd: Path, progress: bool) -> None:
     """papermill's run of ``nb_in`` into ``nb_out``; a kernel that dies before its first reply is started again."""
     import papermill as pm
@@ -195,7 +330,8 @@ def _execute(nb_in: Path, nb_out: Path, params: Mapping[str, Any], cwd: Path, pr
         try:
             with tempfile.TemporaryDirectory(prefix="qkov-kernel-") as sockets:
                 pm.execute_notebook(str(nb_in), str(nb_out), parameters=dict(params), cwd=str(cwd),
-                                    progress_bar=progress, kernel_name="python3", config=_ipc_config(sockets))
+                                    progress_bar=progress, kernel_name="python3", config=_ipc_config(sockets),
+                                    kernel_manager_class=_kernel_manager_class())
             return
         except RuntimeError as exc:
             # A kernel that dies before running any cell (a busy machine's slow start) can be
@@ -205,12 +341,12 @@ def _execute(nb_in: Path, nb_out: Path, params: Mapping[str, Any], cwd: Path, pr
 
 
 def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, parameters: Mapping[str, Any] | None = None,
-                name: str | None = None, progress: bool = False) -> tuple[Path, Path]:
+                name: str | None = None, progress: bool = False, stop_on_signals: bool = False) -> tuple[Path, Path]:
     """Execute a chapter with papermill: convert the MyST file with jupytext (keeping the
     ``parameters`` tag), inject ``parameters`` plus ``results_path``, and write
     ``<out_dir>/<name>.ipynb`` and ``<out_dir>/<name>.json``. Returns both paths.
 
-    Parameter names are checked first (:func:`check_parameters`; values are checked by the
+    The name (:func:`check_name`) and the parameter names are checked first (:func:`check_parameters`; values are checked by the
     chapter, or before by ``qkov run``/``qkov sweep`` with :func:`check_settings`). The run holds
     ``<out_dir>/.<name>.lock`` throughout: while it does, a second run of the same name into the
     same folder raises :class:`RunBusy` (with the holder's PID) and runs nothing; a folder that
@@ -220,12 +356,18 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
     replaced then, and not before. A run that fails leaves them as they were, writes its own
     record ``<name>.failed.json`` (and keeps its notebook with the error as
     ``<name>.failed.ipynb``, when papermill wrote it whole;
-    :func:`qkov_lib.tooling.results.record_failure`), and raises its error."""
+    :func:`qkov_lib.tooling.results.record_failure`), and raises its error. With ``stop_on_signals``
+    (``qkov run``; a sweep's workers leave signals to the sweep), SIGINT and SIGTERM stop it alike
+    (:func:`stopping_on_signals`): the same record, the lock released, the running folder emptied,
+    and :class:`Interrupted` raised."""
     import jupytext
+
+    from qkov_lib.tooling.results import output_lock, publish_run, record_failure, running_path, start_run
 
     src = chapter_path(chapter)
     out_dir = Path(out_dir)
     name = name or src.stem.split("_", 1)[-1]
+    check_name(name, out_dir)
     check_parameters(src, parameters or {})
     nb = jupytext.read(src)
     if not any("parameters" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
@@ -246,14 +388,23 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
             raise RunNotStarted(f"cannot write to the output folder {out_dir} ({e.strerror or e}); nothing ran; "
                                 "give another --out") from e
         params = {**(parameters or {}), "results_path": str(running_path(results).resolve())}
+        noted: list[int] = []
         try:
-            with tempfile.TemporaryDirectory(prefix="qkov-run-") as tmp:
-                nb_in = Path(tmp) / f"{name}.input.ipynb"
-                jupytext.write(nb, nb_in)
-                _execute(nb_in, running_path(nb_out), params, src.parent, progress)
-            publish_run(results, nb_out)
+            with stopping_on_signals() if stop_on_signals else contextlib.nullcontext(noted) as noted:
+                with tempfile.TemporaryDirectory(prefix="qkov-run-") as tmp:
+                    nb_in = Path(tmp) / f"{name}.input.ipynb"
+                    jupytext.write(nb, nb_in)
+                    _execute(nb_in, running_path(nb_out), params, src.parent, progress)
+                if noted:  # the signal came as the last cell ended: the run was still asked to stop
+                    raise Interrupted(noted[0])
+                publish_run(results, nb_out)
         except BaseException as exc:
-            record_failure(results, nb_out, error_line(exc), {"chapter": src.stem.split("_", 1)[-1],
-                                                              "params": dict(parameters or {})})
+            # a signal ends the run as Interrupted, whatever the kernel's interrupted cell raised
+            stop = exc if isinstance(exc, Interrupted) or not noted else Interrupted(noted[0])
+            with _signals_noted(noted):
+                record_failure(results, nb_out, error_line(stop), {"chapter": src.stem.split("_", 1)[-1],
+                                                                   "params": dict(parameters or {})})
+            if stop is not exc:
+                raise stop from None
             raise
     return nb_out, results

@@ -21,7 +21,64 @@ def _parse_value(text: str) -> Any:
         return text
 
 
+#: ASCII stand-ins for the characters the book's tables and messages use, for a terminal whose
+#: encoding lacks them (anything else becomes a \\uXXXX escape): see :func:`safe_output`
+ASCII_STANDINS = {"\u2013": "-", "\u2014": "--", "\u2212": "-", "\u2018": "'", "\u2019": "'", "\u201c": '"',
+                  "\u201d": '"', "\u2026": "...", "\u00b7": ".", "\u00d7": "x", "\u00b2": "^2", "\u00b1": "+/-",
+                  "\u2264": "<=", "\u2265": ">=", "\u2248": "~", "\u2192": "->", "\u03b7": "eta", "\u00a0": " "}
+OUTPUT_ERRORS = "qkov-ascii"  # the codec error handler of safe_output
+
+
+def _standin(err: UnicodeError) -> tuple[str, int]:
+    if not isinstance(err, UnicodeEncodeError):
+        raise err
+    bad = err.object[err.start:err.end]
+    return "".join(ASCII_STANDINS.get(c) or c.encode("ascii", "backslashreplace").decode() for c in bad), err.end
+
+
+def safe_output(*streams: Any) -> None:
+    """Let ``streams`` (default: stdout and stderr) write any text in any locale: a stream whose
+    encoding is not UTF-8 (``LC_ALL=C``, Latin-1) keeps it, and a character it cannot encode is
+    written as its ASCII stand-in (:data:`ASCII_STANDINS`, e.g. an en dash as ``-``) or a
+    ``\\uXXXX`` escape, never a UnicodeEncodeError."""
+    import codecs
+
+    try:
+        codecs.lookup_error(OUTPUT_ERRORS)
+    except LookupError:
+        codecs.register_error(OUTPUT_ERRORS, _standin)
+    for stream in streams or (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("_", "-")
+        if encoding not in ("utf-8", "utf8") and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=OUTPUT_ERRORS)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The ``qkov`` command (:func:`_main`). SIGTERM is raised as Ctrl-C is (a
+    :class:`~qkov_lib.tooling.chapters.Interrupted`), so what a command cleans up on Ctrl-C (a run's
+    record and lock, the book's chapter processes) it cleans up on SIGTERM; either ends it with one
+    line, not a traceback (exit status 130 or 143)."""
+    import signal
+    import threading
+
+    def terminated(signum: int, frame: Any) -> None:
+        from qkov_lib.tooling.chapters import Interrupted
+
+        raise Interrupted(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
+    previous = signal.signal(signal.SIGTERM, terminated) if main_thread else None
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:
+        print(f"qkov: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None = None) -> int:
     """qkov: run chapters, sweep their parameters, build the book.
 
     qkov run CHAPTER [-p NAME VALUE ...] [--out DIR]      one chapter through papermill
@@ -34,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     import argparse
 
-    ap = argparse.ArgumentParser(prog="qkov", description=main.__doc__,
+    safe_output()
+    ap = argparse.ArgumentParser(prog="qkov", description=_main.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     run = sub.add_parser("run", help="execute one chapter through papermill",
@@ -86,36 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         from qkov_lib.tooling import sweeps
 
         return sweeps.from_args(args)
-    from qkov_lib.runtime import REPO_ROOT
     from qkov_lib.tooling import cache as qcache
+    from qkov_lib.tooling.cache import REPO_ROOT
 
-    if args.cmd == "chapters":
-        from qkov_lib.tooling.sweeps import chapter_name
-
-        if args.run_order:
-            from qkov_lib.tooling.bookrun import run_plan
-
-            pages = [p.src for p in run_plan(REPO_ROOT)]
-        else:
-            pages = qcache.chapters(REPO_ROOT)
-        print("\n".join(chapter_name(p) for p in pages))
-        return 0
-    if args.cmd == "book":
-        if args.jobs < 1:
-            print(f"qkov book: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
-            return 2
-        if args.mode != "run":
-            return qcache.build_book(REPO_ROOT, args.mode, args.executed, strict=not args.no_strict)
-        from qkov_lib.tooling import bookrun
-
-        executed = Path(args.executed) if args.executed else REPO_ROOT / "_build" / "results"
+    if args.cmd in ("chapters", "book"):
         try:
-            bookrun.run_book(REPO_ROOT, executed, args.jobs)
-        except bookrun.BookRunFailed as e:
-            print("\n  ".join(["qkov book: chapters failed, nothing was built:",
-                                *(f"{k}: {v}" for k, v in e.failures.items())]), file=sys.stderr)
-            return 1
-        return qcache.build_book(REPO_ROOT, "executed", executed, strict=not args.no_strict)
+            return _chapters(args, REPO_ROOT) if args.cmd == "chapters" else _book(args, REPO_ROOT)
+        except (OSError, ValueError) as e:  # a missing or broken _toc.yml, a page it lists without a file, ...
+            print(f"qkov {args.cmd}: {e}", file=sys.stderr)
+            return 2
     if args.cmd == "cache":
         if args.action == "key":
             parts = qcache.key_parts()
@@ -129,9 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from qkov_lib.tooling.results import default_results_path
 
     folder = Path(args.results) if args.results else default_results_path("scorecard").parent
-    results = scorecard.load_results(folder)
-    card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
-                                                pages=qcache.toc_files(REPO_ROOT)))
+    try:
+        results = scorecard.load_results(folder)
+        card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
+                                                    pages=qcache.toc_files(REPO_ROOT)))
+    except (OSError, ValueError) as e:  # a missing folder, a results file that breaks the contract, a bad toc
+        print(f"qkov scorecard: {e}", file=sys.stderr)
+        return 2
     print(scorecard.to_matrix(card, link=False))
     print()
     print(scorecard.to_details(card, link=False))
@@ -139,35 +180,93 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _chapters(args: Any, root: Path) -> int:
+    """``qkov chapters``: the executable pages in book order (or run order), one name a line; reads
+    ``_toc.yml`` and the pages' parameters cells only (no torch, no pandas)."""
+    from qkov_lib.tooling import cache as qcache
+
+    if args.run_order:
+        from qkov_lib.tooling.bookrun import run_plan
+
+        pages = [p.src for p in run_plan(root)]
+    else:
+        pages = qcache.chapters(root)
+    print("\n".join(qcache.chapter_name(p) for p in pages))
+    return 0
+
+
+def _book(args: Any, root: Path) -> int:
+    """``qkov book``: its options and the table of contents are checked before anything runs (a bad
+    one raises ValueError or OSError, exit status 2); 1 when chapters failed."""
+    from qkov_lib.tooling import cache as qcache
+
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be at least 1, got {args.jobs}")
+    if args.mode == "executed" and not args.executed:
+        raise ValueError("--mode executed builds from notebooks that were run before: give their folder with "
+                         "--executed DIR (e.g. the --out of qkov run, or _build/results)")
+    if args.executed and args.mode not in ("executed", "run"):
+        raise ValueError(f"--executed is for --mode executed or --mode run, not --mode {args.mode}")
+    if args.mode == "executed" and not Path(args.executed).is_dir():
+        raise FileNotFoundError(f"--executed {args.executed}: no such folder of executed notebooks")
+    qcache.toc_pages(root)  # every page the book lists is there, before anything runs
+    if args.mode != "run":
+        return qcache.build_book(root, args.mode, args.executed, strict=not args.no_strict)
+    from qkov_lib.tooling import bookrun
+
+    executed = Path(args.executed) if args.executed else root / "_build" / "results"
+    try:
+        bookrun.run_book(root, executed, args.jobs)
+    except bookrun.BookRunFailed as e:
+        print("\n  ".join(["qkov book: chapters failed, nothing was built:",
+                            *(f"{k}: {v}" for k, v in e.failures.items())]), file=sys.stderr)
+        return 1
+    return qcache.build_book(root, "executed", executed, strict=not args.no_strict)
+
+
 def _run(args: Any) -> int:
     """``qkov run``: exit status 0 (the files are in place), 1 (the chapter failed: what it left is
-    named, and only files that exist), 2 (nothing ran: bad parameters, the output busy or not
-    writable), 130 (interrupted)."""
+    named, and only files that exist), 2 (nothing ran: bad parameters or name, the output busy or
+    not writable), 130 (Ctrl-C) or 143 (SIGTERM: stopped the same way, see
+    :func:`qkov_lib.tooling.chapters.stopping_on_signals`)."""
     from qkov_lib.tooling import chapters
-    from qkov_lib.tooling.results import failed_path
+
+    def stopped(e: KeyboardInterrupt) -> int:
+        return 128 + getattr(e, "signum", 2)  # 2: SIGINT
 
     params = {k: _parse_value(v) for k, v in args.param}
     try:
         src = chapters.chapter_path(args.chapter)
+        try:
+            chapters.check_name(src.stem.split("_", 1)[-1] if args.name is None else args.name, args.out)
+        except ValueError as e:
+            raise ValueError(f"--name: {e}") from e
+        if "results_path" in params:  # the run sets it to its staging file: a value given here would be lost
+            raise ValueError("-p results_path: qkov run writes the results file itself, to OUT/NAME.json; "
+                             "choose where with --out and --name")
         chapters.check_parameters(src, params)
         chapters.check_settings(src, params)
     except (ValueError, FileNotFoundError) as e:
         print(f"qkov run: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("qkov run: interrupted before the chapter started; nothing was written", file=sys.stderr)
-        return 130
-    name = args.name or src.stem.split("_", 1)[-1]
+    except KeyboardInterrupt as e:
+        print(f"qkov run: {str(e) or 'interrupted'} before the chapter started; nothing was written", file=sys.stderr)
+        return stopped(e)
+    name = src.stem.split("_", 1)[-1] if args.name is None else args.name
     res, nb = Path(args.out) / f"{name}.json", Path(args.out) / f"{name}.ipynb"
     earlier = res.is_file()
     try:
-        nb, res = chapters.run_chapter(src, args.out, params, name=name, progress=True)
+        nb, res = chapters.run_chapter(src, args.out, params, name=name, progress=True, stop_on_signals=True)
     except chapters.RunNotStarted as e:
         print(f"qkov run: {e}", file=sys.stderr)
         return 2
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 -- a failing chapter: one message, not a traceback
-        lines = [f"qkov run: {src.name} {'was interrupted' if isinstance(e, KeyboardInterrupt) else 'failed'}: "
-                 f"{chapters.error_line(e)}"]
+        from qkov_lib.tooling.results import failed_path
+
+        how = f"was {e}" if isinstance(e, chapters.Interrupted) else (
+            "was interrupted" if isinstance(e, KeyboardInterrupt) else "failed")
+        lines = [f"qkov run: {src.name} {how}" + ("" if isinstance(e, chapters.Interrupted)
+                                                  else f": {chapters.error_line(e)}")]
         for path, what, none in ((failed_path(nb), "notebook with the error", "no notebook of the failed run was kept"),
                                  (failed_path(res), "record of the failed run", "no record of the failed run could "
                                                                                 "be written")):
@@ -175,7 +274,7 @@ def _run(args: Any) -> int:
         if res.is_file():
             lines.append(f"{res} and {nb} are an earlier run's, left as they were")
         print("\n".join(lines), file=sys.stderr)
-        return 130 if isinstance(e, KeyboardInterrupt) else 1
+        return stopped(e) if isinstance(e, KeyboardInterrupt) else 1
     print(f"notebook: {nb}\nresults:  {res}")
     if earlier:
         print("(they replace the notebook and results of an earlier run of this name)")

@@ -8,7 +8,6 @@ folder and lays them out per claim ID of :data:`qkov_lib.claims.CLAIMS` (the pap
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,37 +17,53 @@ from typing import Any
 import pandas as pd
 
 from qkov_lib import claims
-from qkov_lib.tooling import results
+from qkov_lib.tooling import results, schema
 from qkov_lib.studies.attention_analysis import CHAPTERS
 
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
-STATES = (*claims.VERDICTS, "not run")  # "not run": no chapter of this build reported the claim
+STATES = schema.verdict_words()  # the verdicts, then "not run": no chapter of this build reported the claim
 BADGES = {"reproduced": "bdg-success", "holds where": "bdg-warning", "not reproduced": "bdg-danger",
           "inconclusive": "bdg-info", "not tested": "bdg-muted", "not run": "bdg-muted-line"}  # sphinx-design roles
-MEANING = {**claims.VERDICT_MEANING, "not run": "no chapter of this build reported the claim"}
+MEANING = {**claims.VERDICT_MEANING, schema.NOT_RUN: "no chapter of this build reported the claim"}
 
 
 def load_results(results_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
     """``(path, document)`` of every results file in ``results_dir`` that reports claims
-    (``metrics["claims"]`` is a list), sorted by file name. A missing folder gives ``[]``.
-    Results of a failed run (``<name>.failed.json`` or ``"status": "failed"``, see
-    :func:`qkov_lib.tooling.results.mark_failed`) are left out, each with a line on stderr."""
+    (``metrics["claims"]``), sorted by file name. Every ``*.json`` there is read and checked against
+    the results-file contract (:mod:`qkov_lib.tooling.schema`): one that breaks it (not whole JSON, a
+    verdict that is not a verdict word, a non-finite number, ...) raises
+    :class:`~qkov_lib.tooling.schema.ResultsFileError` naming each file and field, so no claim is
+    dropped or published unread. A folder that does not exist (or is not a folder) raises
+    FileNotFoundError (NotADirectoryError). Results of a failed run (``<name>.failed.json`` or
+    ``"status": "failed"``, see :func:`qkov_lib.tooling.results.mark_failed`) are left out, each with
+    a line on stderr."""
     folder = Path(results_dir)
-    out = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    if not folder.exists():
+        raise FileNotFoundError(f"results folder {folder} does not exist (the chapters write their results files "
+                                "there: make book, or qkov run CHAPTER --out FOLDER)")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"results folder {folder} is not a folder")
+    out, bad = [], []
+    for path in sorted(folder.glob("*.json")):
+        if path.name.endswith(results.FAILED_SUFFIX):
+            print(f"scorecard: ignoring {path}: written by a run that failed", file=sys.stderr)
+            continue
         try:
-            doc = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+            doc = schema.parse(path)
+        except schema.ResultsFileError as e:
+            bad += e.problems
             continue
         if results.is_failed(path, doc):
             why = doc.get("error") if isinstance(doc, Mapping) else None
             print(f"scorecard: ignoring {path}: written by a run that failed" + (f" ({why})" if why else ""),
                   file=sys.stderr)
             continue
-        metrics = doc.get("metrics") if isinstance(doc, Mapping) else None
-        if isinstance(metrics, Mapping) and isinstance(metrics.get("claims"), list):
+        bad += [(str(path), field, what) for field, what in schema.problems(doc)]
+        if isinstance(doc, dict) and isinstance(doc.get("metrics"), Mapping) and "claims" in doc["metrics"]:
             out.append((path, doc))
+    if bad:
+        raise schema.ResultsFileError(bad)
     return out
 
 
@@ -263,14 +278,12 @@ def provenance(results: Iterable[tuple[Path, Mapping[str, Any]]]) -> pd.DataFram
 # --- the real-data summary: the R1-R3 rows of the dataset chapters' results files ----------------
 def read_results(name: str, results_dir: str | Path | None = None) -> dict[str, Any] | None:
     """The results document a dataset chapter wrote (``<results_dir>/<name>.json``, default
-    :func:`qkov_lib.tooling.results.default_results_path`), or None when the file does not exist."""
+    :func:`qkov_lib.tooling.results.default_results_path`), or None when the file does not exist;
+    :class:`~qkov_lib.tooling.schema.ResultsFileError` when it breaks the results-file contract."""
     path = Path(results_dir) / f"{name}.json" if results_dir else results.default_results_path(name)
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"results file {path} is not valid JSON ({err}); rerun its chapter") from err
+    return schema.read(path)
 
 
 def r_table(results_dir: str | Path | None = None,

@@ -47,6 +47,7 @@ from typing import Any
 
 import pandas as pd
 
+from qkov_lib.tooling.cache import chapter_name  # noqa: F401 -- also sweeps.chapter_name
 from qkov_lib.tooling.chapters import chapter_parameters
 from qkov_lib.tooling.results import failed_path, output_lock, replace_atomically, write_json
 
@@ -108,13 +109,6 @@ def run_id(chapter: str, params: Mapping[str, Any]) -> str:
     parameters (order of keys does not matter; ``1`` and ``1.0`` differ)."""
     digest = hashlib.sha256(_canonical({"chapter": chapter, "params": dict(params)}).encode()).hexdigest()
     return f"{chapter}-{digest[:10]}"
-
-
-def chapter_name(path: Path) -> str:
-    """``book/01_synthetic.md`` -> ``synthetic`` (the number prefix only sets the order)."""
-    stem = path.stem
-    head, _, tail = stem.partition("_")
-    return tail if head.isdigit() and tail else stem
 
 
 # ----------------------------------------------------------------------------- one run
