@@ -68,6 +68,8 @@ EXTENSIONS: dict[str, tuple[str, str]] = {
                             "layer."),
     "R3-multilayer": ("R3", "R3 in a multi-layer encoder: heads sharpen without an accuracy change."),
     "R3-synthetic": ("R3", "Synthetic analogue of R3: at matched training loss, attention still depends on the ratio."),
+    "S3-adam": ("S3", "S3 under AdamW: at matched training loss, a larger eta_QK/eta_OV (1, 10, 100) still sharpens "
+                      "attention on the distinct token, as under gradient descent."),
     "S3-robustness": ("S3", "S3 under other optimizers, batch sizes, embeddings and task sizes (robustness variants)."),
 }
 
@@ -167,13 +169,6 @@ class Verdict:
         return f"holds where {self.region}" if self.verdict == "holds where" else self.verdict
 
 
-def _region(holds: Sequence[str], fails: Sequence[str], unit: str = "") -> str:
-    """``for a, b; not for c`` from the places where a claim holds and where it fails (``unit``
-    prefixes each list, e.g. ``"for "`` or ``"at "``)."""
-    out = (unit or "for ") + ", ".join(holds)
-    return out + (f"; not {unit or 'for '}" + ", ".join(fails) if fails else "")
-
-
 def claim(claim_id: str, paper: str, ours: str, verdict: str | Verdict, chapter: str | None = None) -> dict[str, str]:
     """One row of the reproducibility scorecard: a claim ID (:data:`CLAIMS` or :data:`EXTENSIONS`),
     what the paper says, what we measured (numbers included), the verdict and, for a
@@ -209,100 +204,6 @@ def _finite(xs: Sequence[float]) -> list[float]:
     return [float(x) for x in xs if x is not None and math.isfinite(float(x))]
 
 
-def _t(name: str) -> str:
-    return threshold_text(name)
-
-
-# --- theory -------------------------------------------------------------------------------
-T1_RULE = (f"reproduced: reduced loss and gradients equal autograd within {_t('TOL_GRAD')} AND the ODE tracks "
-           f"full-model GD within {_t('TOL_OVERLAY')}; holds where: only one of the two (the region names which); "
-           "not reproduced: neither")
-
-
-def t1_reduction(loss_err: float, grad_err: float, overlay_err: float) -> Verdict:
-    """T1 from the largest reduced-vs-autograd gaps (loss, gradient) and the largest ODE-vs-GD gap."""
-    if len(_finite([loss_err, grad_err, overlay_err])) < 3:
-        return Verdict("not tested", T1_RULE, "a gap is missing or not finite")
-    exact = max(loss_err, grad_err) <= TOL_GRAD
-    tracks = overlay_err <= TOL_OVERLAY
-    why = f"gradient gap {max(loss_err, grad_err):.1e}, ODE-vs-GD gap {overlay_err:.3g}"
-    if exact and tracks:
-        return Verdict("reproduced", T1_RULE, why, effect=why)
-    if exact or tracks:
-        region = ("for the reduced loss and gradients (exact); the ODE does not track GD within "
-                  f"{_t('TOL_OVERLAY')}" if exact else
-                  "for the ODE against GD; the reduced gradients differ from autograd beyond "
-                  f"{_t('TOL_GRAD')}")
-        return Verdict("holds where", T1_RULE, why, region=region, effect=why)
-    return Verdict("not reproduced", T1_RULE, why, effect=why)
-
-
-T2_RULE = (f"reproduced: factor-level autograd equals the ODE with rate 2·eta·sigma within {_t('TOL_VELOCITY')} "
-           "(relative); not reproduced: otherwise")
-
-
-def t2_rescaling(velocity_err: float) -> Verdict:
-    """T2 from the largest relative gap between the rescaled ODE and factor-level autograd."""
-    if not _finite([velocity_err]):
-        return Verdict("not tested", T2_RULE, "no finite velocity gap")
-    v = "reproduced" if velocity_err <= TOL_VELOCITY else "not reproduced"
-    return Verdict(v, T2_RULE, f"relative gap {velocity_err:.1e}", effect=f"relative gap {velocity_err:.1e}")
-
-
-T3_RULE = (f"a growth law holds when its fitted exponent in log t is within {_t('SLOPE_TOL')} of the derived one "
-           f"(within {_t('LITERAL_TOL')} of 2 for q itself); reproduced: the OV scalar grows like log t for every "
-           "parameterization AND the QK scalar q itself like log² t (the summaries' wording); holds where: OV ~ log t "
-           "everywhere and exp(q) ~ log² t for some parameterizations (the region names them); not reproduced: OV "
-           "does not grow like log t, or neither q nor exp(q) grows like log² t for any parameterization")
-
-
-def t3_growth(ov_exponents: Sequence[float], q_exponents: Sequence[float],
-              exp_q_exponents: Mapping[str, float], t_range: str = "") -> Verdict:
-    """T3 from the fitted exponents in log t of the OV scalar (any number), of q (one per
-    parameterization) and of exp(q) per parameterization (``{"CACO": 2.01, ...}``). ``t_range``
-    names the fit window in the region (e.g. ``"t from 1e6 to 1e8"``)."""
-    ov, q = _finite(ov_exponents), _finite(q_exponents)
-    eq = {p: float(x) for p, x in exp_q_exponents.items() if x is not None and math.isfinite(float(x))}
-    if not ov or not q or not eq:
-        return Verdict("not tested", T3_RULE, "no fitted exponents")
-    ov_ok = max(abs(x - 1) for x in ov) <= SLOPE_TOL
-    literal = any(abs(x - 2) <= LITERAL_TOL for x in q)
-    sq = [p for p, x in eq.items() if abs(x - 2) <= SLOPE_TOL]
-    why = (f"OV exponents {min(ov):.3f}-{max(ov):.3f}; q exponents up to {max(q):.2f}; exp(q) exponents "
-           + ", ".join(f"{p} {x:.2f}" for p, x in eq.items()))
-    effect = f"OV exponent {min(ov):.3f}-{max(ov):.3f} (law: 1); largest q exponent {max(q):.2f} (wording: 2)"
-    if ov_ok and literal:
-        return Verdict("reproduced", T3_RULE, why, effect=effect)
-    if ov_ok and sq:
-        other = [p for p in eq if p not in sq]
-        region = (f"OV ~ log t for every parameterization; exp(q) ~ log² t for {', '.join(sq)}"
-                  + (f", not for {', '.join(other)}" if other else "") + "; q itself does not grow like log² t"
-                  + (f" ({t_range})" if t_range else ""))
-        return Verdict("holds where", T3_RULE, why, region=region, effect=effect)
-    return Verdict("not reproduced", T3_RULE, why, effect=effect)
-
-
-T4_RULE = (f"reproduced: the line is exact (residual ≤ {_t('LINE_EXACT')}) for a fixed number n of common tokens "
-           f"AND within {_t('LINE_APPROX')} (relative) for the mixture over n; holds where: exact at fixed n, "
-           "approximate beyond that for the mixture; not reproduced: not even for fixed n")
-
-
-def t4_line(residual_single: float, residual_mixture: float) -> Verdict:
-    """T4 from the largest residual off the straight line for fixed n and for the mixture over n."""
-    if not _finite([residual_single]):
-        return Verdict("not tested", T4_RULE, "no residual")
-    exact = residual_single <= LINE_EXACT
-    mix_ok = bool(_finite([residual_mixture])) and residual_mixture <= LINE_APPROX
-    why = f"residual {residual_single:.1e} for fixed n, {residual_mixture:.1%} for the mixture"
-    if exact and mix_ok:
-        return Verdict("reproduced", T4_RULE, why, effect=why)
-    if exact:
-        return Verdict("holds where", T4_RULE, why, effect=why,
-                       region=f"exactly at fixed n (residual {residual_single:.1e}); approximately for mixtures "
-                              f"over n (relative residual up to {residual_mixture:.1%})")
-    return Verdict("not reproduced", T4_RULE, why, effect=why)
-
-
 SHARPER_LOGIT = _threshold("SHARPER_LOGIT", 0.1, "nats", "smallest rise of the log-odds of the attention on the "
                                                        "relevant token, log(a / (1 - a)), that counts as 'sharper' "
                                                        "(near saturation: the fall of the log common-token mass)")
@@ -314,90 +215,6 @@ def log_odds(attention: float) -> float:
     (a common-token mass falling 10x raises it by log 10), which a difference of ``a`` does not."""
     a = min(max(float(attention), 1e-12), 1.0 - 1e-12)
     return math.log(a) - math.log1p(-a)
-
-
-def interval_call(c: "Change", threshold: float) -> str:
-    """``"holds"`` when the 95 % seed interval of ``c`` lies at or above ``threshold``, ``"fails"``
-    when it lies below, ``"undecided"`` when it straddles it or is unbounded (fewer than 2 seeds)."""
-    return "holds" if c.bounded and c.lo >= threshold else "fails" if c.hi < threshold else "undecided"
-
-
-T5_RULE = ("T5 compares the common-token mass across ratios at matched training loss. ODE: at every matched loss "
-           "level reached at every ratio, the mass falls strictly as the ratio rises. Full model: the per-seed fall of "
-           "the log common-token mass from the lowest to the highest ratio has a 95 % seed interval (2 seeds or more) "
-           f"at or above {_t('SHARPER_LOGIT')}. A parameterization passes when both hold and fails when either is "
-           "contradicted (the ODE mass ends higher at the highest ratio than at the lowest, or the whole interval "
-           "lies below the threshold). Reproduced: every parameterization passes. Holds where: some pass (named). "
-           "Not reproduced: every one fails. Inconclusive: otherwise (an interval straddles the threshold or has "
-           "one seed). Not tested: fewer than two ratios")
-
-
-def t5_sharpening(common_by_ratio: Mapping[str, Sequence[Sequence[float]]],
-                  full_fall: Mapping[str, "Change | None"]) -> Verdict:
-    """T5 from, per parameterization, the ODE's common-token mass at increasing ratios, one series
-    per matched training-loss level (``common_by_ratio``), and the full model's per-seed fall of
-    the log common-token mass from the lowest to the highest ratio (``full_fall``: a
-    :class:`Change` in nats, positive when the mass shrank; None when not measured)."""
-    series = {p: [s for s in (_finite(x) for x in v) if len(s) >= 2] for p, v in common_by_ratio.items()}
-    series = {p: v for p, v in series.items() if v}
-    full = {p: c for p, c in full_fall.items() if c is not None and math.isfinite(c.mean)}
-    if not series and not full:
-        return Verdict("not tested", T5_RULE, "fewer than two ratios")
-    call: dict[str, str] = {}
-    for p in dict.fromkeys([*series, *full]):
-        calls = []
-        if p in series:
-            calls.append("holds" if all(all(b < a for a, b in zip(s, s[1:])) for s in series[p]) else
-                         "fails" if any(s[-1] >= s[0] for s in series[p]) else "undecided")
-        if p in full:
-            calls.append(interval_call(full[p], SHARPER_LOGIT))
-        call[p] = "holds" if all(x == "holds" for x in calls) else "fails" if "fails" in calls else "undecided"
-    holds = [p for p, x in call.items() if x == "holds"]
-    v = ("reproduced" if len(holds) == len(call) else "holds where" if holds else
-         "not reproduced" if all(x == "fails" for x in call.values()) else "inconclusive")
-    region = f"for {', '.join(holds)}; not for {', '.join(p for p in call if p not in holds)}" if v == "holds where" else ""
-    effect = "; ".join(f"{p} {c.text(percent=False)}" for p, c in full.items())
-    n_ode = sum(call_ok for call_ok in (all(all(b < a for a, b in zip(s, s[1:])) for s in ss) for ss in series.values()))
-    reason = (f"ODE common mass falls strictly with the ratio at every matched loss for {n_ode}/{len(series)}; "
-              "full model, fall of the log common-token mass (nats): " + (effect or "not measured") + "; "
-              + ", ".join(f"{p} {x}" for p, x in call.items()))
-    return Verdict(v, T5_RULE, reason, region=region,
-                   effect=f"fall of the log common-token mass, lowest to highest ratio: {effect}" if effect else "")
-
-
-T6_RULE = ("a factorized QK circuit is sharper than a collapsed one (FACO vs CACO and FAFO vs CAFO) in a "
-           "comparison when its margin is positive; reproduced: in every comparison made (ODE horizons and full-model "
-           "runs); holds where: in some (the region names them); not reproduced: in none; not tested: no comparison")
-
-
-def _named_finite(values: Sequence[float] | Mapping[str, float], prefix: str, start: int) -> dict[str, float]:
-    """The finite values of a mapping, or of a sequence named ``<prefix> <i>`` from ``start``."""
-    named = dict(values) if isinstance(values, Mapping) else {f"{prefix} {i + start}": x for i, x in enumerate(values)}
-    return {k: float(x) for k, x in named.items() if x is not None and math.isfinite(float(x))}
-
-
-def _where_counted(values: Mapping[str, float], holds: Callable[[float], bool], rule: str, why: str,
-                   effect: str) -> Verdict:
-    """Reproduced when every named value ``holds``, holds where some do (the region names them),
-    not reproduced when none does."""
-    ok = [k for k, x in values.items() if holds(x)]
-    if len(ok) == len(values):
-        return Verdict("reproduced", rule, why, effect=effect)
-    if ok:
-        return Verdict("holds where", rule, why, region=_region(ok, [k for k in values if k not in ok], "in "),
-                       effect=effect)
-    return Verdict("not reproduced", rule, why, effect=effect)
-
-
-def t6_factorized_qk(margins: Sequence[float] | Mapping[str, float]) -> Verdict:
-    """T6 from sharpness margins (factorized-QK attention minus collapsed-QK attention, or the
-    collapsed one's common mass minus the factorized one's), one per comparison; a mapping names
-    each comparison (its key) so that a region can say where it holds."""
-    m = _named_finite(margins, "comparison", 1)
-    if not m:
-        return Verdict("not tested", T6_RULE, "no comparison")
-    why = f"factorized QK sharper in {sum(x > 0 for x in m.values())}/{len(m)} comparisons"
-    return _where_counted(m, lambda x: x > 0, T6_RULE, why, f"margins {min(m.values()):+.3g} to {max(m.values()):+.3g}")
 
 
 # --- synthetic experiments -------------------------------------------------------------------
@@ -439,70 +256,12 @@ def is_tie(difference: float, gap: Change | None = None) -> bool:
     return not (gap.bounded and abs(gap.mean) > gap.half_width)
 
 
-S1_RULE = ("at each training-loss level of the matched-loss ladder, a pair of parameterizations differs when the 95 % "
-           f"seed interval of its per-seed DTAP total-variation distance lies at or above {_t('DTAP_TV')}, is the "
-           "same when it lies below, and is undecided otherwise; reproduced: no pair-level is the same and most "
-           "pair-levels differ; holds where: some pair-levels differ and some are the same (the region names the "
-           "pairs that are the same); not reproduced: every decided pair-level is the same; inconclusive: no "
-           "pair-level decided, or as many undecided as differ; not tested: no level reached by two parameterizations")
-
-
-def s1_pair(tv: Change) -> str:
-    """One pair at one loss level for S1: ``"differ"`` when the seed interval of its per-seed
-    DTAP distance (``tv``) lies at or above ``DTAP_TV``, ``"same"`` when it lies below,
-    ``"undecided"`` when it straddles it or is unbounded (fewer than two seeds)."""
-    if not tv.bounded:
-        return "undecided"
-    return "differ" if tv.lo >= DTAP_TV else "same" if tv.hi < DTAP_TV else "undecided"
-
-
-def s1_ladder(levels: Mapping[float, Mapping[tuple[str, str], Change]]) -> Verdict:
-    """S1 on the matched-loss ladder: ``levels`` maps each training-loss level to the per-seed
-    DTAP distance of every pair of parameterizations there (:func:`s1_pair` decides each)."""
-    calls = {lv: {k: s1_pair(c) for k, c in pairs.items()} for lv, pairs in levels.items() if pairs}
-    if not calls:
-        return Verdict("not tested", S1_RULE, "no loss level reached by two parameterizations")
-    flat = [c for d in calls.values() for c in d.values()]
-    n = {x: flat.count(x) for x in ("differ", "same", "undecided")}
-    parts = [f"loss {lv:g}: {sum(c == 'differ' for c in d.values())} of {len(d)} pairs differ, "
-             f"{sum(c == 'same' for c in d.values())} the same" for lv, d in sorted(calls.items(), reverse=True)]
-    tvs = [c.mean for pairs in levels.values() for c in pairs.values() if math.isfinite(c.mean)]
-    effect = (f"{n['differ']} of {len(flat)} pair-levels differ, {n['undecided']} undecided; mean TV distance "
-              f"{min(tvs):.2f}-{max(tvs):.2f}" if tvs else "")
-    same = [f"{a}-{b} at loss {lv:g}" for lv, d in sorted(calls.items(), reverse=True) for (a, b), c in d.items()
-            if c == "same"]
-    if not same and n["differ"] > n["undecided"]:
-        v = Verdict("reproduced", S1_RULE, "; ".join(parts), effect=effect)
-    elif n["differ"] and same:
-        v = Verdict("holds where", S1_RULE, "; ".join(parts), effect=effect,
-                    region=f"{n['differ']} of {len(flat)} pair-levels differ; the same: {', '.join(same)}")
-    elif same and not n["differ"]:
-        v = Verdict("not reproduced", S1_RULE, "; ".join(parts), effect=effect)
-    else:
-        v = Verdict("inconclusive", S1_RULE, "; ".join(parts), effect=effect)
-    return v
-
-
 S2_ODE_TIE = _threshold("S2_ODE_TIE", 0.01, "nats", "largest gap in log-odds of the attention on the distinct token "
                                                     "between the second and the third parameterization that counts "
                                                     "as a tie in the reduced ODE (S2 phase map)")
 S2_WORDS = {"A": "summary A's pair (CACO, FACO)", "B": "summary B's pair (CAFO, CACO)", "neither": "neither pair",
             "tie": "a tie", "not tested": "not tested"}
 S2_SHORT = {"A": "(CACO, FACO)", "B": "(CAFO, CACO)", "neither": "neither pair", "tie": "a tie"}
-
-S2_RULE = ("read over a map of eta_QK/eta_OV x init scale x number of common tokens x training loss. At each cell the "
-           "top two are the two parameterizations with the most attention on the distinct token, unless the second "
-           f"and third are equal: in the reduced ODE (every cell) within {_t('S2_ODE_TIE')} of log-odds, in the full "
-           "model (a few cells, several seeds) when the 95 % seed interval of their per-seed attention difference "
-           "holds 0 (a tie; fewer than two seeds: not tested). A decided full-model cell confirms a summary when its "
-           "top two are that summary's pair. Reproduced: one summary's pair is the ODE's top two at every cell and "
-           "every full-model cell confirms it; holds where: some full-model cell confirms a summary (the region is "
-           "where the ODE has each summary's pair); not reproduced: no ODE cell has either pair and every full-model "
-           "cell decides for neither; inconclusive: otherwise (ties, or an ODE region no full-model cell confirms; "
-           "the reason says how many seeds would separate a tie); not tested: no ODE cell or no full-model cell with "
-           "two seeds. Where a faster QK moves FAFO (toward FACO or CACO, step by step along the ratio axis) is "
-           "reported with the verdict, not decided on")
-
 
 def s2_top_two(values: Mapping[str, float], gap: Change | None = None, tie: float | None = None) -> str:
     """A cell's top two for S2: ``"A"``/``"B"`` (a summary's pair), ``"neither"``, ``"tie"`` or
@@ -565,200 +324,6 @@ def s2_settled(ode: Mapping[tuple, str], axes: Sequence[str]) -> tuple[float, st
             break
         found = (lv, calls.pop())
     return found
-
-
-def _seeds_to_separate(gap: Change) -> str:
-    """About how many seeds would make ``gap``'s 95 % interval exclude 0, at its mean and spread."""
-    if not gap.bounded or gap.mean == 0:
-        return "no finite number of seeds at this mean"
-    n = math.ceil(gap.n * (gap.half_width / abs(gap.mean)) ** 2) + 1
-    return f"about {n} seeds"
-
-
-def s2_phase(ode: Mapping[tuple, str], full: Mapping[tuple, tuple[str, Change]], axes: Sequence[str],
-             fafo_moves: Mapping[str, int] | None = None) -> Verdict:
-    """The book's S2 verdict from the phase map: ``ode`` maps each cell (a tuple of values named by
-    ``axes``, e.g. ratio, init scale, n, training loss) to the reduced ODE's top two
-    (:func:`s2_top_two`); ``full`` maps the full-model cells to (their top two, the per-seed
-    attention gap between the second and the third as a :class:`Change`). ``fafo_moves`` counts
-    where a faster QK moves FAFO along the ratio axis (:func:`s2_fafo_move` calls) for the reason."""
-    if not ode:
-        return Verdict("not tested", S2_RULE, "no cell of the map was integrated")
-    decided = {c: (k, g) for c, (k, g) in full.items() if k != "not tested"}
-    if not decided:
-        return Verdict("not tested", S2_RULE, f"no full-model cell with two seeds ({len(full)} cells run)")
-    everywhere = list(ode)
-    by = {k: [c for c, v in ode.items() if v == k] for k in ("A", "B", "neither", "tie")}
-    confirm = {k: [c for c, (v, _) in decided.items() if v == k] for k in S2_PAIRS}
-    split = {c: v for c, (v, _) in decided.items() if v != "tie"}  # cells whose 2nd and 3rd separate
-    agree = sum(ode.get(c) == v for c, v in split.items())
-    fmt = lambda c: "(" + ", ".join(f"{a} {v:g}" if isinstance(v, (int, float)) else f"{a} {v}"  # noqa: E731
-                                    for a, v in zip(axes, c)) + ")"
-    reason = ("ODE: " + ", ".join(f"{S2_WORDS[k]} at {len(v)}" for k, v in by.items() if v) + f" of {len(ode)} cells; "
-              "full model: " + "; ".join(f"{fmt(c)} {S2_WORDS[k]}" for c, (k, _) in full.items())
-              + f"; the full model agrees with the ODE at {agree} of the {len(split)} cells where its 2nd and 3rd "
-              "separate")
-    if fafo_moves:
-        reason += "; a faster QK moves FAFO " + ", ".join(f"toward {k} {n}×" if k in ("FACO", "CACO") else f"{k} {n}×"
-                                                           for k, n in fafo_moves.items())
-    sep = [g for k, g in decided.values() if k != "tie"]
-    eff = sep or [g for _, g in decided.values()]
-    lo, hi = min(eff, key=lambda g: g.mean), max(eff, key=lambda g: g.mean)
-    txt = lambda g: (f"{g.mean:+.3g} ± {g.half_width:.2g} over {g.n} seeds" if g.bounded  # noqa: E731
-                     else g.text(percent=False))  # three significant digits: saturated cells have tiny gaps
-    effect = (f"attention gap between the 2nd and the 3rd at {len(eff)} full-model cell{'s' if len(eff) > 1 else ''}: "
-              + (txt(lo) if lo is hi else f"{txt(lo)} to {txt(hi)}"))
-    one = [k for k in S2_PAIRS if len(by[k]) == len(ode)]
-    if one and len(decided) == len(full) and all(v == one[0] for v, _ in decided.values()):
-        return Verdict("reproduced", S2_RULE, f"{S2_WORDS[one[0]]} at every cell; {reason}", effect=effect)
-    if any(confirm.values()):
-        deep = s2_settled(ode, axes)
-        parts = [f"{S2_SHORT[k]} {s2_region(by[k], everywhere, axes)}"
-                 + (f", at every cell from loss {deep[0]:g} down" if deep and deep[1] == k else "")
-                 + (f", confirmed by the full model at {len(confirm[k])} cell{'s' if len(confirm[k]) > 1 else ''}"
-                    if confirm[k] else ", in the ODE only") for k in S2_PAIRS if by[k] or confirm[k]]
-        if by["neither"]:
-            parts.append(f"neither pair {s2_region(by['neither'], everywhere, axes)}")
-        return Verdict("holds where", S2_RULE, reason, region="; ".join(parts), effect=effect)
-    ties = [(c, g) for c, (k, g) in decided.items() if k == "tie"]
-    if not by["A"] and not by["B"] and not ties and len(decided) == len(full):
-        return Verdict("not reproduced", S2_RULE, reason, effect=effect)
-    need = "; ".join(f"{fmt(c)} would need {_seeds_to_separate(g)}" for c, g in ties)
-    unconfirmed = [k for k in S2_PAIRS if by[k]]
-    why = (f"; a tie at {len(ties)} full-model cell{'s' if len(ties) > 1 else ''}: {need}" if ties else "") + (
-        "; no full-model cell confirms the ODE's region of " + " or ".join(S2_WORDS[k] for k in unconfirmed)
-        if unconfirmed else "")
-    return Verdict("inconclusive", S2_RULE, reason + why, effect=effect)
-
-
-MatchedCells = Mapping[tuple[float, Any], Mapping[str, Sequence["Change | None"]]]
-"""Paired changes at matched training loss: (loss level, ratio or parameterization) -> name ->
-``(log-odds change, loss change, accuracy change)`` (:class:`Change` values; loss or accuracy None
-when the rule does not read it)."""
-
-
-def matched_call(d_log_odds: "Change", d_loss: "Change | None" = None, d_accuracy: "Change | None" = None) -> str:
-    """One paired change at matched training loss: ``"holds"`` when the seed interval of the
-    log-odds change lies at or above :data:`SHARPER_LOGIT` and those of the test-loss and
-    accuracy changes (if given) inside ±:data:`SAME_LOSS` and ±:data:`SAME_ACC`; ``"fails"`` when
-    the log-odds interval lies below the threshold or a loss or accuracy interval lies wholly
-    outside its band; ``"undecided"`` otherwise (an interval straddles, or fewer than 2 seeds)."""
-    rise = interval_call(d_log_odds, SHARPER_LOGIT)
-    bands = [(c, tol) for c, tol in ((d_loss, SAME_LOSS), (d_accuracy, SAME_ACC)) if c is not None]
-    if rise == "fails" or any(c.hi < -tol or c.lo > tol for c, tol in bands):
-        return "fails"
-    inside = all(c.bounded and -tol <= c.lo and c.hi <= tol for c, tol in bands)
-    return "holds" if rise == "holds" and inside else "undecided"
-
-
-def _cells_verdict(rule: str, cells: MatchedCells, what: str, effect_at: tuple[float, Any] | None,
-                   notes: Mapping[Any, str] | None = None) -> Verdict:
-    """A verdict over matched-loss cells: a cell holds when every one of its changes holds
-    (:func:`matched_call`) and fails when one fails. Reproduced: every cell holds; holds where:
-    some do (the region names them by ``what`` and loss level); not reproduced: every cell fails;
-    inconclusive: otherwise; not tested: no cell. ``effect_at``: the cell whose log-odds changes
-    are the effect (default: the deepest level's last key); ``notes``: words the region adds after
-    a key (e.g. ``{100.0: "gradient descent unstable there"}``)."""
-    cells = {k: {n: c for n, c in v.items() if c and c[0] is not None and math.isfinite(c[0].mean)}
-             for k, v in cells.items()}
-    cells = {k: v for k, v in cells.items() if v}
-    if not cells:
-        return Verdict("not tested", rule, "no cell with runs at matched loss on both sides")
-    status = {}
-    for k, v in cells.items():
-        calls = [matched_call(*c) for c in v.values()]
-        status[k] = "holds" if all(x == "holds" for x in calls) else "fails" if "fails" in calls else "undecided"
-    n = {x: sum(s == x for s in status.values()) for x in ("holds", "fails", "undecided")}
-    v = ("reproduced" if n["holds"] == len(status) else "holds where" if n["holds"] else
-         "not reproduced" if n["fails"] == len(status) else "inconclusive")
-    keys = list(dict.fromkeys(k for _, k in status))
-
-    def where(ok: bool) -> list[str]:
-        out = []
-        for key in keys:
-            lv = sorted((lv for (lv, k), s in status.items() if k == key and (s == "holds") == ok), reverse=True)
-            if lv:
-                name = f"{key:g}" if isinstance(key, float) else str(key)
-                note = f" ({notes[key]})" if notes and key in notes else ""
-                out.append(f"{what}{name} at loss {', '.join(f'{x:g}' for x in lv)}{note}")
-        return out
-
-    region = ("for " + "; ".join(where(True)) + "; not for " + "; ".join(where(False))) if v == "holds where" else ""
-    at = effect_at if effect_at in cells else min(cells, key=lambda k: (k[0], -keys.index(k[1])))
-    key = f"{at[1]:g}" if isinstance(at[1], float) else str(at[1])
-    effect = (f"log-odds of attention on the distinct token at loss {at[0]:g}, {what}{key}: "
-              + "; ".join(f"{name} {c[0].text(percent=False)}" for name, c in cells[at].items()))
-    reason = "; ".join(f"loss {lv:g}, {what}{(f'{k:g}' if isinstance(k, float) else k)}: {s}"
-                       for (lv, k), s in sorted(status.items(), key=lambda kv: (-kv[0][0], keys.index(kv[0][1]))))
-    return Verdict(v, rule, reason, region=region, effect=effect)
-
-
-S3_RULE = ("decided at matched training loss, on every level of the matched-loss ladder, against the lowest ratio, "
-           "paired by seed. A cell (a loss level and a higher ratio) holds when, for every parameterization, the 95 % "
-           "seed interval of the change of the log-odds of the attention on the distinct token, log(a / (1 - a)), "
-           f"lies at or above {_t('SHARPER_LOGIT')}, and those of the test-loss and accuracy changes lie inside "
-           f"±{_t('SAME_LOSS')} and ±{_t('SAME_ACC')}; it fails when one of these intervals lies wholly on the wrong "
-           "side. Reproduced: every cell holds. Holds where: some cells hold (named by ratio and loss). Not "
-           "reproduced: every cell fails. Inconclusive: otherwise (intervals straddle, or one seed). Not tested: no "
-           "higher ratio reached a loss level")
-
-
-def s3_ratio_sharpens(cells: MatchedCells, ratio_lo: float | None = None,
-                      effect_at: tuple[float, float] | None = None, unstable: Sequence[float] = ()) -> Verdict:
-    """S3 from the paired changes at matched training loss: ``cells`` maps (loss level, ratio) to,
-    per parameterization, (log-odds change, test-loss change, accuracy change) from the lowest
-    ratio (``ratio_lo``, named in the texts) to that ratio (:class:`Change` values over the seeds
-    that reached the level at both). ``unstable``: ratios at which gradient descent was past its
-    stable range (the region says so; the rule reads them all the same)."""
-    return _cells_verdict(S3_RULE, cells, "ratio " if ratio_lo is None else f"ratio {ratio_lo:g} -> ", effect_at,
-                          {float(r): "gradient descent unstable there" for r in unstable})
-
-
-S3_ROBUST_RULE = ("S3's rule applied to each robustness variant at its matched training loss; reproduced: every "
-                  "variant reproduces S3; holds where: some variants reproduce it or hold somewhere (named); not "
-                  "reproduced: every tested variant is 'not reproduced'; inconclusive: otherwise; not tested: no "
-                  "variant could be tested (a minibatch variant has no full-batch loss to match and is not tested)")
-
-
-def s3_robustness(per_variant: Mapping[str, Verdict]) -> Verdict:
-    """The S3-robustness extension from the :func:`s3_ratio_sharpens` verdict of each variant."""
-    tested = {k: v for k, v in per_variant.items() if v.verdict != "not tested"}
-    if not tested:
-        return Verdict("not tested", S3_ROBUST_RULE, "no variant could be tested")
-    full = [k for k, v in tested.items() if v.verdict == "reproduced"]
-    some = [k for k, v in tested.items() if v.verdict == "holds where"]
-    v = ("reproduced" if len(full) == len(per_variant) else "holds where" if full or some else
-         "not reproduced" if all(x.verdict == "not reproduced" for x in tested.values()) else "inconclusive")
-    others = [f"{k} ({x.verdict})" for k, x in per_variant.items() if k not in full and k not in some]
-    region = ("in " + ", ".join(full + [f"{k} ({tested[k].region})" for k in some]) + "; not in " + ", ".join(others)
-              if v == "holds where" else "")
-    counts = ", ".join(f"{x} {sum(y.verdict == x for y in per_variant.values())}" for x in VERDICTS
-                       if any(y.verdict == x for y in per_variant.values()))
-    return Verdict(v, S3_ROBUST_RULE, f"of {len(per_variant)} variants: {counts}", region=region,
-                   effect="; ".join(f"{k}: {x.effect}" for k, x in tested.items() if x.effect))
-
-
-R3_SYNTHETIC_RULE = ("decided at matched training loss, on every level of the matched-loss ladder, from the lowest to "
-                     "the highest ratio, paired by seed. A cell (a loss level and a parameterization) holds when the "
-                     "95 % seed interval of the change of the log-odds of the attention on the distinct token lies "
-                     f"at or above {_t('SHARPER_LOGIT')} while that of the test-accuracy change lies inside "
-                     f"±{_t('SAME_ACC')}: the same loss, sharper attention, the same accuracy. It fails when either "
-                     "interval lies wholly on the wrong side. Reproduced: every cell holds. Holds where: some cells "
-                     "hold (named by parameterization and loss). Not reproduced: every cell fails. Inconclusive: "
-                     "otherwise. Not tested: no parameterization reached a loss level at both ratios")
-
-
-def r3_synthetic(cells: Mapping[tuple[float, str], Sequence["Change | None"]],
-                 effect_level: float | None = None) -> Verdict:
-    """R3-synthetic from the paired changes at matched training loss from the lowest to the highest
-    ratio: ``cells`` maps (loss level, parameterization) to (log-odds change, accuracy change)."""
-    wrapped = {k: {k[1]: (c[0], None, c[1])} for k, c in cells.items()}
-    v = _cells_verdict(R3_SYNTHETIC_RULE, wrapped, "", None)
-    lv = effect_level if effect_level is not None else min((k[0] for k in wrapped), default=None)
-    at = {k[1]: c for k, c in cells.items() if k[0] == lv and c and c[0] is not None and math.isfinite(c[0].mean)}
-    effect = (f"log-odds change at loss {lv:g}: " + "; ".join(f"{p} {c[0].text(percent=False)}" for p, c in at.items())
-              if at else "")
-    return Verdict(v.verdict, v.rule, v.reason, region=v.region, effect=effect)
 
 
 # --- real data -----------------------------------------------------------------------------
@@ -943,8 +508,12 @@ class Reading:
         c = self.change
         if c is None or not math.isfinite(c.mean):
             return "not measured"
-        ci = f" ± {self.hw:.{digits}f}" if math.isfinite(self.hw) else ", no interval"
-        return f"{c.mean:+.{digits}f}{ci} (n = {c.n})"
+
+        def num(x: float, sign: str = "+") -> str:  # a gap of 1e-16 stays readable, not +0.000
+            return f"{x:{sign}.{digits}f}" if x == 0 or abs(x) >= 10 ** -digits else f"{x:{sign}.{digits}g}"
+
+        ci = f" ± {num(self.hw, '')}" if math.isfinite(self.hw) else ", no interval"
+        return f"{num(c.mean)}{ci} (n = {c.n})"
 
 
 def read_cells(changes: Mapping[str, "Change | None"], est: "Estimand | Mapping[str, Estimand]") -> list[Reading]:
@@ -1006,7 +575,7 @@ ESTIMANDS: dict[str, Estimand] = {
     "T1": Estimand("largest gap between the reduced loss and gradients and autograd's", -1, TOL_GRAD),
     "T2": Estimand("largest relative gap between the ODE with rate 2·eta·|w| and factor-level autograd", -1,
                    TOL_VELOCITY),
-    "T3": Estimand("gap between a fitted growth exponent in log t and the derived one", -1, SLOPE_TOL),
+    "T3": Estimand("gap between a fitted exponent in log t and the claimed one (1 for OV, 2 for exp(q))", -1, SLOPE_TOL),
     "T4": Estimand("residual of the effective (OV, QK) path off a straight line", -1, LINE_EXACT),
     "T5": Estimand("fall of the log common-token mass at matched training loss, from one ratio to the next", 1,
                    SHARPER_LOGIT, "nats"),
@@ -1038,13 +607,6 @@ def head_necessary(model: float, uniform: float, chance: float) -> bool | None:
     if any(x is None or not math.isfinite(float(x)) for x in (model, uniform, chance)) or float(model) <= float(chance):
         return None
     return (float(model) - float(uniform)) >= NECESSITY_SHARE * (float(model) - float(chance))
-
-
-RULE_TEXT = {"T1": T1_RULE, "T2": T2_RULE, "T3": T3_RULE, "T4": T4_RULE, "T5": T5_RULE, "T6": T6_RULE,
-             "S1": S1_RULE, "S2": S2_RULE, "S3": S3_RULE, "R1": ESTIMANDS["R1"].text(),
-             "R2": ESTIMANDS["R2"].text(), "R3": ESTIMANDS["R3"].text()}
-RULES = {"T1": t1_reduction, "T2": t2_rescaling, "T3": t3_growth, "T4": t4_line, "T5": t5_sharpening,
-         "T6": t6_factorized_qk, "S1": s1_ladder, "S2": s2_phase, "S3": s3_ratio_sharpens}
 
 
 # the cell outcomes a word stands for, so that words from several chapters combine by the same rule

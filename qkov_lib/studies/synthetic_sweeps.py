@@ -1139,9 +1139,6 @@ def s2_verdict(top_fixed: Sequence[str], top_matched: Sequence[str]) -> str:
     return a if a == b else "mixed"
 
 
-ADAM_STATEMENT = ("S3 under AdamW: at matched training loss, a larger eta_QK/eta_OV (1, 10, 100) still sharpens "
-                  "attention on the distinct token, as under gradient descent.")
-
 
 def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
     """Scorecard rows for the paper's S1, S3 and T5 (T5 read on the sweep's ratios) and the
@@ -1149,7 +1146,7 @@ def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[di
     one line of measured numbers each, from :func:`chapter_facts`; verdicts from
     :func:`chapter_verdicts`."""
     f, ch = facts, "04_sweep"
-    s3_adam = C.EXTENSIONS["S3-adam"][1] if "S3-adam" in C.EXTENSIONS else ADAM_STATEMENT
+    s3_adam = C.EXTENSIONS["S3-adam"][1]
     return [
         claim("S1", "DTAP heatmaps differ between the four parameterizations",
               f"pairs of parameterizations whose per-seed heatmap distance at ratio {f['r_eq']}, by training loss: "
