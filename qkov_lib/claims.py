@@ -543,11 +543,19 @@ def word(outcomes: Sequence[str]) -> str:
 
 
 def seeds_text(readings: Sequence[Reading]) -> str:
-    """What the undecided cells would take: ``about 12 seeds (AdamW ... ); no finite number (...)``."""
-    open_ = [r for r in readings if r.outcome == "undecided"]
-    known = sorted((r for r in open_ if r.seeds is not None), key=lambda r: r.seeds)
-    parts = [f"{r.seeds} seeds would decide {r.cell}" for r in known]
-    parts += [f"no number of seeds up to {MAX_SEEDS} would decide {r.cell}" for r in open_ if r.seeds is None]
+    """What the undecided cells would take: the seeds that would decide each (at its own mean and spread),
+    or why no number can be given (fewer than two seed pairs: no spread yet; a mean on the margin)."""
+    parts = []
+    for r in sorted((r for r in readings if r.outcome == "undecided"), key=lambda r: (r.seeds is None, r.seeds or 0)):
+        c = r.change
+        if c is None or not math.isfinite(c.mean):
+            parts.append(f"{r.cell}: nothing measured (no trained pair)")
+        elif not c.bounded:
+            parts.append(f"{r.cell}: {c.n} seed pair{'s' if c.n != 1 else ''}, no interval yet")
+        elif r.seeds is None:
+            parts.append(f"no number of seeds up to {MAX_SEEDS} would decide {r.cell} (its mean sits at the margin)")
+        else:
+            parts.append(f"{r.seeds} seeds would decide {r.cell}")
     return "; ".join(parts)
 
 
