@@ -23,8 +23,8 @@ from qkov_lib.studies.attention_analysis import CHAPTERS
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
 STATES = schema.verdict_words()  # the verdicts, then "not run": no chapter of this build reported the claim
-BADGES = {"reproduced": "bdg-success", "holds where": "bdg-warning", "not reproduced": "bdg-danger",
-          "inconclusive": "bdg-info", "not tested": "bdg-muted", "not run": "bdg-muted-line"}  # sphinx-design roles
+BADGES = {"reproduced": "bdg-success", "holds where": "bdg-warning", "mixed": "bdg-warning-line",
+          "not reproduced": "bdg-danger", "inconclusive": "bdg-info", "not tested": "bdg-muted", "not run": "bdg-muted-line"}  # sphinx-design roles
 MEANING = {**claims.VERDICT_MEANING, schema.NOT_RUN: "no chapter of this build reported the claim"}
 
 
