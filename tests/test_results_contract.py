@@ -155,3 +155,10 @@ def test_a_failed_runs_record_is_left_out_with_a_line_not_checked(tmp_path, caps
     (folder / "sva.failed.json").write_text("{cut")  # a failed run's record is not a results file
     assert len(scorecard.load_results(folder)) == 2
     assert "sva.failed.json: written by a run that failed" in capsys.readouterr().err
+
+
+def test_without_a_build_the_default_scorecard_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QKOV_RESULTS_DIR", str(tmp_path / "no_build_yet"))
+    assert cli.main(["scorecard"]) == 0
+    out, err = capsys.readouterr()
+    assert f"no results folder {tmp_path / 'no_build_yet'} yet" in err and "| **T1** | **not run** |" in out

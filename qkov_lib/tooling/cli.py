@@ -167,7 +167,12 @@ def _main(argv: list[str] | None = None) -> int:
 
     folder = Path(args.results) if args.results else default_results_path("scorecard").parent
     try:
-        results = scorecard.load_results(folder)
+        if args.results is None and not folder.exists():  # no build yet: every claim "not run", and said so
+            print(f"qkov scorecard: no results folder {folder} yet (make book writes it): every claim is "
+                  "'not run'", file=sys.stderr)
+            results = []
+        else:
+            results = scorecard.load_results(folder)
         card = scorecard.build(scorecard.claim_rows(results, book_dir=REPO_ROOT / "book",
                                                     pages=qcache.toc_files(REPO_ROOT)))
     except (OSError, ValueError) as e:  # a missing folder, a results file that breaks the contract, a bad toc
