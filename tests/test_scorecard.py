@@ -71,9 +71,9 @@ def test_combine_verdicts_names_disagreeing_chapters():
     def m(v, ch="a", reason=""):
         return {"verdict": v, "chapter": ch, "reason": reason}
     assert claims.combine([])[0] == "not run"
-    assert claims.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters agree", "")
+    assert claims.combine([m("reproduced"), m("reproduced", "b")]) == ("reproduced", "2 chapters, each reproduced", "")
     v, why, where = claims.combine([m("reproduced", "01_synthetic", "4/4 up"), m("not reproduced", "04_sweep", "0/4 up")])
-    assert v == "holds where" and where == "in 01_synthetic; not in 04_sweep (not reproduced)"
+    assert v == "mixed" and where == "holds in 01_synthetic; contradicted in 04_sweep"
     assert "01_synthetic: reproduced (4/4 up)" in why and "04_sweep: not reproduced (0/4 up)" in why
     assert claims.combine([m("not tested")])[0] == "not tested"
     assert claims.combine([m("not tested"), m("not reproduced")])[0] == "not reproduced"
@@ -93,15 +93,15 @@ def test_scorecard_from_results(tmp_path: Path, book: Path):
     assert card.loc["R3-multilayer", "verdict"] == "reproduced"
     assert card.loc["S1", "verdict"] == "reproduced"
     assert card.loc["S3", "verdict"] == "holds where"  # one chapter reproduced, one in a region
-    assert card.loc["S3", "region"] == "in 01_synthetic for FAFO, CAFO, FACO; not CACO; in theory"
+    assert card.loc["S3", "region"] == "holds in 01_synthetic (for FAFO, CAFO, FACO; not CACO); theory"
     assert "chapters differ" in card.loc["S3", "reason"]
     assert len(card.loc["S3", "measurements"]) == 2
     assert card.loc["T1", "verdict"] == "not run" and card.loc["R2", "verdict"] == "not run"
     assert not card.loc["T9", "known"]
     n = scorecard.counts(card.reset_index())
     assert sum(n.values()) == len(scorecard.CLAIMS)  # T9 is not counted
-    assert n == {"reproduced": 1, "holds where": 1, "not reproduced": 0, "inconclusive": 0, "not tested": 0,
-                 "not run": 10}
+    assert n == {"reproduced": 1, "holds where": 1, "mixed": 0, "not reproduced": 0, "inconclusive": 0,
+                 "not tested": 0, "not run": 10}
     assert scorecard.counts(card.reset_index(), "extension")["reproduced"] == 1
     prov = scorecard.provenance(scorecard.load_results(tmp_path))
     assert list(prov["chapter"]) == ["removed", "synthetic", "theory"] and list(prov["claims"]) == [1, 2, 3]
@@ -136,9 +136,9 @@ def test_the_matrix_is_one_row_per_claim_with_links_and_the_details_fold_out(tmp
     assert R3_RULE.split(":")[0] not in text  # rules are in the details, not the matrix
     s3 = next(line for line in text.splitlines() if line.startswith("| **S3** |"))
     assert "{doc}`01_synthetic`, {doc}`03_theory`" in s3 and s3.count("bdg-") == 3  # combined + one per chapter
-    assert "in 01_synthetic for FAFO, CAFO, FACO; not CACO; in theory" in s3  # where it holds
+    assert "holds in 01_synthetic (for FAFO, CAFO, FACO; not CACO); theory" in s3  # where it holds
     found = scorecard.findings(card)
-    assert found.count("\n") == len(scorecard.CLAIMS) - 1 and "- **S3** {bdg-warning}`holds where` in 01_synthetic" in found
+    assert found.count("\n") == len(scorecard.CLAIMS) - 1 and "- **S3** {bdg-warning}`holds where` holds in 01_synthetic" in found
     details = scorecard.to_details(card)
     assert details.count(":::{dropdown}") == len(card) and "they differ \\| a lot" in details
     assert R3_RULE.split(":")[0] in details
@@ -181,8 +181,8 @@ def _r1_rows(verdicts: dict[str, str], rule: str = R1_RULE):
 def test_disagreeing_chapters_keep_every_verdict_visible():
     three = {"05_squad": "reproduced", "06_hatexplain": "not reproduced", "07_sva": "inconclusive"}
     card = scorecard.build(_r1_rows({**three, "08_other": "not tested"})).set_index("id")
-    assert card.loc["R1", "verdict"] == "holds where"
-    assert card.loc["R1", "region"] == "in SQuAD; not in HateXplain (not reproduced), SVA (inconclusive)"
+    assert card.loc["R1", "verdict"] == "mixed"  # one dataset reproduces it, one contradicts it
+    assert card.loc["R1", "region"] == "holds in SQuAD; contradicted in HateXplain"
     why = card.loc["R1", "reason"]
     assert ("SQuAD: reproduced (05_squad why) · HateXplain: not reproduced (06_hatexplain why) · "
             "SVA: inconclusive (07_sva why) · 08_other: not tested (08_other why)") in why
@@ -194,11 +194,11 @@ def test_disagreeing_chapters_keep_every_verdict_visible():
     # the claim's row shows each dataset's verdict as its own badge next to the combined one
     text = scorecard.to_matrix(scorecard.build(_r1_rows(three)))
     row = next(line for line in text.splitlines() if line.startswith("| **R1** |"))
-    assert ("{bdg-warning}`holds where` SQuAD {bdg-success-line}`reproduced` HateXplain "
+    assert ("{bdg-warning-line}`mixed` SQuAD {bdg-success-line}`reproduced` HateXplain "
             "{bdg-danger-line}`not reproduced` SVA {bdg-info-line}`inconclusive`") in row
     assert "05_squad why" not in row  # reasons fold out below; the row holds the region and effect
     plain = scorecard.to_matrix(scorecard.build(_r1_rows(three)), link=False)
-    assert "**holds where** SQuAD reproduced HateXplain not reproduced SVA inconclusive" in plain
+    assert "**mixed** SQuAD reproduced HateXplain not reproduced SVA inconclusive" in plain
 
 
 def test_a_claims_rule_is_shown_once():
