@@ -409,18 +409,22 @@ def test_every_chapter_that_trains_is_listed():
 
 
 # The dry `full` run of a chapter through papermill: the full profile's data, models and grids with
-# every run capped at profiles.DRY_RUN_STEPS steps, evaluation on profiles.DRY_RUN_EVAL_ROWS rows of
-# each validation and test split, ERASER at profiles.DRY_RUN_SAMPLES instances. Measured in one
+# every run capped at profiles.DRY_RUN_STEPS steps and evaluated at its start and end only, evaluation on
+# profiles.DRY_RUN_EVAL_ROWS rows of each validation and test split, ERASER at profiles.DRY_RUN_SAMPLES
+# instances, one torch thread. Measured alone (qkov run CHAPTER -p profile '"full"', QKOV_DRY_RUN=1) on
+# a 2-core machine other jobs loaded 2-5 times over (wall / CPU seconds, peak memory): SQuAD (254 runs
+# with its protocol cells) 2,002 / 799 s, 4.2 GiB; the multi-layer chapter 1,118 / 641 s, 2.4 GiB, which
+# on two torch threads there had not finished one of its 30 grid runs after 25 minutes. Earlier, in one
 # `make book PROFILE=full DRY_RUN=1` on a clean clone (2 CPU cores, two chapters at a time; wall / CPU
 # seconds, peak memory): SQuAD 792 / 775 s, 4.6 GiB; HateXplain 260 / 262 s, 3.3 GiB; SVA 75 / 76 s,
 # 1.4 GiB; the sweep 1,059 / 364 s, 9.7 GiB; the whole book 31 minutes. Too slow for the unit tests,
-# which CI runs twice: set QKOV_DRY_RUN_CHAPTERS to "1" (all four below) or to the chapters to run.
+# which CI runs twice: set QKOV_DRY_RUN_CHAPTERS to "1" (all five below) or to the chapters to run.
 # .ci/run runs SVA, HateXplain and the sweep (about 15 minutes); it leaves out SQuAD, the slowest
 # (13 minutes: 200 runs of its largest model), whose map code the other two real-data chapters
 # exercise and whose own parts (the word readout, the question match and query) the test profile
 # runs, to keep CI inside its 90 minutes on a machine twice as slow; `make book PROFILE=full
 # DRY_RUN=1` runs every chapter.
-DRY_CHAPTERS = ["sva", "hatexplain", "squad", "sweep"]
+DRY_CHAPTERS = ["sva", "hatexplain", "squad", "sweep", "multilayer"]
 _DRY_ASKED = os.environ.get("QKOV_DRY_RUN_CHAPTERS", "")
 
 
