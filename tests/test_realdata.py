@@ -127,20 +127,20 @@ def test_r_table_reads_results_and_reports_missing_chapters(tmp_path):
     r1 = t2[(t2["claim"] == "R1") & (t2["dataset"] == "sva")]
     assert len(t2) == 10 and list(r1["verdict"]) == ["reproduced", "not reproduced"]
     v = scorecard.r_verdicts(t2)
-    assert v["R1"][0] == "holds where" and v["R1"][2] == "in SVA; not in SVA (not reproduced)" and v["R2"][0] == "reproduced"
+    assert v["R1"][0] == "mixed" and v["R1"][2] == "holds in SVA; contradicted in SVA" and v["R2"][0] == "reproduced"
     assert scorecard.r_table_myst(t2).count("**not reproduced**") == 1
     # a chapter that wrote no row on a claim
     results.save_results("sva", _map_params(), {"claims": _rows(both[:1])}, path=tmp_path / "sva.json")
     t3 = scorecard.r_table(tmp_path)
     assert t3.query("dataset == 'sva' and claim == 'R2'")["ours"].iloc[0] == "not reported by the chapter"
     (tmp_path / "hatexplain.json").write_text("{broken")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match="is not whole JSON"):
         scorecard.r_table(tmp_path)
     assert json.loads((tmp_path / "sva.json").read_text())["params"]["profile"] == "cpu"
 
 
 def test_provenance_frame_reads_results_and_marks_missing(tmp_path):
-    doc = {"params": _map_params(seeds=(0, 1, 2, 3)),
+    doc = {"chapter": "sva", "params": _map_params(seeds=(0, 1, 2, 3)),
            "metrics": {"data_report": {"train_used": 500, "test_used": 200}}, "wall_time_s": 12.345,
            "git_commit": "0123456789abcdef"}
     (tmp_path / "sva.json").write_text(json.dumps(doc))

@@ -35,7 +35,7 @@ def test_extension_verdicts_flip_with_the_head_attention_change():
     assert up["R2-multilayer"].verdict == "reproduced" and down["R2-multilayer"].verdict == "not reproduced"
     assert up["R3-multilayer"].verdict == "reproduced" and down["R3-multilayer"].verdict == "not reproduced"
     assert up["R1-multilayer"].verdict == "reproduced"
-    assert "3 seeds" in up["R3-multilayer"].reason and "ratio 10" in up["R3-multilayer"].reason
+    assert "(n = 3)" in up["R3-multilayer"].effect and "ratio 10" in up["R3-multilayer"].effect
     # a fall beyond the band in accuracy alone contradicts R1 as much as a fall in both
     assert ml.chapter_verdicts(*_frames(0.1, dacc=-0.2), CFG)["sva"]["R1-multilayer"].verdict == "not reproduced"
     assert ml.chapter_verdicts(*_frames(0.1, dacc=-0.2, df1=-0.2), CFG)["sva"]["R1-multilayer"].verdict == \
@@ -43,13 +43,14 @@ def test_extension_verdicts_flip_with_the_head_attention_change():
 
 
 def test_one_seed_cannot_decide_r1_or_r3():
-    """With one seed there is no interval: R1 and R3 are 'inconclusive' whichever way the effect goes
-    (R2-multilayer reads the layer gains, which need no interval)."""
+    """With one seed there is no interval: every extension is 'inconclusive' whichever way the effect goes,
+    and says why no seed count is given."""
     one = {**CFG, "seeds": [0]}
     for g in (+0.1, -0.1):
         v = ml.chapter_verdicts(*_frames(g, seeds=(0,)), one)["sva"]
         assert v["R1-multilayer"].verdict == v["R3-multilayer"].verdict == "inconclusive"
-        assert "needs 3 trained seed pairs (has 1)" in v["R3-multilayer"].reason
+        assert v["R2-multilayer"].verdict == "inconclusive"
+        assert "1 seed pair, no interval yet" in v["R3-multilayer"].reason
 
 
 def test_one_ratio_is_not_tested():
