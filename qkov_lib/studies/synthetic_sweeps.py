@@ -478,10 +478,12 @@ def s1_named(pairs: Mapping[float, Mapping[tuple[str, str], C.Change]]) -> dict[
 
 def readings_table(readings: Sequence[C.Reading], digits: int = 3) -> pd.DataFrame:
     """Readings as a table: one row per cell with its change (mean ± family half-width, seeds), its
-    outcome and the seeds that would decide it (undecided cells only)."""
+    outcome and the seeds that would decide it (undecided cells only); no row when no cell was read (no run
+    reached the matched loss, as in a dry run)."""
+    cols = ["cell", "change", "outcome", "seeds to decide"]
     return pd.DataFrame([{"cell": r.cell, "change": r.text(digits), "outcome": r.outcome,
                           "seeds to decide": (r.seeds if r.seeds is not None else "none ≤ 1000")
-                          if r.outcome == "undecided" else ""} for r in readings]).set_index("cell")
+                          if r.outcome == "undecided" else ""} for r in readings], columns=cols).set_index("cell")
 
 
 def ladder_dtaps(ladder: Mapping[float, Sequence[base.Run]], ratio: float) -> dict[tuple[str, float], np.ndarray]:
