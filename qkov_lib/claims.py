@@ -495,13 +495,15 @@ def seeds_to_decide(c: "Change | None", est: Estimand, cells: int = 1) -> int | 
 class Reading:
     """One cell of a claim: ``cell`` (its name in words, e.g. ``AdamW, η_OV = 1e-3, ratio 10 vs 1``),
     the ``change`` read there, its ``outcome`` (:func:`outcome`), the family half-width ``hw`` it was
-    decided with, and ``seeds`` (:func:`seeds_to_decide`; None when unknown)."""
+    decided with, ``seeds`` (:func:`seeds_to_decide`; None when unknown) and the ``est`` it was read
+    against."""
 
     cell: str
     change: "Change | None"
     outcome: str
     hw: float
     seeds: int | None
+    est: "Estimand | None" = None
 
     def text(self, digits: int = 3) -> str:
         """``+0.154 ± 0.030 (n = 8)``: the change with its family interval."""
@@ -523,7 +525,7 @@ def read_cells(changes: Mapping[str, "Change | None"], est: "Estimand | Mapping[
     m = max(len(changes), 1)
     of = (lambda k: est[k]) if isinstance(est, Mapping) else (lambda k: est)  # noqa: E731
     return [Reading(k, c, outcome(c, of(k), m), family_half_width(c, m) if c is not None else math.nan,
-                    seeds_to_decide(c, of(k), m)) for k, c in changes.items()]
+                    seeds_to_decide(c, of(k), m), of(k)) for k, c in changes.items()]
 
 
 def word(outcomes: Sequence[str]) -> str:
@@ -572,7 +574,10 @@ def decide(readings: Sequence[Reading], est: Estimand, rule: str = "") -> Verdic
     region = "; ".join(f"{label} {', '.join(named[o])}" for o, label in
                        (("holds", "holds at"), ("contradicted", "contradicted at"), ("undecided", "undecided at"))
                        if named[o]) if w in ("holds where", "mixed") else ""
-    effect = "; ".join(f"{r.cell}: {r.text()}" for r in readings)
+    # cells read against different margins say each their own, so that the effect states what decided them
+    sides = {r.est.side for r in readings if r.est is not None}
+    effect = "; ".join(f"{r.cell}: {r.text()}" + (f" [{r.est.side}]" if len(sides) > 1 and r.est else "")
+                       for r in readings)
     reason = f"{len(readings)} cells: " + ", ".join(f"{len(named[o])} {o}" for o in OUTCOMES if named[o])
     seeds = seeds_text(readings)
     return Verdict(w, rule, reason + (f"; {seeds}" if seeds else ""), region=region, effect=effect)
@@ -657,7 +662,8 @@ def combine(measurements: Sequence[Mapping[str, Any]]) -> tuple[str, str, str]:
 
 _SIDE = re.compile(r"the claim's side: Δ (≥|≤) ([+-]?\d[\d.]*(?:e[+-]?\d+)?)")
 _NUM = r"[+-]?\d[\d.]*(?:e[+-]?\d+)?"
-_CELL = re.compile(rf"^(?P<cell>.+?): (?:(?P<mean>{_NUM})(?: ± (?P<hw>{_NUM})|, no interval) \(n = \d+\)|not measured)$")
+_CELL = re.compile(rf"^(?P<cell>.+?): (?:(?P<mean>{_NUM})(?: ± (?P<hw>{_NUM})|, no interval) \(n = \d+\)|not measured)"
+                   rf"(?: \[Δ (?P<dir>≥|≤) (?P<margin>{_NUM})(?: \S+)?\])?$")
 
 
 def word_problem(verdict: str, rule: str, effect: str) -> str | None:
@@ -672,13 +678,15 @@ def word_problem(verdict: str, rule: str, effect: str) -> str | None:
     cells = [_CELL.match(p) for p in parts]
     if side is None or not cells or not all(cells) or verdict == "not tested":
         return None
-    sign, margin = (1 if side.group(1) == "≥" else -1), float(side.group(2))
     slack = 1e-3  # the effect prints 3 decimals: half a unit of the last place each way, and some
     outs = []
     for m in cells:
         if m.group("mean") is None or m.group("hw") is None:
             outs.append("undecided")
             continue
+        # a cell that names its own margin is read against it, the others against the claim's
+        d, mg = (m.group("dir"), m.group("margin")) if m.group("dir") else (side.group(1), side.group(2))
+        sign, margin = (1 if d == "≥" else -1), float(mg)
         x, hw = float(m.group("mean")), float(m.group("hw"))
         lo, hi = sorted((sign * (x - hw - margin), sign * (x + hw - margin)))
         outs.append("holds" if lo >= slack * (hw > 0) else "contradicted" if hi < -slack * (hw > 0)
@@ -691,7 +699,10 @@ def word_problem(verdict: str, rule: str, effect: str) -> str | None:
     for pick in range(1 << min(len(edge), 8)):
         trial = list(outs)
         for j, i in enumerate(edge[:8]):
-            x, hw = float(cells[i].group("mean")), float(cells[i].group("hw"))
+            m = cells[i]
+            d, mg = (m.group("dir"), m.group("margin")) if m.group("dir") else (side.group(1), side.group(2))
+            sign, margin = (1 if d == "≥" else -1), float(mg)
+            x, hw = float(m.group("mean")), float(m.group("hw"))
             near_lo = abs(sign * (x - hw - margin)) <= slack if sign > 0 else abs(-(x + hw - margin)) <= slack
             near_hi = abs(sign * (x + hw - margin)) <= slack if sign > 0 else abs(-(x - hw - margin)) <= slack
             if pick >> j & 1:
@@ -699,4 +710,4 @@ def word_problem(verdict: str, rule: str, effect: str) -> str | None:
         if word(trial) == verdict:
             return None
     return (f"printed '{verdict}', but the intervals printed with it ({'; '.join(parts)}) read as '{loose}' against "
-            f"{side.group(0).removeprefix('the claim' + chr(39) + 's side: ')}")
+            f"{side.group(0).removeprefix('the claim' + chr(39) + 's side: ')} (or the margins the cells name)")
