@@ -110,8 +110,11 @@ def squad_headline(results_dir: str | Path | None = None) -> dict[str, str]:
     m: Mapping[str, Any] = (doc or {}).get("metrics", {})
     tuned = (m.get("map_selected") or {}).get("adamw")
     runs = pd.DataFrame(m.get("map") or [])
-    if tuned is None or not len(runs) or "AC@0.5" not in runs:
+    if doc is None:
         out["headline_book"] = "not measured (the SQuAD chapter did not run in this build)"
+        return out
+    if tuned is None or not len(runs) or "AC@0.5" not in runs:
+        out["headline_book"] = "not measured (no AdamW base rate trained at ratio 1 in this build)"
         return out
     at = runs[(runs["optimizer"] == "adamw") & (runs["eta_ov"].map(rate_plane.rate) == rate_plane.rate(tuned))
               & runs["trained"].astype(bool)]

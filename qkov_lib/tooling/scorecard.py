@@ -124,6 +124,14 @@ def dataset_name(chapter: str) -> str:
     return DATASETS.get(key.lower(), str(chapter))
 
 
+def short_name(chapter: str) -> str:
+    """A chapter as a table cell names it: its dataset (``SQuAD``), else ``chapter 03`` for a numbered
+    page (a file name like ``03_theory_asymptotics`` would widen a narrow column), else the name."""
+    name = dataset_name(chapter)
+    head, _, _ = Path(str(chapter)).stem.partition("_")
+    return f"chapter {head}" if name == str(chapter) and head.isdigit() else name
+
+
 def per_dataset(measurements: Sequence[Mapping[str, Any]]) -> str:
     """Each measurement's verdict named by its dataset (:func:`dataset_name` of its chapter), in
     order: ``SQuAD reproduced · HateXplain not reproduced · SVA partly``; ``""`` when none."""
@@ -192,9 +200,9 @@ def to_matrix(card: pd.DataFrame, link: bool = True, kind: str | None = None) ->
             continue
         named = len(ms) > 1
         verdict = _badge(r["verdict"], link) + ("" if not named else " " + " ".join(
-            f"{myst_cell(dataset_name(m.get('chapter', '')))} "
+            f"{myst_cell(short_name(m.get('chapter', '')))} "
             f"{_badge(str(m.get('verdict', 'not tested')), link, small=True)}" for m in ms))
-        effect = "; ".join((f"{myst_cell(dataset_name(m.get('chapter', '')))}: " if named else "")
+        effect = "; ".join((f"{myst_cell(short_name(m.get('chapter', '')))}: " if named else "")
                            + myst_cell(m.get("effect", "") or "-") for m in ms)
         where = ", ".join(dict.fromkeys(_where(m, link) for m in ms))
         lines.append(f"| **{r['id']}** | {verdict} | {myst_cell(r.get('region', '') or '')} | {effect} | {where} |")
