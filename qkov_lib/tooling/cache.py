@@ -356,7 +356,7 @@ def hide_injected_parameters(nb: Any) -> int:
             cell.metadata["tags"] = [*tags, "remove-cell"]
         # meta text about how the page ran, folded so that it does not stand between a reader and the results
         note = nbformat.v4.new_markdown_cell(
-            "```{dropdown} How this page was run\n"
+            "```{admonition} How this page was run\n:class: dropdown\n"
             f"This page was executed with papermill, which added a cell of parameters after the one "
             f"above: {shown or 'no values besides paths'}. {why}\n```")
         note.metadata["tags"] = ["papermill-parameters-note"]
