@@ -6,6 +6,7 @@ Each command imports what it needs (torch, pandas, papermill, ...) when it runs,
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print(f"qkov: {str(e) or 'interrupted'}", file=sys.stderr)
         return 128 + getattr(e, "signum", signal.SIGINT)
+    except BrokenPipeError:
+        # the reader of stdout went away (`qkov scorecard | head`): stop quietly, as a shell tool does,
+        # and point stdout at /dev/null so that the flush at exit cannot raise a second time
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
