@@ -75,3 +75,14 @@ def test_a_word_planted_against_its_numbers_stops_the_page(folder, planted):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="disagrees with the numbers printed with it"):
         claim_matrix.check_words(_rows(folder))
+
+
+def test_a_long_effect_is_cut_at_whole_cells_and_counts_the_rest():
+    cells = [f"cell {i}: +0.{i}00 ± 0.010 (n = 4)" for i in range(1, 10)]
+    short = claim_matrix._short("; ".join(cells))
+    kept = short.split("; ")[:-1]
+    assert kept == cells[:len(kept)] and 1 <= len(kept) < len(cells)
+    assert short.endswith(f"{len(cells) - len(kept)} more cells in the chapter")
+    assert len("; ".join(kept)) <= claim_matrix.MAX_EFFECT
+    assert claim_matrix._short(cells[0]) == cells[0]  # one cell: as is, whatever its length
+    assert claim_matrix._short("x" * 500) == "x" * 500

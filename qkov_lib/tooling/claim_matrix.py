@@ -22,7 +22,7 @@ from qkov_lib.tooling import scorecard
 
 REAL = ("squad", "hatexplain", "sva")  # the real-data chapters, by results name
 PAPER_NUMBER = {"R2": "AC on SQuAD about {before} → {after}"}  # the only number the paper's summaries give
-MAX_EFFECT = 220  # characters of a chapter's effect text a matrix cell shows before it points to the chapter
+MAX_EFFECT = 160  # characters of a chapter's effect text a matrix cell shows before it points to the chapter
 
 
 def protocol_frames(results_dir: str | Path | None = None) -> dict[str, pd.DataFrame]:
@@ -62,8 +62,14 @@ def _book_number(cid: str, frames: Mapping[str, pd.DataFrame]) -> str:
 
 
 def _short(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= MAX_EFFECT else text[:MAX_EFFECT].rsplit(" ", 1)[0] + " … (see the chapter)"
+    """A chapter's effect text cut to whole cells (``cell: change ± interval``, joined by ``; ``) within
+    :data:`MAX_EFFECT` characters (at least one cell), with the number of cells left to the chapter."""
+    cells = [c for c in " ".join(str(text).split()).split("; ") if c]
+    keep = 1
+    while keep < len(cells) and len("; ".join(cells[:keep + 1])) <= MAX_EFFECT:
+        keep += 1
+    rest = len(cells) - keep
+    return "; ".join(cells[:keep]) + (f"; {rest} more {'cell' if rest == 1 else 'cells'} in the chapter" if rest else "")
 
 
 def matrix(card: pd.DataFrame, results_dir: str | Path | None = None) -> pd.DataFrame:
