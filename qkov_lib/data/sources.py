@@ -847,6 +847,8 @@ def run(args: argparse.Namespace) -> int:
     except DataUnavailable as err:
         print(err, file=sys.stderr)
         return 1
+    except BrokenPipeError:  # the reader of stdout went away: the caller ends quietly
+        raise
     except (ValueError, OSError) as err:  # ChecksumError, FileNotFoundError, DownloadError, a bad --only
         print(f"qkov data {args.cmd}: {err}", file=sys.stderr)
         return 1

@@ -156,6 +156,8 @@ def _main(argv: list[str] | None = None) -> int:
     if args.cmd in ("chapters", "book"):
         try:
             return _chapters(args, REPO_ROOT) if args.cmd == "chapters" else _book(args, REPO_ROOT)
+        except BrokenPipeError:  # the reader went away: main() ends quietly
+            raise
         except (OSError, ValueError) as e:  # a missing or broken _toc.yml, a page it lists without a file, ...
             print(f"qkov {args.cmd}: {e}", file=sys.stderr)
             return 2
