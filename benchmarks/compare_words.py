@@ -17,15 +17,20 @@ from pathlib import Path
 
 
 def words(folder: Path) -> dict[tuple[str, str], dict]:
-    """``{(chapter, claim id): claim row}`` of every results file in ``folder``."""
-    out = {}
+    """``{(chapter, claim id): claim row}`` of every results file in ``folder`` (a chapter's second row of
+    one claim, e.g. SVA's natural-prefix R1, as ``R1 #2``)."""
+    out: dict[tuple[str, str], dict] = {}
     for f in sorted(folder.glob("*.json")):
         try:
             doc = json.loads(f.read_text(encoding="utf-8"))
         except ValueError:
             continue
         for c in (doc.get("metrics") or {}).get("claims") or []:
-            out[(doc.get("chapter", f.stem), c["id"])] = c
+            chapter, cid = doc.get("chapter", f.stem), c["id"]
+            k = 1
+            while (chapter, cid if k == 1 else f"{c['id']} #{k}") in out:
+                k += 1
+            out[(chapter, cid if k == 1 else f"{c['id']} #{k}")] = c
     return out
 
 
