@@ -46,7 +46,7 @@ def test_matrix_headline_and_forest_read_the_protocol_cells(folder):
     assert m.loc["R2", "book"].startswith("SQuAD: +0.300 ±") and "12%" in m.loc["R2", "paper"]
     assert m.loc["T1", "verdict"] == "not run"
     h = claim_matrix.squad_headline(folder)
-    assert h["headline_book"].startswith("12% → 42% (AdamW, tuned η_OV 0.001, ratio 1 → 10, 4 trained seeds)")
+    assert h["headline_book"] == "12% at ratio 1 → 42% at ratio 10 (AdamW, tuned η_OV 0.001; trained seeds 4, 4)"
     assert h["paper_ac_before"] == "12%"
     fig = claim_matrix.forest(folder)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["SQuAD: AdamW, η_OV 0.001, ratio 10"]
