@@ -244,10 +244,13 @@ def resolve(table: Mapping[str, Mapping[str, Any]], profile: str | None, **overr
         if key not in base:
             raise ValueError(f"unknown parameter {key!r}; this chapter takes {', '.join(sorted(base))}")
         if base[key] is not None and not _type_ok(value, base[key]):
-            raise TypeError(
-                f"parameter {key!r} must be {_type_name(base[key])}, got {type(value).__name__} {value!r}"
-                " (a list on the command line: qkov run -p ratios '[1, 10]', papermill -y 'ratios: [1, 10]')"
-            )
+            # the hint fits what is expected: a list's syntax for a list, an integer's for an integer
+            hint = (" (a list on the command line: qkov run -p ratios '[1, 10]', papermill -y 'ratios: [1, 10]')"
+                    if isinstance(base[key], (list, tuple)) else
+                    f" (an integer is written without a point or an exponent: -p {key} {base[key]!r})"
+                    if type(base[key]) is int else "")
+            raise TypeError(f"parameter {key!r} must be {_type_name(base[key])}, got {type(value).__name__} {value!r}"
+                            + hint)
         base[key] = list(value) if isinstance(value, tuple) else value
     check_values(base)
     if _dry_run:
