@@ -482,3 +482,21 @@ def test_the_monitor_is_evenly_spaced_validation_rows_or_all_of_them():
     assert M.map_config("squad", "cpu")["monitor_rows"] == 512 and M.map_config("squad", "full")["monitor_rows"] is None
     with pytest.raises(ValueError, match="monitor_rows"):
         M.map_config("sva", "cpu", monitor_rows=0)
+
+
+def test_r3_in_a_copy_casting_is_not_tested_and_says_why_in_numbers():
+    read = claims.Verdict("not reproduced", "rule text", "2 cells: 1 contradicted", "", "cell: -0.124 ± 0.067 (n = 3)")
+    v = M.not_testable_r3(read, 0.8, 0.06, 8)
+    assert v.verdict == "not tested" and v.rule == "rule text" and v.effect == read.effect
+    assert "0.80 when the prediction is right and 0.06 when it is wrong" in v.reason and "8 models" in v.reason
+    assert claims.word_problem(v.verdict, v.rule, v.effect) is None  # shown, not decided: no word to check
+    none = M.not_testable_r3(read, math.nan, math.nan, 0)
+    assert none.verdict == "not tested" and "nan" not in none.reason and "none trained at ratio 1" in none.reason
+
+
+def test_attention_by_correctness_reads_the_tuned_ratio_1_models(tiny_sva_map):
+    res, ds = tiny_sva_map[0], tiny_sva_map[1]
+    right, wrong, n = M.attention_by_correctness(res, ds.test)
+    assert n >= 1 and all(0.0 <= x <= 1.0 for x in (right, wrong) if x == x)
+    assert "words" in M.COPY_READOUTS and M.MAPS["squad"].profiles["cpu"]["readout"] in M.COPY_READOUTS
+    assert M.MAPS["sva"].profiles["cpu"]["readout"] not in M.COPY_READOUTS

@@ -682,10 +682,55 @@ def run_chapter_map(name: str, cfg: Mapping[str, Any], data_dir=None, device: to
     check_dataset(name)
     ds, val = load_splits(name, cfg, data_dir)
     result = run_map(ds, val, cfg, device, desc=f"{name} map")
+    if cfg.get("readout") in COPY_READOUTS and "R3" in result.verdicts:
+        right, wrong, n = attention_by_correctness(result, ds.test)
+        result.verdicts["R3"] = not_testable_r3(result.verdicts["R3"], right, wrong, n)
     facts = map_facts(result) | {"map_n_val": f"{len(val):,}", "map_eval_every": str(cfg["eval_every"]),
                                  "map_monitor": monitor_text(val, cfg.get("monitor_rows")),
                                  "trained_margin": claims.threshold_text("TRAINED_MARGIN")}
     return result, ds, facts
+
+
+#: Readouts that copy the attended token (:class:`qkov_lib.head_model.HeadModel` ``readout="words"``: the logit
+#: of a word is its embedding against the head output, so the word the head attends is the word predicted). In
+#: such a casting attention on the answer and a right answer are one event, and R3 (sharpness decoupled from
+#: accuracy) cannot be read from it.
+COPY_READOUTS = ("words",)
+
+
+def attention_by_correctness(result: MapResult, test: Batch) -> tuple[float, float, int]:
+    """Mean attention on the relevant tokens among the right and among the wrong test predictions of the trained
+    models at each optimizer's tuned base rate and ratio 1 (per model, then averaged): ``(right, wrong,
+    models)``, fractions in [0, 1] (NaN where no model has such predictions)."""
+    right, wrong = [], []
+    for opt, eta in result.selected.items():
+        for c, model in result.models.items():
+            if c.optimizer != opt or c.eta_ov != eta or c.ratio != 1.0:
+                continue
+            dev = next(model.parameters()).device
+            attn, probs = predict(model, test.to(dev))
+            has = test.relevant.to(dev).any(1)
+            mass = (attn * test.relevant.to(dev)).sum(1)
+            ok = probs.argmax(-1) == test.y.to(dev)
+            for keep, out in ((has & ok, right), (has & ~ok, wrong)):
+                if bool(keep.any()):
+                    out.append(float(mass[keep].double().mean()))
+    mean = lambda xs: float(np.mean(xs)) if xs else math.nan  # noqa: E731
+    return mean(right), mean(wrong), max(len(right), len(wrong))
+
+
+def not_testable_r3(read: claims.Verdict, right: float, wrong: float, models: int) -> claims.Verdict:
+    """R3 in a copy casting (:data:`COPY_READOUTS`): ``not tested``, with the reason in numbers (attention on the
+    relevant tokens when the prediction is right and when it is wrong); the protocol's cells stay in the effect,
+    shown and not decided."""
+    measured = (f"attention on the answer is {right:.2f} when the prediction is right and {wrong:.2f} when it is "
+                f"wrong (tuned rates, ratio 1, {models} models)" if models and math.isfinite(right + wrong) else
+                "no trained model at a tuned rate measures how far (none trained at ratio 1)")
+    return claims.Verdict(
+        "not tested", read.rule,
+        f"not testable in this casting: the model predicts the word it attends (a copy readout), so sharper "
+        f"attention cannot come apart from better prediction; {measured}; the cells of the paper's protocol are "
+        f"shown, not decided", "", read.effect)
 
 
 def chapter_map(name: str, profile: str | None, data_dir=None, device: torch.device | None = None,
@@ -929,7 +974,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 __all__ = ["main", "roles_by_ratio", "roles_by_optimizer", "plot_roles", "test_attention", "top_words", "MAPS",
            "MapSpec", "register", "hold_out_validation", "DATASETS", "MapResult", "load_splits", "make_model",
-           "base_rates", "cell_config", "measure", "chance", "analyse", "run_map", "chapter_map", "map_config",
+           "base_rates", "cell_config", "COPY_READOUTS", "attention_by_correctness", "not_testable_r3", "measure", "chance", "analyse", "run_map", "chapter_map", "map_config",
            "run_chapter_map", "anchor_gap", "selection_table", "failure_frame", "tuned_runs", "map_facts",
            "claims_rows", "largest_gain", "verdict_frame", "runs_at"]
 
