@@ -187,7 +187,7 @@ def test_disagreeing_chapters_keep_every_verdict_visible():
     assert ("SQuAD: reproduced (05_squad why) · HateXplain: not reproduced (06_hatexplain why) · "
             "SVA: inconclusive (07_sva why) · 08_other: not tested (08_other why)") in why
     assert card.loc["R1", "per_dataset"] == ("SQuAD reproduced · HateXplain not reproduced · SVA inconclusive · "
-                                             "08_other not tested")
+                                             "chapter 08 not tested")
     assert card.loc["T1", "per_dataset"] == ""
     assert [scorecard.dataset_name(c) for c in ("squad", "05_squad", "hatexplain", "sva", "01_synthetic")] == \
         ["SQuAD", "SQuAD", "HateXplain", "SVA", "01_synthetic"]
@@ -212,3 +212,13 @@ def test_a_claims_rule_is_shown_once():
 
     other = pd.concat([_r1_rows({"05_squad": "reproduced"}), _r1_rows({"07_sva": "inconclusive"}, rule="another rule")])
     assert "*Rule:* another rule" in scorecard.to_details(scorecard.build(other))
+
+
+def test_a_page_that_reads_a_claim_on_several_datasets_names_each():
+    ms = [{"chapter": "09_multilayer", "ours": "sva (2 layers x 4 heads): ...", "verdict": "inconclusive"},
+          {"chapter": "09_multilayer", "ours": "hatexplain (2 layers x 4 heads): ...", "verdict": "holds where"},
+          {"chapter": "05_squad", "ours": "squad, the paper's protocol: ...", "verdict": "mixed"},
+          {"chapter": "03_theory_asymptotics", "ours": "16 cells ...", "verdict": "mixed"}]
+    assert [scorecard.measurement_name(m) for m in ms] == ["chapter 09 (SVA)", "chapter 09 (HateXplain)", "SQuAD",
+                                                          "chapter 03"]
+    assert scorecard.per_dataset(ms[:2]) == "chapter 09 (SVA) inconclusive · chapter 09 (HateXplain) holds where"

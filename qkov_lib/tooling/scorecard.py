@@ -132,10 +132,19 @@ def short_name(chapter: str) -> str:
     return f"chapter {head}" if name == str(chapter) and head.isdigit() else name
 
 
+def measurement_name(m: Mapping[str, Any]) -> str:
+    """A measurement as a table cell names it: :func:`short_name` of its chapter, with the dataset its text
+    opens with when the chapter is not itself a dataset's (``chapter 09 (SVA)``: a page that reads one claim
+    on several datasets)."""
+    name = short_name(m.get("chapter", ""))
+    first = str(m.get("ours", "")).split(" ", 1)[0].strip(",:").lower()
+    return f"{name} ({DATASETS[first]})" if name not in DATASETS.values() and first in DATASETS else name
+
+
 def per_dataset(measurements: Sequence[Mapping[str, Any]]) -> str:
     """Each measurement's verdict named by its dataset (:func:`dataset_name` of its chapter), in
     order: ``SQuAD reproduced · HateXplain not reproduced · SVA partly``; ``""`` when none."""
-    return " · ".join(f"{dataset_name(m.get('chapter', ''))} {m.get('verdict', 'not tested')}" for m in measurements)
+    return " · ".join(f"{measurement_name(m)} {m.get('verdict', 'not tested')}" for m in measurements)
 
 
 def build(rows: pd.DataFrame) -> pd.DataFrame:
@@ -200,9 +209,9 @@ def to_matrix(card: pd.DataFrame, link: bool = True, kind: str | None = None) ->
             continue
         named = len(ms) > 1
         verdict = _badge(r["verdict"], link) + ("" if not named else " " + " ".join(
-            f"{myst_cell(short_name(m.get('chapter', '')))} "
+            f"{myst_cell(measurement_name(m))} "
             f"{_badge(str(m.get('verdict', 'not tested')), link, small=True)}" for m in ms))
-        effect = "; ".join((f"{myst_cell(short_name(m.get('chapter', '')))}: " if named else "")
+        effect = "; ".join((f"{myst_cell(measurement_name(m))}: " if named else "")
                            + myst_cell(m.get("effect", "") or "-") for m in ms)
         where = ", ".join(dict.fromkeys(_where(m, link) for m in ms))
         lines.append(f"| **{r['id']}** | {verdict} | {myst_cell(r.get('region', '') or '')} | {effect} | {where} |")
