@@ -149,7 +149,7 @@ def test_bad_settings_fail_clearly():
 
 def test_profiles_follow_the_protocol():
     """cpu: at least 4 seeds per cell and 3 base rates per optimizer (so a chosen rate can lie
-    inside its grid); full: 5 seeds, 4 rates and the paper's five ratios, and a model at least as wide
+    inside its grid), less any rate of :data:`CPU_NEVER_TRAINS` (where no run trained); full: 5 seeds, 4 rates and the paper's five ratios, and a model at least as wide
     and as long-trained as cpu's; every map runs the analysed-head model with early stopping."""
     for name in M.DATASETS:
         cpu, full = M.MAPS[name].profiles["cpu"], M.MAPS[name].profiles["full"]
@@ -159,7 +159,12 @@ def test_profiles_follow_the_protocol():
         for cfg, seeds, rates in ((cpu, 4, 3), (full, 5, 4)):
             assert cfg["ratios"][0] == 1.0 and len(cfg["ratios"]) >= 3
             assert set(cfg["optimizers"]) == {"adamw", "sgd"} and cfg["model"] == "head"
-            assert len(cfg["adamw_rates"]) >= rates and len(cfg["sgd_rates"]) >= rates
+            dropped = M.CPU_NEVER_TRAINS.get(name, {}) if cfg is cpu else {}
+            for opt in ("adamw", "sgd"):
+                # a rate where no run trains leaves the cpu grid only: full keeps it, cpu keeps the others
+                assert len(cfg[f"{opt}_rates"]) + (opt in dropped) >= rates
+                if opt in dropped:
+                    assert dropped[opt] in full[f"{opt}_rates"] and dropped[opt] not in cfg[f"{opt}_rates"]
             assert len(cfg["map_seeds"]) >= seeds and cfg["patience"] is not None
 
 
