@@ -77,8 +77,8 @@ _CPU = dict(max_stack=18, monitor_rows=512, protocol_seeds=[4, 5, 6, 7])
 
 # cpu = sized so that a chapter, map included, runs within 12 minutes on 2 cores (SQuAD costs most: 60 map
 # runs and 40 protocol-seed runs of up to 800 steps). Base rates a decade apart with ratios 1, 10, 100: every
-# cell of the rate plane is reached both ways (eta_QK raised at fixed eta_OV, eta_OV lowered at fixed eta_QK), and the lowest
-# AdamW rate keeps eta_QK at ratio 100 at 1e-2.
+# cell of the rate plane is reached both ways (eta_QK raised at fixed eta_OV, eta_OV lowered at fixed
+# eta_QK), and the lowest AdamW rate keeps eta_QK at ratio 100 at 1e-2.
 _SVA_PROFILES = profile_table(
     dict(COMMON, layers=2, relative=True, d_model=64, max_len=16, min_freq=2, test_frac=0.2, adamw_steps=2000,
          sgd_steps=2000),
