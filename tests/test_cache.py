@@ -350,3 +350,18 @@ def test_run_book_orders_its_one_slot_pages_by_an_earlier_runs_times(tmp_path: P
     bookrun.run_book(tmp_path, tmp_path / "out", jobs=2, log=lines.append)
     starts = [x.split()[1] for x in lines if " started" in x]
     assert starts == ["wide", "c", "b", "a", "summary", "recap"]
+
+
+def test_the_key_of_another_environment_reads_its_data_folder_not_ours(tmp_path: Path, monkeypatch):
+    """``key_parts(environ=...)`` describes that environment: where it sets no QKOV_DATA_DIR, the default data
+    folder, whatever this process's own QKOV_DATA_DIR holds (a Sphinx build started without QKOV_* variables
+    keys its outputs the same way as the test that predicts the key)."""
+    from qkov_lib.data import sources
+
+    rel = sorted(sources.manifest())[0]
+    (tmp_path / rel).parent.mkdir(parents=True)
+    (tmp_path / rel).write_bytes(b"not the real file")
+    monkeypatch.setenv(sources.DATA_ENV, str(tmp_path))
+    parts = cache.key_parts(environ={"QKOV_PROFILE": "cpu"})
+    assert parts["data"] == cache.data_hashes(sources.DEFAULT_DATA_DIR)
+    assert cache.key_parts()["data"] == {rel: sources.sha256_file(tmp_path / rel)}  # our own environment: ours

@@ -121,7 +121,9 @@ def key_parts(package_dir: str | os.PathLike | None = None, environ: Mapping[str
     qkov_env.setdefault("QKOV_PROFILE", "cpu")
     packages = sorted({"torch", "numpy", *(n.lower() for n in pinned_packages(requirements))})
     return {"library": library_hash(package_dir), "env": qkov_env,
-            "data": data_hashes(env.get(sources.DATA_ENV) or None),
+            # the data folder of `environ` alone: without QKOV_DATA_DIR there, the default folder, never this
+            # process's own $QKOV_DATA_DIR (a key computed for another environment must not read it)
+            "data": data_hashes(env.get(sources.DATA_ENV) or sources.DEFAULT_DATA_DIR),
             "manifest": _file_sha256(env.get(sources.MANIFEST_ENV) or sources.MANIFEST_PATH),
             "requirements": _file_sha256(requirements), "python": platform.python_version(),
             "packages": {n: _version(n) for n in packages}}
