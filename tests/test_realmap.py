@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from qkov_lib import claims, profiles, rate_plane
+from qkov_lib import claims, profiles, protocol, rate_plane
 from qkov_lib.data import registry
 from qkov_lib.data.batch import Batch
 from qkov_lib.data.registry import load_text_dataset
@@ -499,9 +499,31 @@ def test_r3_in_a_copy_casting_is_not_tested_and_says_why_in_numbers():
     assert none.verdict == "not tested" and "nan" not in none.reason and "none trained at ratio 1" in none.reason
 
 
-def test_attention_by_correctness_reads_the_tuned_ratio_1_models(tiny_sva_map):
-    res, ds = tiny_sva_map[0], tiny_sva_map[1]
-    right, wrong, n = M.attention_by_correctness(res, ds.test)
-    assert n >= 1 and all(0.0 <= x <= 1.0 for x in (right, wrong) if x == x)
+def test_attention_by_correctness_reads_the_tuned_ratio_1_models():
+    """Hand-worked: a model that puts mass m_i on the relevant token of row i and predicts right where the
+    relevant token is token 1; per model the mean over right rows and over wrong rows, then over models. Models
+    at other rates or ratios are not read."""
+    from types import SimpleNamespace
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, masses):
+            super().__init__()
+            self.w, self.m = torch.nn.Parameter(torch.zeros(1)), torch.tensor(masses, dtype=torch.float64)
+
+        def forward(self, tokens, key_mask):
+            attn = torch.stack([self.m, 1 - self.m, torch.zeros_like(self.m)], 1)  # column 0 is relevant
+            right = (tokens[:, 0] == 1).double()
+            return torch.stack([1 - right, right], 1) + 0 * self.w, attn
+
+    tokens = torch.tensor([[1, 2, 0], [1, 2, 0], [2, 2, 0], [2, 2, 0]])  # rows 0, 1 right; rows 2, 3 wrong
+    rel = torch.zeros(4, 3, dtype=torch.bool)
+    rel[:, 0] = True
+    test = Batch(tokens, torch.ones(4, 3, dtype=torch.bool), rel, torch.ones(4, dtype=torch.long))
+    cell = lambda eta, r, s: protocol.Cell("adamw", eta, r, s)  # noqa: E731
+    models = {cell(1e-3, 1.0, 0): Fixed([0.9, 0.7, 0.1, 0.3]), cell(1e-3, 1.0, 1): Fixed([0.6, 0.6, 0.0, 0.2]),
+              cell(1e-3, 10.0, 0): Fixed([0.0, 0.0, 1.0, 1.0]), cell(1e-2, 1.0, 0): Fixed([0.0, 0.0, 1.0, 1.0])}
+    right, wrong, n = M.attention_by_correctness(SimpleNamespace(selected={"adamw": 1e-3}, models=models), test)
+    assert n == 2
+    assert right == pytest.approx((0.8 + 0.6) / 2) and wrong == pytest.approx((0.2 + 0.1) / 2)
     assert "words" in M.COPY_READOUTS and M.MAPS["squad"].profiles["cpu"]["readout"] in M.COPY_READOUTS
     assert M.MAPS["sva"].profiles["cpu"]["readout"] not in M.COPY_READOUTS

@@ -31,7 +31,7 @@ from qkov_lib.data.text import TextDataset, dry_run_dataset, dry_run_split
 from qkov_lib.data import registry
 from qkov_lib.data.registry import load_text_dataset
 from qkov_lib.runtime import seed_everything
-from qkov_lib.metrics import prediction_metrics, seed_half_width, summarize
+from qkov_lib.metrics import prediction_metrics, relevant_mass, seed_half_width, summarize
 from qkov_lib.profiles import profile_table
 from qkov_lib.train import TrainConfig, predict
 from qkov_lib.studies import rationales, attention_analysis, trajectory
@@ -705,23 +705,22 @@ COPY_READOUTS = ("words",)
 
 def attention_by_correctness(result: MapResult, test: Batch) -> tuple[float, float, int]:
     """Mean attention on the relevant tokens among the right and among the wrong test predictions of the trained
-    models at each optimizer's tuned base rate and ratio 1 (per model, then averaged): ``(right, wrong,
-    models)``, fractions in [0, 1] (NaN where no model has such predictions)."""
-    right, wrong = [], []
+    models at each optimizer's tuned base rate and ratio 1 (per model,
+    :func:`.attention_analysis.mass_by_correctness`, then averaged over models): ``(right, wrong, models)``,
+    fractions in [0, 1] (NaN where no model has such predictions)."""
+    runs = []
     for opt, eta in result.selected.items():
         for c, model in result.models.items():
-            if c.optimizer != opt or c.eta_ov != eta or c.ratio != 1.0:
+            if (c.optimizer, c.eta_ov, c.ratio) != (opt, eta, 1.0):
                 continue
-            dev = next(model.parameters()).device
-            attn, probs = predict(model, test.to(dev))
-            has = test.relevant.to(dev).any(1)
-            mass = (attn * test.relevant.to(dev)).sum(1)
-            ok = probs.argmax(-1) == test.y.to(dev)
-            for keep, out in ((has & ok, right), (has & ~ok, wrong)):
-                if bool(keep.any()):
-                    out.append(float(mass[keep].double().mean()))
-    mean = lambda xs: float(np.mean(xs)) if xs else math.nan  # noqa: E731
-    return mean(right), mean(wrong), max(len(right), len(wrong))
+            data = test.to(next(model.parameters()).device)
+            attn, probs = predict(model, data)
+            mass = relevant_mass(attn, data.relevant).double().masked_fill(~data.relevant.any(1), math.nan)
+            runs.append(attention_analysis.RealRun(1.0, c.seed, None, [], None, mass.cpu().numpy(),
+                                                   (probs.argmax(-1) == data.y).cpu().numpy()))
+    f = attention_analysis.mass_by_correctness(runs)
+    side = lambda which: float(f[f["prediction"] == which]["attn_relevant"].mean()) if len(f) else math.nan  # noqa: E731
+    return side("correct"), side("wrong"), len(runs)
 
 
 def not_testable_r3(read: claims.Verdict, right: float, wrong: float, models: int) -> claims.Verdict:
