@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from qkov_lib.figure_source import draws
 from qkov_lib.metrics import seed_half_width
 
 FACE = "white"
@@ -21,6 +22,7 @@ def setup() -> None:
                       "figure.dpi": 90})
 
 
+@draws
 def dtap_grid(hists: Mapping[tuple[str, float], np.ndarray], rows: Sequence[str], cols: Sequence[float],
               row_label: str = "", col_label: str = "eta_QK/eta_OV", vmax: float | None = None) -> plt.Figure:
     """DTAP heatmaps (attention on relevant tokens vs. confidence in the gold class), one panel
@@ -76,6 +78,7 @@ def seed_band(values) -> tuple[float, float]:
     return (mean, mean) if not np.isfinite(half) else (mean - half, mean + half)
 
 
+@draws
 def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style: str | None = None,
                     col_wrap: int | None = None, logx: bool = True) -> plt.Figure:
     """Line plots of ``metrics`` against ``step`` from a long history table (one line per
@@ -101,6 +104,7 @@ def training_curves(hist: pd.DataFrame, metrics: Sequence[str], hue: str, style:
     return fig
 
 
+@draws
 def role_bars(frames: Mapping[str, pd.DataFrame], roles: Sequence[str], ylabel: str = "mean attention mass"):
     """Stacked bars of the mean attention mass per token role (columns ``roles`` of each frame,
     indexed by ratio), one panel per entry of ``frames`` (e.g. per optimizer); white face."""

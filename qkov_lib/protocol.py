@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from qkov_lib.figure_source import draws
 from qkov_lib import claims
 from qkov_lib.data.batch import Batch
 from qkov_lib.metrics import INSTANCE_METRICS, threshold_names
@@ -441,6 +442,7 @@ def phase_label(value: float, significant: bool) -> str:
     return text + ("*" if significant else "")
 
 
+@draws
 def plot_phase(phase: pd.DataFrame, metrics: Sequence[str], selected: Mapping[str, float] | None = None):
     """Heatmaps of ``d_<metric>`` (change against ratio 1) over base rate (rows) × ratio
     (columns), one panel per (optimizer, metric), :data:`PHASE_COLS` panels to a row (each

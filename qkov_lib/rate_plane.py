@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from qkov_lib.figure_source import draws
 from qkov_lib import claims, protocol
 
 ROUTES = {"qk_up": "eta_QK raised at fixed eta_OV", "ov_down": "eta_OV lowered at fixed eta_QK"}
@@ -236,6 +237,7 @@ def readings_frame(cells: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(list(rows.values()))
 
 
+@draws
 def plot_forest(cells: Mapping[str, pd.DataFrame], claim_ids: Sequence[str] = ("R2", "R1")):
     """A forest plot of the paper's protocol cells (``qk_up`` rows of :func:`protocol_cells`) of
     several datasets (``{dataset: cells}``): one panel per claim in ``claim_ids``, one row per dataset x
@@ -282,6 +284,7 @@ def plot_forest(cells: Mapping[str, pd.DataFrame], claim_ids: Sequence[str] = ("
     return fig
 
 
+@draws
 def plot_plane(phase: pd.DataFrame, metric: str, ceiling: Mapping[str, float] | None = None,
                all_runs: bool = False):
     """The change of ``metric`` (``d_<metric>``, or ``d_all_<metric>`` with ``all_runs``) in the

@@ -275,3 +275,15 @@ def test_a_run_that_ends_does_not_remove_the_running_folder_of_a_run_just_starte
     R.running_path(files["c"][1]).write_text(notebook({}))
     R.publish_run(*files["c"])
     assert not (out / ".running").exists()  # the last run out tidies the shared folder away
+
+
+def test_figure_data_become_plain_json_tuple_keys_tables_arrays_and_nan():
+    import numpy as np
+    import pandas as pd
+
+    from qkov_lib.tooling.results import jsonable
+
+    doc = {("FAFO", 10.0): np.array([[0.5, 0.25]]), ("CACO", 1.0): float("nan"),
+           "history": pd.DataFrame({"step": [1, 2], "loss": [0.5, np.nan]})}
+    assert jsonable(doc) == {"FAFO / 10": [[0.5, 0.25]], "CACO / 1": None,
+                             "history": [{"step": 1, "loss": 0.5}, {"step": 2, "loss": None}]}

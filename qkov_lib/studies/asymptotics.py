@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qkov_lib.figure_source import draws
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.models import SyntheticModel
@@ -679,6 +680,7 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
 
 
 
+@draws
 def plot_asymptotics(runs: pd.DataFrame, sizes: dy.Sizes, cfg: dict):
     """Left: ``w`` minus its derived law; middle: ``Z(q) / (A s^beta)`` (tends to 1); right: the
     common-token mass against ``t``, each for every parameterization (colour) and ratio (line
@@ -709,6 +711,7 @@ def plot_asymptotics(runs: pd.DataFrame, sizes: dy.Sizes, cfg: dict):
     return fig
 
 
+@draws
 def plot_phase_portraits(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float],
                          inits: Sequence[tuple[float, float]] = ((0.1, 0.1), (0.1, 2.0), (2.0, 0.1))):
     """(w, q) phase portraits: the ODE direction field (streamlines) and trajectories from several
@@ -737,6 +740,7 @@ def plot_phase_portraits(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float],
     return fig
 
 
+@draws
 def plot_lines(single: pd.DataFrame, mix: pd.DataFrame):
     """T4: trajectories in the line coordinates ``(X(w), Y(q))`` (log-log axes, where a line
     through the start shows as a curve tending to slope 1) and the relative residual from the
@@ -761,6 +765,7 @@ def plot_lines(single: pd.DataFrame, mix: pd.DataFrame):
     return fig
 
 
+@draws
 def plot_ranking(runs: pd.DataFrame, full: pd.DataFrame, cfg: dict, ratio: float = 1.0):
     """Common-token mass at ``ratio`` (equal rates by default) for the four parameterizations (ODE from the
     symmetric init). Left: the training range (log t), with the full-model runs at their last

@@ -26,6 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qkov_lib.figure_source import draws
 from qkov_lib import faithfulness as fa
 from qkov_lib.data.batch import Batch, spread
 from qkov_lib.data.text import TextDataset
@@ -228,6 +229,7 @@ def focus_table(summary: pd.DataFrame) -> pd.DataFrame:
     return model_table(summary, ["FTPT", "FFPT", "FTPF", "FFPF"])
 
 
+@draws
 def plot_tau_sweep(table: pd.DataFrame, taus: Sequence[float]):
     """AC and ACMC against the threshold tau, one line per ratio (model) plus the uniform and
     random baselines at the highest ratio (dashed); mean over seeds with a 95% band."""
@@ -265,6 +267,7 @@ def attractor_summary(frame: pd.DataFrame) -> pd.DataFrame:
     return s.pivot(index="ratio", columns="n_attractors", values="cell")[order]
 
 
+@draws
 def plot_attractors(frame: pd.DataFrame):
     """Linzen test accuracy against the number of attractors, one line per ratio."""
     import matplotlib.pyplot as plt

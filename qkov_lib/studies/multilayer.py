@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from qkov_lib.figure_source import draws
 from qkov_lib.data.batch import Batch
 from qkov_lib.knob import knob_groups
 from qkov_lib.metrics import macro_f1, relevant_mass, seed_half_width, tag_frame
@@ -516,6 +517,7 @@ def claims_rows(facts: dict[str, str], verdicts: dict[str, dict[str, claims.Verd
 
 
 # --- figures --------------------------------------------------------------------------------
+@draws
 def head_heatmaps(heads: pd.DataFrame, datasets: Sequence[str], ratios: Sequence[float]) -> plt.Figure:
     """One panel per (dataset, ratio): layers x head ranks, colour = attention on relevant tokens
     at the query position (mean over seeds), annotated."""
@@ -541,6 +543,7 @@ def head_heatmaps(heads: pd.DataFrame, datasets: Sequence[str], ratios: Sequence
     return fig
 
 
+@draws
 def layer_lines(table: pd.DataFrame, datasets: Sequence[str]) -> plt.Figure:
     """Head-mean and sharpest-head attention on relevant tokens against the ratio (log axis),
     one line per layer, one panel per dataset; dashed: uniform attention."""

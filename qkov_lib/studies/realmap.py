@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from qkov_lib.figure_source import draws
 from qkov_lib import claims, head_model, rate_plane
 from qkov_lib import faithfulness as fa
 from qkov_lib.data.batch import Batch, spread
@@ -465,6 +466,7 @@ def curve_columns(result: MapResult) -> list[tuple[str, float]]:
     return cols
 
 
+@draws
 def plot_attention_curves(result: MapResult, metric: str = "val_AC@0.5"):
     """:func:`.trajectory.plot_attention_vs_loss` of the trained runs in the columns of :func:`curve_columns`;
     None when no column has any."""
@@ -603,6 +605,7 @@ def data_facts(ds: TextDataset) -> dict[str, str]:
     return f
 
 
+@draws
 def plot_dtap(evals: Mapping[str, Sequence[attention_analysis.RealRun]], result: MapResult):
     """DTAP heatmaps (:func:`qkov_lib.plotting.dtap_grid`) of the tuned models, averaged over seeds: one row
     per optimizer (labelled with its tuned base rate), one column per ratio; None without any histogram."""
@@ -919,6 +922,7 @@ def roles_by_optimizer(result: MapResult, roles: Callable[[nn.Module], Mapping[s
     return {opt: roles_by_ratio(result, opt, roles) for opt in result.selected}
 
 
+@draws
 def plot_roles(result: MapResult, frames: Mapping[str, pd.DataFrame], roles: Sequence[str]):
     """:func:`qkov_lib.plotting.role_bars` of :func:`roles_by_optimizer`, one panel per optimizer titled with
     its tuned base rate; None when no optimizer has one."""

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qkov_lib.figure_source import draws
 from qkov_lib import dynamics as dy
 from qkov_lib.data import synthetic as syn
 from qkov_lib.metrics import circuit_scalars
@@ -430,6 +431,7 @@ def _fig(nrows: int, ncols: int, w: float = 3.4, h: float = 2.8, **kw):
 
 
 
+@draws
 def plot_overlay(ov: pd.DataFrame):
     """Top: ``w``, bottom: ``q`` against the step (log axis); full-model GD as dots, the ODE as
     lines, one column per parameterization, one colour per ratio."""
@@ -454,6 +456,7 @@ def plot_overlay(ov: pd.DataFrame):
     return fig
 
 
+@draws
 def plot_discrepancy(ov: pd.DataFrame, tol: float):
     """``max(|w_GD - w_ODE|, |q_GD - q_ODE|)`` against the step, with the stated bound."""
     import seaborn as sns
@@ -470,6 +473,7 @@ def plot_discrepancy(ov: pd.DataFrame, tol: float):
     return fig
 
 
+@draws
 def plot_convergence(conv: pd.DataFrame, cons: pd.DataFrame):
     """Log-log: the ODE-vs-GD discrepancy and the drift of the invariants over a fixed horizon
     against the step size, with a slope-1 guide (first-order convergence)."""
@@ -488,6 +492,7 @@ def plot_convergence(conv: pd.DataFrame, cons: pd.DataFrame):
     return fig
 
 
+@draws
 def plot_rescaling():
     """The factor ``R`` multiplying the nominal rate in collapsed space against the singular value."""
     fig, axes = _fig(1, 1, w=4.5, h=3.0)

@@ -34,6 +34,7 @@ import pandas as pd
 import torch
 from scipy.integrate import solve_ivp
 
+from qkov_lib.figure_source import draws
 from qkov_lib import claims as C
 from qkov_lib import dynamics as dy
 from qkov_lib.claims import Change, Verdict, claim
@@ -539,6 +540,7 @@ def s2_claim(facts: Mapping[str, object], verdict: Verdict) -> dict[str, str]:
 CALL_COLOURS = {"A": "#4c72b0", "B": "#dd8452", "neither": "#c9c9c9", "tie": "#f2e394", "not tested": "white"}
 
 
+@draws
 def plot_phase(ode: pd.DataFrame, cells: pd.DataFrame):
     """The phase diagram: one panel per (init scale: rows, n: columns); in each, the ODE's top two
     at every (ratio, loss) cell as a colour (summary A's pair, summary B's, neither, a tie), and the

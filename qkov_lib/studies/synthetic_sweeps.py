@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from qkov_lib.figure_source import draws
 from qkov_lib.train import engine
 from qkov_lib.data import synthetic as syn
 from qkov_lib.data.batch import Batch
@@ -747,6 +748,7 @@ def robustness_verdicts(table: pd.DataFrame, matched: pd.DataFrame, ref_ratio: f
 
 
 # --- figures --------------------------------------------------------------------------------
+@draws
 def plot_trajectories(hist: pd.DataFrame, metric: str = "attn_relevant", by: str = "parameterization",
                       hue: str = "ratio"):
     """``metric`` against training step (log axis), one panel per ``by`` value, one line per
@@ -776,6 +778,7 @@ def plot_trajectories(hist: pd.DataFrame, metric: str = "attn_relevant", by: str
     return fig
 
 
+@draws
 def plot_decoupling(table: pd.DataFrame, matched: pd.DataFrame | None = None, x: str = "loss",
                     y: str = "AC@0.9"):
     """Left: each fixed-step run's test ``x`` against ``y`` (colour = ratio, marker =
@@ -884,6 +887,7 @@ def chapter_verdicts(readings: Mapping[str, Sequence[C.Reading]]) -> dict[str, V
     return {k: base.verdict(readings[k], C.ESTIMANDS[e]) for k, e in est.items()}
 
 
+@draws
 def plot_adam(readings: Mapping[str, Sequence[C.Reading]]):
     """S3 under gradient descent and under AdamW: per cell (parameterization, ratio against 1), the
     log-odds change at matched training loss with its family interval, and the margin."""

@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
+from qkov_lib.figure_source import draws
 from qkov_lib import claims
 from qkov_lib.protocol import Cell
 from qkov_lib.train import History
@@ -244,6 +245,7 @@ def at_deepest_common_loss(curves: pd.DataFrame, pairs: Sequence[Pair],
     return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
 
 
+@draws
 def plot_attention_vs_loss(curves: pd.DataFrame, columns: Sequence[Column], metric: str = "val_AC@0.5",
                            n_grid: int = 60):
     """``metric`` against the validation loss (nats; the axis is inverted, so training runs left

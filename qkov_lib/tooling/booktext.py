@@ -41,8 +41,12 @@ chapter glued (``{glue:text}``, computed when the book was built) is told apart 
   that module defines at top level; a README named in prose outside a link is a file the book
   does not contain; "the <name> page/chapter", in a sentence with no link, must name a page of the
   book (every word of ``<name>`` in its title or file name), and "chapter N" a numbered page.
+- ``sources`` (:func:`source_findings`): every figure (an image of the page) is followed, before the
+  next figure or heading, by its source line (:mod:`qkov_lib.figure_source`: "Drawn by `f` from
+  `x.json`, key `k`"), and the key is in that results file (the function's existence is a
+  ``references`` check).
 
-:func:`check_book` runs all four over every page; ``python -m qkov_lib.tooling.booktext
+:func:`check_book` runs all five over every page; ``python -m qkov_lib.tooling.booktext
 _build/html`` prints the findings and exits 1 if there are any.
 """
 
@@ -60,7 +64,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlsplit
 
-KINDS = ("ratios", "intervals", "references", "verdicts")
+KINDS = ("ratios", "intervals", "references", "verdicts", "sources")
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
         "track", "wbr"}
 BLOCK_TAGS = {"p", "li", "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "caption", "figcaption"}
@@ -783,6 +787,44 @@ def pages(html_root: Path) -> list[Path]:
                   and p.name not in ("genindex.html", "search.html"))
 
 
+def results_key(doc: Mapping, key: str) -> bool:
+    """Whether the dotted ``key`` is a path into ``doc``; a step may be a key that itself holds a dot
+    (``val_AC@0.5``), so every split is tried."""
+    if key in doc:
+        return True
+    parts = key.split(".")
+    for i in range(1, len(parts)):
+        head = ".".join(parts[:i])
+        if isinstance(doc.get(head), Mapping) and results_key(doc[head], ".".join(parts[i:])):
+            return True
+    return False
+
+
+def source_findings(page: Page, results_dir: Path | None) -> list[Finding]:
+    """Figures without a source line, and source lines whose results file lacks the key (see the
+    module docstring, ``sources``)."""
+    from qkov_lib import figure_source
+
+    out, pending = [], 0
+    for b in page.blocks + [Block("heading")]:
+        line = figure_source.parse(b.text) if b.kind == "prose" else None
+        if b.kind in ("figure", "heading") and pending:
+            out.append(Finding(page.name, "sources", f"a figure without a line that says where it came from "
+                                                      f"({pending} before {b.text[:60] or 'the end'!r})"))
+            pending = 0
+        if b.kind == "figure":
+            pending += 1
+        elif line is not None:
+            pending = max(pending - 1, 0)
+            _, name, key = line
+            doc = read_results(results_dir, name)
+            if doc is None:
+                out.append(Finding(page.name, "sources", f"{b.text!r}: no results file {name}.json"))
+            elif not results_key(doc, key):
+                out.append(Finding(page.name, "sources", f"{b.text!r}: {name}.json has no key {key!r}"))
+    return out
+
+
 def chapter_of(page_name: str) -> str:
     """The results file's chapter of a page: its file name without a leading number
     (``book/05_squad`` -> ``squad``)."""
@@ -802,7 +844,7 @@ def read_results(results_dir: Path | None, chapter: str) -> Mapping | None:
 
 def check_book(html_root: str | Path, results_dir: str | Path | None = None,
                repo: str | Path | None = None) -> list[Finding]:
-    """Every finding of the four checks over every page of the built book at ``html_root``.
+    """Every finding of the five checks over every page of the built book at ``html_root``.
     ``results_dir``: the chapters' results files (default ``<html_root>/../results``); ``repo``:
     the checkout that repository paths are resolved in (default ``<html_root>/../..``, the
     repository of ``_build/html``)."""
@@ -824,6 +866,7 @@ def check_book(html_root: str | Path, results_dir: str | Path | None = None,
         out += interval_findings(page, seed_counts(page, doc))
         out += reference_findings(page, f, html_root, repo, names)
         out += verdict_findings(page)
+        out += source_findings(page, results_dir)
     return out
 
 

@@ -30,11 +30,15 @@ def default_results_path(chapter: str) -> Path:
 
 
 def jsonable(x: Any) -> Any:
-    """``x`` made strict-JSON-able: mappings (keys as strings), lists/tuples, numpy scalars and
-    arrays, torch tensors and paths become plain JSON values, and a non-finite float (NaN, inf,
-    e.g. the interval of a single seed) becomes None (``null``)."""
+    """``x`` made strict-JSON-able: mappings (keys as strings; a tuple key's parts joined by " / ",
+    as ``FAFO / 10``), lists/tuples, numpy scalars and arrays, torch tensors, pandas tables (a list
+    of row records) and paths become plain JSON values, and a non-finite float (NaN, inf, e.g. the
+    interval of a single seed) becomes None (``null``)."""
     if isinstance(x, Mapping):
-        return {str(k): jsonable(v) for k, v in x.items()}
+        return {(" / ".join(f"{p:g}" if isinstance(p, float) else str(p) for p in k) if isinstance(k, tuple)
+                 else str(k)): jsonable(v) for k, v in x.items()}
+    if type(x).__name__ == "DataFrame" and hasattr(x, "to_dict"):
+        return jsonable(x.to_dict("records"))
     if isinstance(x, (list, tuple)):
         return [jsonable(v) for v in x]
     if isinstance(x, (np.generic, np.ndarray, torch.Tensor)):
