@@ -26,12 +26,15 @@ LINE = re.compile(r"Drawn by `?(\w+(?:\.\w+)+)`? from `?([\w.-]+)\.json`?, key `
 
 def draws(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Decorator for a function that returns a matplotlib figure: records the function's dotted
-    name (``module.qualname``) on the figure it returns, for :func:`caption`."""
+    name (``module.qualname``) on the figure it returns, for :func:`caption`. A function that has
+    nothing to draw (no trained run, say) may return None, which passes through (:func:`show` says so)."""
     name = f"{fn.__module__}.{fn.__qualname__}"
 
     @functools.wraps(fn)
     def drawing(*args, **kwargs):
         fig = fn(*args, **kwargs)
+        if fig is None:
+            return None
         if not hasattr(fig, "savefig"):
             raise TypeError(f"{name} returned {type(fig).__name__}, not a matplotlib figure")
         setattr(fig, DRAWN_BY, name)
@@ -62,12 +65,20 @@ def parse(text: str) -> tuple[str, str, str] | None:
     return (m.group(1), m.group(2), m.group(3)) if m else None
 
 
+#: what :func:`show` displays in place of a figure that had nothing to draw
+NOTHING_DRAWN = "*No figure here: in this build no run gave it anything to draw.*"
+
+
 def show(fig: Any, results: str, key: str) -> None:
     """Display ``fig`` and, under it, its :func:`caption` line; then close the figure, so that the
-    notebook does not show it again (without its line) at the end of the cell."""
+    notebook does not show it again (without its line) at the end of the cell. ``fig`` None (a
+    :func:`draws` function with nothing to draw): a line that says so, :data:`NOTHING_DRAWN`."""
     import matplotlib.pyplot as plt
     from IPython.display import Markdown, display
 
+    if fig is None:
+        display(Markdown(NOTHING_DRAWN))
+        return
     text = caption(fig, results, key)
     display(fig)
     display(Markdown(text))

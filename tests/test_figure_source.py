@@ -60,6 +60,18 @@ def test_a_figure_not_drawn_by_the_library_or_a_bad_key_gets_a_clear_error():
         not_a_figure()
 
 
+def test_nothing_to_draw_passes_through_and_shows_a_line_that_says_so(monkeypatch):
+    @fs.draws
+    def nothing():
+        return None
+
+    assert nothing() is None
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    fs.show(None, "squad", "metrics.curves")
+    assert [getattr(x, "data", x) for x in shown] == [fs.NOTHING_DRAWN]
+
+
 def test_a_key_with_a_dot_inside_one_step_resolves():
     doc = {"metrics": {"curves": {"val_AC@0.5": [1, 2]}, "plane": []}}
     assert bt.results_key(doc, "metrics.plane")
