@@ -401,6 +401,23 @@ def reduction_facts(grad: pd.DataFrame, vel: pd.DataFrame, summ: pd.DataFrame, c
     return f
 
 
+#: the columns of an overlay frame (:func:`overlay_grid`) that the figures draw and the results keep
+OVERLAY_COLUMNS = ("parameterization", "ratio", "step", "ov", "qk", "w_ode", "q_ode", "err_w", "err_q")
+
+
+def reduction_metrics(grad: pd.DataFrame, vel: pd.DataFrame, ov: pd.DataFrame, summ: pd.DataFrame,
+                      conv: pd.DataFrame, cons: pd.DataFrame, pert: pd.DataFrame, facts: Mapping[str, str],
+                      verdicts: Mapping[str, Verdict]) -> dict:
+    """The metrics chapter 02 saves: every check's table (records), the overlay runs' scalars
+    (:data:`OVERLAY_COLUMNS`, what :func:`plot_overlay` and :func:`plot_discrepancy` draw), the
+    rescaling curve (:func:`plot_rescaling`), ``convergence`` = the step-convergence and
+    random-init conservation tables (:func:`plot_convergence`), the facts and the scorecard rows."""
+    return {"gradient_check": grad, "velocity_check": vel, "overlay_summary": summ,
+            "overlay": ov[list(OVERLAY_COLUMNS)], "rescaling_curve": rescaling_curve(),
+            "convergence": {"step_convergence": conv, "conservation_random": cons}, "perturbation": pert,
+            "facts": dict(facts), "claims": reduction_claims(facts, verdicts)}
+
+
 def reduction_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
     """Scorecard rows for T1 and T2: the measured numbers from :func:`reduction_facts`, the
     verdicts (with rule and reason) from :func:`reduction_verdicts`."""
@@ -492,14 +509,22 @@ def plot_convergence(conv: pd.DataFrame, cons: pd.DataFrame):
     return fig
 
 
+def rescaling_curve(sigma_max: float = 3.0, n: int = 31) -> pd.DataFrame:
+    """The rate multiplier ``R`` of T2 against the singular value ``sigma`` of the effective matrix,
+    at ``n`` evenly spaced ``sigma`` in ``[0, sigma_max]``: columns ``sigma``, ``R_collapsed`` (1)
+    and ``R_factorized`` (``2 sigma``, a balanced factorized circuit)."""
+    s = np.linspace(0.0, sigma_max, n)
+    return pd.DataFrame({"sigma": s, "R_collapsed": np.ones_like(s), "R_factorized": 2 * s})
+
+
 @draws
-def plot_rescaling():
-    """The factor ``R`` multiplying the nominal rate in collapsed space against the singular value."""
+def plot_rescaling(curve: pd.DataFrame):
+    """The factor ``R`` multiplying the nominal rate in collapsed space against the singular value
+    (a :func:`rescaling_curve` table)."""
     fig, axes = _fig(1, 1, w=4.5, h=3.0)
     ax = axes[0, 0]
-    s = np.linspace(0, 3, 100)
-    ax.plot(s, np.ones_like(s), label="collapsed: R = 1")
-    ax.plot(s, 2 * s, label="balanced factorized: R = 2σ")
+    ax.plot(curve["sigma"], curve["R_collapsed"], label="collapsed: R = 1")
+    ax.plot(curve["sigma"], curve["R_factorized"], label="balanced factorized: R = 2σ")
     ax.axvline(0.5, color="grey", ls=":", lw=1)
     ax.set(xlabel="singular value σ of the effective matrix", ylabel="rate multiplier R")
     ax.legend(frameon=False, fontsize=8)
