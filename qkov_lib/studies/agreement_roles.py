@@ -209,6 +209,26 @@ def natural_r1(frame: pd.DataFrame) -> claims.Verdict:
     return claims.decide(claims.read_cells(cells, claims.ESTIMANDS["R1"]), claims.ESTIMANDS["R1"])
 
 
+def natural_study(cfg: Mapping[str, Any], data_dir=None, device: torch.device | None = None
+                  ) -> tuple[TextDataset | None, pd.DataFrame | None, claims.Verdict | None]:
+    """``(dataset, frame, verdict)`` of the natural-prefix models of a :data:`NATURAL_PROFILES` config:
+    :func:`load_natural`, :func:`natural_grid` and :func:`natural_r1`; three Nones when ``cfg["linzen"]``
+    is false (the models are not trained)."""
+    if not cfg["linzen"]:
+        return None, None, None
+    ds = load_natural(cfg, data_dir)
+    frame = natural_grid(ds, cfg, device)
+    return ds, frame, natural_r1(frame)
+
+
+def natural_facts(cfg: Mapping[str, Any], verdict: claims.Verdict | None) -> dict[str, str]:
+    """What a page quotes of :func:`natural_r1`'s ``verdict`` (None: not trained): ``lz_verdict``,
+    ``lz_reason``, ``lz_effect`` and the seeds of ``cfg`` (``lz_seeds``)."""
+    return {"lz_verdict": verdict.verdict if verdict else "not run",
+            "lz_reason": verdict.reason if verdict else "the natural-prefix models were not trained",
+            "lz_effect": (verdict.effect or "-") if verdict else "-", "lz_seeds": str(len(cfg["seeds"]))}
+
+
 def natural_claim_row(frame: pd.DataFrame, verdict: claims.Verdict) -> dict[str, str]:
     """The scorecard row R1 of the natural-prefix models: accuracy over all attractor prefixes at
     the lowest and the highest ratio (seed mean, percent) and :func:`natural_r1`'s verdict."""
@@ -218,3 +238,20 @@ def natural_claim_row(frame: pd.DataFrame, verdict: claims.Verdict) -> dict[str,
     ours = (f"sva, natural prefixes (Linzen's attractor sets, {int(n.loc[lo])} seeds): accuracy "
             f"{100 * m.loc[lo]:.1f}% at ratio {lo:g}, {100 * m.loc[hi]:.1f}% at ratio {hi:g}")
     return claims.claim("R1", claims.CLAIMS["R1"], ours, verdict, "07_sva")
+
+
+def show_natural(ds: TextDataset | None, frame: pd.DataFrame | None, results: str, key: str = "metrics.linzen") -> None:
+    """The natural-prefix study of :func:`natural_study` on a page: the data report, accuracy per number
+    of attractors (:func:`.attention_analysis.attractor_summary`) and its figure
+    (:func:`.attention_analysis.plot_attractors`), whose line names ``results``.json and ``key`` (where the
+    page saves ``frame``); nothing when the models were not trained."""
+    if ds is None or frame is None:
+        return
+    from IPython.display import display
+
+    from qkov_lib import figure_source
+    from qkov_lib.studies import attention_analysis
+
+    display(ds.report_frame())
+    display(attention_analysis.attractor_summary(frame))
+    figure_source.show(attention_analysis.plot_attractors(frame), results, key)

@@ -230,9 +230,10 @@ def focus_table(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 @draws
-def plot_tau_sweep(table: pd.DataFrame, taus: Sequence[float]):
+def plot_tau_sweep(table: pd.DataFrame, taus: Sequence[float], title: str | None = None):
     """AC and ACMC against the threshold tau, one line per ratio (model) plus the uniform and
-    random baselines at the highest ratio (dashed); mean over seeds with a 95% band."""
+    random baselines at the highest ratio (dashed); mean over seeds with a 95% band; ``title``
+    above both panels when given."""
     import matplotlib.pyplot as plt
     import seaborn as sns
 
@@ -253,6 +254,8 @@ def plot_tau_sweep(table: pd.DataFrame, taus: Sequence[float]):
         ax.set_ylabel("fraction of instances")
     if axes[1].get_legend() is not None:
         sns.move_legend(axes[1], "upper left", bbox_to_anchor=(1.02, 1), fontsize=8)
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 
