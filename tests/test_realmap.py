@@ -128,6 +128,7 @@ def test_anchor_gap_and_no_trained_run():
     res = M.analyse(_table(), 0.5)
     near = M.anchor_gap(res, "adamw", 0.85, 0.84)
     assert near["anchor_within"].startswith("within") and near["anchor_gap_accuracy"] == "+0.1 points"
+    assert (near["anchor_acc"], near["anchor_f1"]) == ("85.0%", "84.0%")
     assert M.anchor_gap(res, "adamw", 0.80, 0.84)["anchor_within"].startswith("not within")
     dead = M.analyse(_table().assign(val_accuracy=0.5), 0.5)  # nothing beats chance
     assert dead.selected == {} and M.map_facts(dead)["map_adamw_eta"].startswith("none")
