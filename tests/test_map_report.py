@@ -122,3 +122,15 @@ def test_the_tau_sweep_carries_its_title():
     fig = aa.plot_tau_sweep(aa.runs_frame([_run(1.0, 0), _run(1.0, 1)]), [0.5, 0.9], title="adamw (eta_ov 0.001)")
     assert fig._suptitle.get_text() == "adamw (eta_ov 0.001)"
     plt.close(fig)
+
+
+def test_the_published_hatexplain_tables_put_our_rows_below_theirs_and_leave_out_an_empty_ours():
+    from qkov_lib.faithfulness_hatexplain import DEFINITIONAL_DIFFERENCES
+    from qkov_lib.studies import rationales
+
+    ours = pd.DataFrame({"ratio": [1.0, 10.0], "accuracy": [0.61234, 0.6], "macro_f1": [0.5, 0.55]})
+    beside, differences = rationales.published_tables(ours)
+    assert list(beside.index[-2:]) == ["ours (ratio 1)", "ours (ratio 10)"]
+    assert beside.loc["ours (ratio 1)", "accuracy"] == 0.612  # three decimals
+    assert "BiRNN-Attn" in beside.index and len(beside) == len(rationales.published_tables(ours.iloc[0:0])[0]) + 2
+    assert list(differences.columns) == ["ours", "theirs"] and len(differences) == len(DEFINITIONAL_DIFFERENCES)

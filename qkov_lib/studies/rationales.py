@@ -96,3 +96,23 @@ def protocol_rows(runs: Sequence[Any], test: Batch, n_classes: int) -> pd.DataFr
     if not rows:  # no trained run to measure (e.g. a map in which nothing trained)
         return pd.DataFrame(columns=cols)
     return pd.DataFrame(rows).drop(columns="seed").groupby("ratio", as_index=False).mean()[cols]
+
+
+def published_tables(ours: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(beside, differences)``: our rows of HateXplain's own protocol (:func:`protocol_rows`; left out
+    when empty) below the published ones (:func:`qkov_lib.published.hatexplain_table`), indexed by model,
+    three decimals; and every way our implementation differs from the published protocol, indexed by
+    topic (:data:`qkov_lib.faithfulness_hatexplain.DEFINITIONAL_DIFFERENCES`: ours, theirs)."""
+    from qkov_lib import published
+    from qkov_lib.faithfulness_hatexplain import DEFINITIONAL_DIFFERENCES
+
+    beside = published.hatexplain_table(ours if len(ours) else None).set_index("model").round(3)
+    return beside, pd.DataFrame(DEFINITIONAL_DIFFERENCES, columns=["topic", "ours", "theirs"]).set_index("topic")
+
+
+def show_published(ours: pd.DataFrame) -> None:
+    """Display the two tables of :func:`published_tables`."""
+    from IPython.display import display
+
+    for table in published_tables(ours):
+        display(table)
