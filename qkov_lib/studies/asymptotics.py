@@ -680,6 +680,144 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
 
 
 
+def asymptotics_sentences(f: Mapping[str, Any]) -> dict[str, str]:
+    """The sentences chapter 03 quotes outside the S2 phase map (glue strings by name:
+    ``t3_sentence``, ``t4_single_sentence``, ``fafo_lead``, ...), each chosen by a comparison that
+    :func:`asymptotics_facts` made (its bools and words) and filled with its numbers."""
+    s: dict[str, str] = {}
+    s["A_err_why"] = ("its tilt correction w e^{-q} ~ 1/(A q) decays only like 1/log log t" if f["A_err_worst"] == "FAFO"
+                      else "its corrections decay like 1/log t")
+    s["A_sentence"] = (
+        f"From ratio {f['r_lo']} to {f['r_hi']} the fitted constants grow by the derived factor within {f['thr_const_tol']} "
+        f"(relative) for {f['A_agree']}" + (f"; not for {f['A_off']}" if f["A_off"] else "")
+        + f" (fitted over derived scaling: {f['A_scaling']})." if f["A_tested"]
+        else "With one ratio, how the constants scale with the ratio is not tested.")
+    s["ov_sentence"] = (
+        f"The OV scalar grows like log t in all four parameterizations: its fitted exponents lie in "
+        f"{f['ov_slope_range']}, within {f['thr_slope_tol']} of 1." if f["ov_ok"] else
+        f"The OV scalar's fitted exponents in log t lie in {f['ov_slope_range']}, NOT all within {f['thr_slope_tol']} of 1.")
+    s["q_sentence"] = (
+        f"The QK scalar q does grow like log² t here: a fitted exponent of q in log t is within {f['thr_literal_tol']} of 2."
+        if f["q_literal"] else
+        f"The QK scalar q does **not** grow like log² t: its fitted exponent in log t is at most {f['q_exp_max']}, more "
+        f"than {f['thr_literal_tol']} away from 2, and at t = {f['t_end']} it has only reached q = {f['q_end_CACO']} "
+        "(CACO); the derivation gives q ≈ log log t.")
+    s["expq_sentence"] = (
+        "It is exp(q), the odds of attending to the distinct token rather than a given common token, that grows like "
+        f"log² t for CACO: fitted exponent {f['caco_expq']}, within {f['thr_slope_tol']} of 2." if f["expq_ok"] else
+        f"Even exp(q) does not grow like log² t for CACO: fitted exponent {f['caco_expq']}, more than "
+        f"{f['thr_slope_tol']} from 2.")
+    s["t3_sentence"] = (
+        "The QK scalar does grow like log² t here." if f["q_literal"] else
+        "The QK scalar grows like log log t, not like log² t: only exp(q) grows like a power of log t, and like log² t "
+        f"within the rule for {f['t3_expq_holds']}; a factorized OV circuit learns at rate 2 eta |w| and takes away the "
+        "loss that drives QK learning.")
+    s["t5_ode_sentence"] = (
+        f"In the ODE the attention mass on common tokens at t = {f['t_end']} {f['t5_mono']}. The derivation predicts 1/r "
+        f"at late times: the product (mass × ratio) at ratio {f['r_hi']} divided by the same product at ratio "
+        f"{f['r_lo']} is {f['t5_prod']}. A value of 1 would mean exactly 1/r; {f.get('t5_closest')} comes closest "
+        f"({f.get('t5_closest_value')})." if f["t5_tested"] else
+        f"With one ODE ratio ({f['r_lo']}) the dependence on the ratio is not tested.")
+    s["t4_single_sentence"] = (
+        f"For n = {f['single_n']} the residual is {f['line_res_single']}, "
+        + (f"within {f['thr_line_exact']}: integration error, so the line is exact." if f["single_exact"] else
+           f"above {f['thr_line_exact']}, so the line is NOT exact here."))
+    s["t4_mix_sentence"] = (
+        f"With the mixture over n that the book's task uses, the residual reaches {f['line_res_mix']} "
+        f"({f['line_res_mix_worst']}) and is as small as {f['line_res_mix_best']} in the best case: "
+        + (f"within {f['thr_line_approx']} ({f['line_approx_pct']}), so the line holds approximately." if f["mix_approx"]
+           else f"above {f['thr_line_approx']} ({f['line_approx_pct']}), so with the mixture it is not a line at this "
+           "precision (the derivation gives one only asymptotically)."))
+    s["t4_sentence"] = (
+        f"T4: the line at fixed n is {'exact' if f['single_exact'] else 'NOT exact'} (residual {f['line_res_single']}); "
+        f"with the mixture over n the residual reaches {f['line_res_mix']}, "
+        + ("within" if f["mix_approx"] else "beyond") + f" {f['thr_line_approx']}.")
+    cross_loss = {"never": "CACO never becomes sharper than FAFO at matched loss (within the integration)",
+                  "always": "at matched loss, CACO is sharper than FAFO at every loss level"}.get(
+        f["cross_loss_kind"], f"at matched loss, CACO is sharper than FAFO only below a loss of {f['cross_loss_short']} nats")
+    s["cross_sentence"] = (f"at equal time, CACO becomes sharper than FAFO after t ≈ {f['cross_t']} steps" if f["cross_t_found"]
+                           else "at equal time, CACO does not become sharper than FAFO within the integration") + f"; {cross_loss}"
+    s["fafo_lead"] = (f"FAFO therefore leads CACO early, and CACO overtakes it only after t ≈ {f['cross_t']} steps."
+                      if f["cross_after_horizon"] else "In this task CACO is already ahead of FAFO at the training horizon."
+                      if f["cross_t_found"] else "In this task CACO does not overtake FAFO within the integration.")
+    s["fafo_move_sentence"] = (
+        "FAFO's move under a faster QK is not tested here: it needs full-model runs at equal rates and at a higher ratio."
+        if f["fafo_toward"] == "not tested" else
+        f"From ratio 1 to {f['full_r_hi']}, FAFO's attention on the distinct token went from {f['fafo_lo']} to "
+        f"{f['fafo_hi']}; at equal rates FACO has {f['faco_lo']} and CACO {f['caco_lo']}, so FAFO moved "
+        + {"neither": "away from both.",
+           "tie": "toward both and ended equally far from them within the seed interval: a tie, which supports neither "
+                  "summary."}.get(f["fafo_toward"], f"toward {f['fafo_toward']}."))
+    s["s2_sentence"] = (
+        f"These two rankings at equal rates match {f['s2_full']} (the runs' horizon) and {f['s2_asym']} (the ODE's "
+        "longest horizon); the phase map above reads S2 over every regime.")
+    s["second_pair"] = (
+        ("CAFO is the least sharp in every ranking of the tables above (ODE horizons, matched losses, full-model runs)"
+         if f["cafo_last"] == "last in every regime" else "CAFO is not the least sharp in every ranking of the tables above")
+        + f"; on the phase map, summary B's pair (CAFO, CACO) is the top two at {f['s2p_share_B']} of the cells.")
+    s["s2_horizon_sentence"] = (
+        f"S2 does not depend on the horizon here: the asymptotic ranking and the one at the training horizon are both "
+        f"{f['rank_full_random']}." if f["rank_last"] == f["rank_full_random"] else
+        f"S2 depends on the horizon. The asymptotic ranking is {f['rank_last']}; at the training horizon it is "
+        f"{f['rank_full_random']}. The implicit rescaling explains the difference (see above).")
+    s["fafo_sentence"] = (
+        "FAFO was not run." if "fafo_place" not in f else
+        f"After {f['full_steps']} steps at ratio {f['full_r_eq']} FAFO is the "
+        + {1: "sharpest", 2: "second-sharpest", 3: "third-sharpest", 4: "least sharp"}.get(f["fafo_place"], f"#{f['fafo_place']}")
+        + f" of the {f['n_ranked']} (mean attention on the distinct token {f['fafo_mean']}), so the summaries' claim that FAFO "
+        "puts instances in the 'correct prediction, weak attention' region (attention below 0.5) "
+        + ("holds here." if f["fafo_weak"] else "does not hold from our balanced small inits."))
+    return s
+
+
+#: the columns of :func:`long_runs` that the figures draw and the results keep
+RUN_COLUMNS = ("parameterization", "ratio", "t", "w", "q", "common")
+#: the columns of :func:`line_check` that :func:`plot_lines` draws and the results keep
+LINE_COLUMNS = ("parameterization", "ratio", "n", "t", "X", "Y", "slope", "residual")
+#: the symmetric inits of the phase portraits' trajectories, ``(w0, q0)``
+PORTRAIT_INITS = ((0.1, 0.1), (0.1, 2.0), (2.0, 0.1))
+
+
+def phase_portraits(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float],
+                    inits: Sequence[tuple[float, float]] = PORTRAIT_INITS, n_grid: int = 40) -> dict[str, Any]:
+    """What the (w, q) phase portraits draw. ``field``: one record per ratio and parameterization
+    with the grid axes ``w`` (``n_grid`` points in [0.02, 12]) and ``q`` (in [-2, 10]) and the ODE
+    vector field ``dw``, ``dq`` (per unit time, :func:`qkov_lib.dynamics.flow_field`) as
+    ``n_grid`` x ``n_grid`` arrays indexed ``[q, w]``, to 4 significant digits (the streamlines
+    need no more, and the results file stays small); ``trajectories``: the ODE from each symmetric
+    init ``(w0, q0)`` up to ``t = 1e5`` (60 points), a long table."""
+    sig4 = np.vectorize(lambda x: float(f"{x:.4g}"))
+    w, q = np.linspace(0.02, 12, n_grid), np.linspace(-2, 10, n_grid)
+    W, Q = np.meshgrid(w, q)
+    fields, paths = [], []
+    for r in ratios:
+        for p in PARAMS:
+            U, V = dy.flow_field(p, W, Q, sizes, cfg["eta_ov"], r)
+            fields.append({"parameterization": p, "ratio": float(r), "w": w, "q": q, "dw": sig4(U), "dq": sig4(V)})
+            for w0, q0 in inits:
+                f = dy.integrate(p, w0, q0, sizes, cfg["eta_ov"], r, t_max=1e5, n_points=60, rtol=1e-8, atol=1e-10)
+                paths.append(pd.DataFrame({"parameterization": p, "ratio": float(r), "w0": w0, "q0": q0,
+                                           "t": f["t"].to_numpy(), "w": f["w"].to_numpy(), "q": f["q"].to_numpy()}))
+    return {"field": fields, "trajectories": pd.concat(paths, ignore_index=True)}
+
+
+def asymptotics_metrics(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
+                        ml: pd.DataFrame, lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame,
+                        portraits: Mapping[str, pd.DataFrame], phase: Any, facts: Mapping[str, Any],
+                        rows: Sequence[Mapping[str, str]]) -> dict:
+    """The metrics chapter 03 saves: its tables (records), ``trajectories`` (the long ODE runs'
+    :data:`RUN_COLUMNS` as ``ode``, the full-model runs as ``full_model``: what
+    :func:`plot_asymptotics` and :func:`plot_ranking` draw), ``lines`` (:data:`LINE_COLUMNS`,
+    :func:`plot_lines`),
+    ``phase_portraits`` (:func:`phase_portraits`), ``s2_phase`` (the phase map's ODE cells and
+    full-model cells, :func:`qkov_lib.studies.s2_phase.plot_phase`), the facts and the scorecard
+    rows. ``phase``: a :class:`qkov_lib.studies.s2_phase.Phase`."""
+    return {"exponent_table": table, "t3": t3, "horizon_ranking": hz, "matched_loss_ranking": ml,
+            "trajectories": {"ode": runs[list(RUN_COLUMNS)], "full_model": full},
+            "lines": {"single_n": lines_single[list(LINE_COLUMNS)], "mixture": lines_mix[list(LINE_COLUMNS)]}, "phase_portraits": dict(portraits),
+            "s2_phase": {"ode_map": phase.ode, "full_cells": phase.cells}, "facts": dict(facts), "claims": list(rows)}
+
+
 @draws
 def plot_asymptotics(runs: pd.DataFrame, sizes: dy.Sizes, cfg: dict):
     """Left: ``w`` minus its derived law; middle: ``Z(q) / (A s^beta)`` (tends to 1); right: the
@@ -712,21 +850,25 @@ def plot_asymptotics(runs: pd.DataFrame, sizes: dy.Sizes, cfg: dict):
 
 
 @draws
-def plot_phase_portraits(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float],
-                         inits: Sequence[tuple[float, float]] = ((0.1, 0.1), (0.1, 2.0), (2.0, 0.1))):
-    """(w, q) phase portraits: the ODE direction field (streamlines) and trajectories from several
-    symmetric inits up to ``t = 1e5``, one row per ratio and one column per parameterization."""
+def plot_phase_portraits(portraits: Mapping[str, pd.DataFrame]):
+    """(w, q) phase portraits of :func:`phase_portraits`: the ODE direction field (streamlines,
+    darker = faster) and the trajectories from their symmetric inits (dots), one row per ratio and
+    one column per parameterization."""
+    fields = {(f["parameterization"], f["ratio"]): f for f in portraits["field"]}
+    paths = portraits["trajectories"]
+    ratios = list(dict.fromkeys(r for _, r in fields))
     fig, axes = _fig(len(ratios), len(PARAMS), w=3.2, h=3.0, sharex=True, sharey=True)
-    W, Q = np.meshgrid(np.linspace(0.02, 12, 40), np.linspace(-2, 10, 40))
     for i, r in enumerate(ratios):
         for j, p in enumerate(PARAMS):
             ax = axes[i, j]
-            U, V = dy.flow_field(p, W, Q, sizes, cfg["eta_ov"], r)
+            g = fields[(p, r)]
+            W, Q = np.meshgrid(g["w"], g["q"])
+            U, V = np.asarray(g["dw"]), np.asarray(g["dq"])
             speed = np.hypot(U, V)
             ax.streamplot(W, Q, U / (speed + 1e-300), V / (speed + 1e-300), color=np.log10(speed + 1e-300),
                           cmap="Greys", density=0.7, linewidth=0.6, arrowsize=0.6)
-            for w0, q0 in inits:
-                f = dy.integrate(p, w0, q0, sizes, cfg["eta_ov"], r, t_max=1e5, n_points=60, rtol=1e-8, atol=1e-10)
+            for (w0, q0), f in paths[(paths["parameterization"] == p) & (paths["ratio"] == r)].groupby(
+                    ["w0", "q0"], sort=False):
                 ax.plot(f["w"], f["q"], lw=1.6)
                 ax.plot([w0], [q0], "k.", ms=4)
             ax.set(xlim=(0, 12), ylim=(-2, 10))

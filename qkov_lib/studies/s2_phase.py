@@ -28,6 +28,7 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -535,6 +536,31 @@ def s2_claim(facts: Mapping[str, object], verdict: Verdict) -> dict[str, str]:
                  f"{facts['s2p_share_tie']}; the full model ({facts['s2p_full_cells']} cells) agrees with it at "
                  f"{facts['s2p_agree']} of the {facts['s2p_decided']} cells where its 2nd and 3rd separate", verdict,
                  "03_theory_asymptotics")
+
+
+def phase_sentences(f: Mapping[str, Any]) -> dict[str, str]:
+    """The sentences chapter 03 quotes about the S2 phase map (``s2p_settle_sentence``,
+    ``s2p_B_sentence``, ``s2p_neither_sentence``, ``s2p_disagree_sentence``), each chosen by a
+    comparison that :func:`phase_facts` made and filled with its numbers."""
+    s: dict[str, str] = {}
+    s["s2p_settle_sentence"] = (
+        (f"The top two last change at a training loss of {f['s2p_top_last_change']}"
+         + (f"; from loss {f['s2p_deep_level']} down every cell has {f['s2p_deep_call']}" if f["s2p_deep_level"] != "none"
+            else "") + ". " if f["s2p_top_settled"] else
+         f"The top two still change at the deepest loss read ({f['s2p_top_last_change']}). ")
+        + ("The whole ranking stops changing too (last change at loss " + f"{f['s2p_last_change']})." if f["s2p_settled"]
+           else f"Below that only the third and fourth places still swap, down to the deepest loss read "
+                f"({f['s2p_last_change']})."))
+    s["s2p_B_sentence"] = (f"Summary B's pair (CAFO, CACO) is the top two only {f['s2p_B_region']}." if f["s2p_has_B"]
+                           else "Summary B's pair (CAFO, CACO) is the top two at no cell of the map.")
+    s["s2p_neither_sentence"] = (
+        f"Neither pair is the top two {f['s2p_neither_region']}; the top two there are {f['s2p_neither_pairs']}."
+        if f["s2p_has_neither"] else "At every cell the top two are one summary's pair or a tie.")
+    s["s2p_disagree_sentence"] = (
+        f"They part at {f['s2p_disagree']}. The ODE starts on the symmetric line w0 = q0; the random init also has "
+        "components off it, which the reduction of the previous chapter does not follow." if f["s2p_has_disagree"] else
+        "Wherever the full model's second and third separate, its top two is the ODE's.")
+    return s
 
 
 CALL_COLOURS = {"A": "#4c72b0", "B": "#dd8452", "neither": "#c9c9c9", "tie": "#f2e394", "not tested": "white"}
