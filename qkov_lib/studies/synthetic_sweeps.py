@@ -1146,6 +1146,145 @@ def s2_verdict(top_fixed: Sequence[str], top_matched: Sequence[str]) -> str:
 
 
 
+def sweep_sentences(f: Mapping[str, Any]) -> dict[str, str]:
+    """The sentences chapter 04 quotes (glue strings by name: ``s1_sentence``, ``s2_sentence``,
+    ``check_sentence``, ``r3_sentence``, ...), each chosen by a comparison that :func:`chapter_facts`
+    or :func:`stability_facts` made (its bools, counts and words) and filled with its numbers."""
+    s: dict[str, str] = {}
+    s["s1_sentence"] = (
+        f"At ratio {f['r_eq']} the total-variation distance between two parameterizations' mean heatmaps ranges from "
+        f"{f['tv_min']} ({f['tv_min_pair']}) to {f['tv_max']} ({f['tv_max_pair']}); {f['tv_n_differ']} of {f['tv_n_pairs']} "
+        f"pairs of mean heatmaps are at least {f['thr_dtap_tv']} apart." if f["s1_tested"] else
+        "Fewer than two parameterizations were run, so there are no heatmaps to compare (S1 not tested).")
+    s["fafo_sentence"] = (
+        f"FAFO's move under a faster QK is not tested (no FAFO, FACO and CACO heatmaps at ratio {f['r_eq']} and above)."
+        if f["fafo_toward"] == "not tested" else
+        f"From ratio {f['r_eq']} to {f['fafo_to_ratio']}, FAFO's heatmap went from {f['tv_faco_before']} to "
+        f"{f['tv_faco_after']} in total variation from FACO's equal-rate heatmap and from {f['tv_caco_before']} to "
+        f"{f['tv_caco_after']} from CACO's: "
+        + {"FACO": "FAFO moves toward FACO, as the first summary says.",
+           "CACO": "FAFO moves toward CACO, as the second summary says.",
+           "neither": "FAFO moves away from both, as neither summary says.",
+           "tie": "FAFO moves toward both and ends equally far from them within the seed interval: a tie, which "
+                  "supports neither summary."}[f["fafo_toward"]])
+    n_param = int(f["n_param"])
+    s["s2_sentence"] = (
+        f"Only {n_param} of the four parameterizations {'was' if n_param == 1 else 'were'} run, so S2 is not tested."
+        if n_param < 4 else
+        f"The two sharpest parameterizations at equal rates are {f['top2_eq']} after {f['matched_steps']} steps and "
+        f"{f['top2_eq_matched']} at matched loss; "
+        + {"A": "this is the first summary's pair (collapsed OV), not the second's.",
+           "B": "this is the second summary's pair, not the first's.",
+           "mixed": "the two regimes disagree, so neither summary holds in general.",
+           "neither": "neither summary's pair is measured."}[f["s2_pair_kind"]])
+    share = {"FA": "a factorized QK circuit, so at this horizon the QK effect decides the top",
+             "CO": "a collapsed OV circuit, so the OV effect decides the top", "CA": "a collapsed QK circuit",
+             "FO": "a factorized OV circuit"}.get(f["top2_shared"], "no circuit type")
+    s["top2_share"] = (
+        f"The two sharpest at equal rates share {share}. After the fixed steps the collapsed-OV pair (summary A) is on top "
+        f"at the ratios {f['a_ratios']}, the pair (CAFO, CACO) (summary B) at {f['b_ratios']}; CAFO is last at "
+        f"{f['cafo_last_at']}.")
+    s["rescaling_sentence"] = (
+        f"At ratio {f['r_eq']} the order is {f['order_eq']}: "
+        + ("FACO first and CAFO last, as the effective ratio predicts. " if f["order_as_predicted"] else
+           "not the order the effective ratio predicts at the ends. ")
+        + f"FAFO is sharper than CACO at the ratios {f['fafo_over_caco']}.")
+    s["s3_sentence"] = (
+        f"Only ratio {f['r_lo']} was run, so the effect of the ratio (S3) is not tested." if f["n_ratios_run"] < 2 else
+        f"After the fixed {f['matched_steps']} steps (a view, not the verdict), attention on the distinct token rose by at "
+        f"least {f['thr_sharper']} from ratio {f['r_lo']} to {f['r_hi']} for {f['s3_n_up']} of {f['n_param']} "
+        f"parameterizations; most runs are saturated there.")
+    s["check_sentence"] = (
+        f"At the grid's rates (eta_QK = {f['check_eta_qk']}, {f['check_steps']} steps) the training loss rose at some step "
+        f"in {f['check_rises']} of {f['check_n']} runs; at eta_QK = {f['eta_qk_stable']} (eta_OV = "
+        f"{f['check_eta_ov_stable']}, {f['check_steps_stable']} steps) in {f['check_rises_stable']}. The two ends differ "
+        f"by at most {f['check_dloss']} nats of training loss and {f['check_datt']} of attention on the distinct token: "
+        + ("the runs at the grid's rates end where the stable runs end, so the sweep reads them." if f["check_agrees"] else
+           f"more than the rules' tolerances ({f['thr_same_loss']}, {f['thr_sharper']}) in some run; {f['check_n_agree']} "
+           f"of {f['check_n']} runs end within them.")
+        + f" At both rates alike, {f['check_stuck_both']} of the {f['check_n']} runs had not reached training loss "
+          f"{f['check_level']} by the end of the check."
+        if f["check_tested"] else "")
+    s["stability_sentence"] = (
+        f"Gradient descent is stable at the ratios {f['stable_at']} and stops being stable at ratio "
+        f"{f['first_unstable']}: a result of its own, and the reason the runs there need a check before they are read."
+        if f["first_unstable"] != "none" else
+        "No run's training loss rose: gradient descent is stable at every ratio of the grid.")
+    s["fail_sentence"] = (
+        "" if f["n_ratios_run"] < 2 else
+        f"Class lock-in, a finding of its own: runs in which one class never learned, {f['lockin_by_ratio']}. "
+        f"At ratio {f['r_hi']}, {f['n_fail_hi']} of {f['n_hi_runs']} runs ended with test accuracy below "
+        f"{f['thr_stuck_acc']}; in those the most-attended token is a common token for "
+        f"{f.get('stuck_common_focus', 'n/a')} of the test instances. With a small random init QK learns "
+        f"{f['r_hi']} times faster than OV while OV is still random, attention commits to what the random OV favours, "
+        "and the run never reaches the deeper matched losses, so it is missing from the pairs there.")
+    s["r3_sentence"] = (
+        f"Only ratio {f['r_lo']} was run, so the matched-loss comparison (R3-synthetic) is not tested."
+        if f["n_ratios_run"] < 2 else
+        f"{f['n_reached']} of {f['n_matched_runs']} runs reached training loss {f['matched_loss']}. At that loss the mean "
+        f"attention on the distinct token moves, from ratio {f['r3_lo']} to {f['r3_hi']}: {f['r3_moves']}. "
+        + {"reproduced": "Equal loss, different sharpness, the same accuracy: here sharper attention is not a by-product "
+                         "of better prediction.",
+           "holds where": "Sharper attention at equal loss holds in part of the ladder only (the region below).",
+           "mixed": "Sharper attention at equal loss holds in some cells and is contradicted in others (below).",
+           "inconclusive": "The seed intervals do not decide it either way.",
+           "not reproduced": "At matched loss the attention does not rise with the ratio.",
+           "not tested": "No cell above the lowest ratio reached the loss, so the comparison is not tested."
+           }[f["verdict_R3_synthetic"]])
+    s["rob_sentence"] = (
+        f"Per variant, S3's rule at matched loss gives: {f['rob_counts']} (of {f['rob_n']}). At the highest ratio, "
+        f"{f['rob_stuck']} of {f['rob_hi_runs']} runs got stuck (accuracy below {f['thr_stuck_acc']}) or diverged, and "
+        f"the training loss rose at some step in {f['rob_rises']} of the {f['rob_gd_runs']} full-batch gradient-descent "
+        "runs there. The equal-rate ranking of the main grid reappears in "
+        f"{f['rob_same_rank']} of {f['rob_n']} variants; the top two at equal rates match: {f['rob_top2']}."
+        if f["rob_tested"] else
+        "The robustness variants were not run (robustness = False), so S3-robustness is not tested.")
+    return s
+
+
+#: the columns of a history frame (:func:`qkov_lib.studies.synthetic.histories_frame`) that
+#: :func:`plot_trajectories` draws in chapter 04 and the results keep
+HISTORY_COLUMNS = ("parameterization", "ratio", "seed", "step", "attn_relevant", "loss")
+#: the columns of a runs frame that :func:`plot_decoupling` draws and the results keep
+DECOUPLING_COLUMNS = ("parameterization", "ratio", "seed", "diverged", "stop_step", "loss", "AC@0.9")
+
+
+def readings_points(readings: Mapping[str, Sequence[C.Reading]], keys: Sequence[str]) -> pd.DataFrame:
+    """The readings of ``keys`` (e.g. ``"S3-gd"``, ``"S3-adam"``) as numbers, one row per cell: ``key``,
+    ``cell``, ``change`` (the mean change read, NaN when the cell was not read), ``half_width`` (its
+    family half-width) and ``outcome`` -- what :func:`plot_adam` draws."""
+    return pd.DataFrame([{"key": k, "cell": r.cell, "change": None if r.change is None else float(r.change.mean),
+                          "half_width": float(r.hw), "outcome": r.outcome} for k in keys for r in readings.get(k, ())],
+                        columns=["key", "cell", "change", "half_width", "outcome"])
+
+
+def speed_facts(speed: Mapping[str, float], wall_s: float, profile: str) -> dict[str, str]:
+    """The glue strings of chapter 04's closing note: the engine's measured speedup (``"12.3x"``),
+    model-steps per second one at a time and batched, the largest parameter difference between the
+    two, the number of batched models (from a :func:`throughput` dict), the chapter's wall time in
+    seconds and its profile."""
+    return {"speedup": f"{speed['speedup']:.1f}x", "speed_loop": f"{speed['loop_model_steps_per_s']:.0f}",
+            "speed_batched": f"{speed['batched_model_steps_per_s']:.0f}",
+            "speed_diff": f"{speed['max_param_diff']:.1e}", "speed_n": str(speed["n_batched"]),
+            "wall_time": f"{wall_s:.0f} s", "profile_name": str(profile)}
+
+
+def sweep_metrics(tables: Mapping[str, Any], hist: pd.DataFrame, dtaps: Mapping, ladder_maps: Mapping,
+                  readings: Mapping[str, Sequence[C.Reading]], facts: Mapping[str, Any],
+                  verdicts: Mapping[str, Verdict]) -> dict:
+    """The metrics chapter 04 saves: its ``tables`` as they are (``runs``, ``summary``, ...: the names
+    the sweep tooling reads), and for its figures ``dtap`` (mean DTAP heatmaps by parameterization and
+    ratio), ``history`` (:data:`HISTORY_COLUMNS`), ``decoupling`` (:data:`DECOUPLING_COLUMNS` of the
+    fixed-step and the matched-loss runs), ``ladder_dtap`` (by parameterization and loss level) and
+    ``adam`` (:func:`readings_points` of S3 under GD and AdamW); then the facts and the scorecard rows."""
+    runs, matched = tables["runs"], tables["matched_runs"]
+    cols = lambda t: [c for c in DECOUPLING_COLUMNS if c in t]  # noqa: E731
+    return {**tables, "dtap": dict(dtaps), "history": hist[[c for c in HISTORY_COLUMNS if c in hist]],
+            "decoupling": {"fixed_steps": runs[cols(runs)], "matched_loss": matched[cols(matched)]},
+            "ladder_dtap": dict(ladder_maps), "adam": readings_points(readings, ("S3-gd", "S3-adam")),
+            "facts": dict(facts), "claims": claims(facts, verdicts)}
+
+
 def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
     """Scorecard rows for the paper's S1, S3 and T5 (T5 read on the sweep's ratios) and the
     extensions R3-synthetic, S3-robustness and S3-adam (S2 is decided by chapter 03's phase map):
