@@ -107,6 +107,13 @@ def test_facts_are_glued_merged_the_later_part_winning(monkeypatch):
     assert R.key("runs", "adamw") == "metrics.tuned_runs.adamw" and R.key("plane") == "metrics.plane"
 
 
+def test_the_rules_read_as_a_paragraph_and_a_list_of_what_each_claim_reads():
+    text = R.rules_markdown().split("\n")
+    assert text[0] == claims.ONE_RULE and text[1] == ""
+    assert text[2:5] == [f"- {c}: {claims.ESTIMANDS[c].text()}." for c in ("R1", "R2", "R3")]
+    assert text[5] == f"- The {{term}}`necessity check`: {realmap.NECESSITY_RULE}."
+
+
 def test_the_natural_prefix_facts_say_not_run_or_quote_the_verdict():
     cfg = {"seeds": [0, 1, 2]}
     assert agreement_roles.natural_facts(cfg, None) == {

@@ -110,6 +110,18 @@ def test_role_mass_against_hand_sums():
     assert sum(out[r] for r in sr.ROLES) == pytest.approx(1.0)
 
 
+def test_model_role_mass_reads_the_models_test_attention_with_the_test_roles(monkeypatch):
+    from types import SimpleNamespace
+
+    from qkov_lib.studies import realmap
+
+    b = _batch([4, 2])
+    attn = torch.tensor([[0.1, 0.5, 0.1, 0.3, 0.0], [0.0, 0.0, 0.6, 0.4, 0.0]])
+    monkeypatch.setattr(realmap, "test_attention", lambda model, data: attn if data is b else None)
+    out = sr.model_role_mass(object(), SimpleNamespace(test=b, test_info={"roles": ["-S-A", "SL"]}))
+    assert out["subject"] == pytest.approx((0.5 + 0.6) / 2) and out["last"] == pytest.approx(0.4 / 2)
+
+
 def test_split_validation_is_disjoint_and_seeded():
     b = _batch([2] * 20, y=list(range(20)))
     tr, va = sr.split_validation(b, 0.25, seed=0)

@@ -81,6 +81,14 @@ def role_mass(attn: Tensor, roles: Sequence[str], key_mask: Tensor) -> dict[str,
     return out
 
 
+def model_role_mass(model: nn.Module, ds: TextDataset) -> dict[str, float]:
+    """:func:`role_mass` of ``model``'s attention on the test split of a Marvin & Linzen dataset (its roles
+    from ``ds.test_info["roles"]``)."""
+    from qkov_lib.studies.realmap import test_attention
+
+    return role_mass(test_attention(model, ds.test), ds.test_info["roles"], ds.test.key_mask)
+
+
 # The natural-prefix model: AdamW, early stopping on validation loss (10 % of numpred.val held out),
 # evaluated every log_every steps. Measured cost of the cpu profile: runs stop after 1000-1400 steps;
 # training 4 models as one stack took 144 s on 2 cores shared with ~6 other processes (load 7-8), so

@@ -52,10 +52,24 @@ def glue_facts(*parts: Mapping[str, str]) -> dict[str, str]:
     return facts
 
 
-def page_facts(result: MapResult, ds: TextDataset) -> dict[str, str]:
+def page_facts(result: MapResult, ds: TextDataset) -> dict[str, Any]:
     """The numbers every dataset page quotes beside :func:`.realmap.map_facts`: the necessity check
-    (``nec_*``), attention at the tuned rates (``att_*``) and the data sizes (``data_*``)."""
-    return {**realmap.necessity_facts(result), **realmap.attention_facts(result), **realmap.data_facts(ds)}
+    (``nec_*``), attention at the tuned rates (``att_*``), the data sizes (``data_*``) and, as Markdown
+    for a ``{glue:md}`` block, the rules that decide (``map_rules``, :func:`rules_markdown`)."""
+    from IPython.display import Markdown
+
+    return {**realmap.necessity_facts(result), **realmap.attention_facts(result), **realmap.data_facts(ds),
+            "map_rules": Markdown(rules_markdown())}
+
+
+def rules_markdown() -> str:
+    """The one rule (:data:`qkov_lib.claims.ONE_RULE`), what each of R1-R3 reads
+    (:data:`qkov_lib.claims.ESTIMANDS`) and the necessity check's rule (:data:`.realmap.NECESSITY_RULE`),
+    as MyST Markdown: a paragraph and a list."""
+    from qkov_lib import claims
+
+    items = [f"- {cid}: {claims.ESTIMANDS[cid].text()}." for cid in ("R1", "R2", "R3")]
+    return "\n".join([claims.ONE_RULE, "", *items, f"- The {{term}}`necessity check`: {realmap.NECESSITY_RULE}."])
 
 
 def show_data(ds: TextDataset) -> pd.DataFrame:
@@ -168,6 +182,6 @@ def record(result: MapResult, ds: TextDataset, dataset: str, evals: Evals,
     return out
 
 
-__all__ = ["KEYS", "PHASE_METRICS", "key", "glue_facts", "page_facts", "show_data", "title", "show_phase",
+__all__ = ["KEYS", "PHASE_METRICS", "key", "glue_facts", "page_facts", "rules_markdown", "show_data", "title", "show_phase",
            "show_planes", "show_curves", "tuned_tables", "show_baselines", "show_tuned", "show_groups", "show_roles",
            "tuned_dtap", "record"]
