@@ -74,7 +74,8 @@ def test_every_figure_line_of_a_page_names_a_key_of_its_results_file(monkeypatch
     monkeypatch.setattr(R.figure_source, "glue_figure", lambda glue, fig, name, key: show(fig, name, key))
     monkeypatch.setattr(realmap, "roles_by_optimizer", lambda result, fn: roles)
     monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
-    R.show_phase(res, "squad")
+    gain = R.show_phase(res, "squad")
+    assert gain.equals(realmap.largest_gain(res)) and gain["Δ AC@0.5 (points)"].iloc[0] == pytest.approx(20.0)
     R.show_planes(res, "squad")
     R.show_curves(res, "squad")  # no histories: nothing drawn, still a line of its own
     correct = R.show_tuned(evals, res, "squad")

@@ -83,10 +83,12 @@ def title(result: MapResult, optimizer: str) -> str:
     return f"{optimizer} (eta_ov {result.selected[optimizer]:g})"
 
 
-def show_phase(result: MapResult, results: str, metrics: Sequence[str] = PHASE_METRICS) -> None:
-    """The phase map (:func:`.protocol.plot_phase`) of ``metrics`` with the tuned rows outlined; its line
-    names ``results``.json (the page's results file) and :data:`KEYS` ``phase``."""
+def show_phase(result: MapResult, results: str, metrics: Sequence[str] = PHASE_METRICS) -> pd.DataFrame:
+    """The phase map (:func:`.protocol.plot_phase`) of ``metrics`` with the tuned rows outlined, its line
+    naming ``results``.json (the page's results file) and :data:`KEYS` ``phase``; returns the cell where
+    AC@0.5 rises most (:func:`.realmap.largest_gain`), to show below it."""
     figure_source.show(protocol.plot_phase(result.phase, list(metrics), result.selected), results, key("phase"))
+    return realmap.largest_gain(result)
 
 
 def show_planes(result: MapResult, results: str, glue_name: str = "fig_plane_ac") -> None:
