@@ -124,6 +124,12 @@ def test_the_natural_prefix_facts_say_not_run_or_quote_the_verdict():
     f = agreement_roles.natural_facts(cfg, v)
     assert (f["lz_verdict"], f["lz_reason"], f["lz_effect"]) == ("reproduced", "why", "+0.1")
     assert agreement_roles.natural_study({"linzen": False}) == (None, None, None)
+    assert agreement_roles.natural_record(None, None) == ([], {"linzen": None})
+    frame = pd.DataFrame({"n_attractors": ["all", "1", "all", "1"], "n": [4, 2, 4, 2], "ratio": [1.0, 1.0, 10.0, 10.0],
+                          "seed": [0, 0, 0, 0], "accuracy": [0.75, 0.5, 1.0, 1.0]})
+    rows, rec = agreement_roles.natural_record(frame, v)
+    assert rec == {"linzen": frame.to_dict("records")} and [r["verdict"] for r in rows] == ["reproduced"]
+    assert "75.0% at ratio 1, 100.0% at ratio 10" in rows[0]["ours"]
 
 
 def test_the_tau_sweep_carries_its_title():

@@ -248,6 +248,16 @@ def natural_claim_row(frame: pd.DataFrame, verdict: claims.Verdict) -> dict[str,
     return claims.claim("R1", claims.CLAIMS["R1"], ours, verdict, "07_sva")
 
 
+def natural_record(frame: pd.DataFrame | None, verdict: claims.Verdict | None
+                   ) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """The natural-prefix study's part of a page's results: its scorecard rows (:func:`natural_claim_row`;
+    none when the models were not trained) and ``{"linzen": frame as row records, or None}``, the key its
+    figure's line names (:func:`show_natural`)."""
+    if frame is None or verdict is None:
+        return [], {"linzen": None}
+    return [natural_claim_row(frame, verdict)], {"linzen": frame.to_dict("records")}
+
+
 def show_natural(ds: TextDataset | None, frame: pd.DataFrame | None, results: str, key: str = "metrics.linzen") -> None:
     """The natural-prefix study of :func:`natural_study` on a page: the data report, accuracy per number
     of attractors (:func:`.attention_analysis.attractor_summary`) and its figure
