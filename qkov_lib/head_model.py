@@ -28,8 +28,9 @@ The head's parameters are the ``qk`` (``W_QK`` or ``W_Q``, ``W_K``) and ``ov`` (
 ``W_O``, ``W_V``) groups of :func:`qkov_lib.models.param_groups`; everything else is ``other``.
 ``ov_init`` adds ``ov_init * I`` to the head's initial ``W_OV`` (``words`` readout: a copy-favouring
 start). ``forward(tokens, key_mask)`` returns ``(logits (B, C), attention (B, T))`` like every
-model of the project, so :func:`qkov_lib.train.loop.train_stacked` trains stacks of it (``bigru``:
-one model per stack, as ``torch.func.vmap`` has no rule for ``aten::gru``); ``forward(...,
+model of the project, so :func:`qkov_lib.train.loop.train_stacked` trains stacks of it, through
+:meth:`HeadModel.stacked_forward`, the same computation with an explicit model dimension (``bigru``:
+one model per stack); ``forward(...,
 attention=A)`` replaces the softmax row by a given (B, T) row, for :func:`necessity` and
 :func:`graded_intervention`.
 
@@ -270,18 +271,115 @@ class HeadModel(nn.Module):
         # get -inf, so each distinct word is one candidate, not one per occurrence
         score = torch.linalg.vecdot(self.embed(tokens) if e is None else e, o[..., None, :])
         T = tokens.shape[-1]
-        ids, order = torch.where(key_mask, tokens, self.vocab_size).sort(dim=-1, stable=True)  # earliest first
-        new = torch.cat([torch.ones_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] != ids[..., :-1]], -1)
-        first = torch.zeros_like(new).scatter(-1, order, new) & key_mask  # back to positions
-        logits = score.masked_fill(~first, float("-inf")).flip(-1)  # class c = position T - 1 - c
+        # class c = position T - 1 - c
+        logits = score.masked_fill(~self._first_keys(tokens, key_mask), float("-inf")).flip(-1)
         if self.n_classes > T:
             logits = F.pad(logits, (0, self.n_classes - T), value=float("-inf"))
         return logits
+
+    def _first_keys(self, tokens: Tensor, key_mask: Tensor) -> Tensor:
+        """(..., T) bool: the keys whose word occurs at no earlier key of the row."""
+        ids, order = torch.where(key_mask, tokens, self.vocab_size).sort(dim=-1, stable=True)  # earliest first
+        new = torch.cat([torch.ones_like(ids[..., :1], dtype=torch.bool), ids[..., 1:] != ids[..., :-1]], -1)
+        return torch.zeros_like(new).scatter(-1, order, new) & key_mask  # back to positions
 
     def forward(self, tokens: Tensor, key_mask: Tensor, attention: Tensor | None = None) -> tuple[Tensor, Tensor]:
         e = self.embed(tokens)  # one lookup shared by keys, query, values and readout
         o, attn = self.head_output(tokens, key_mask, attention, e)
         return self.readout_logits(o, tokens, key_mask.bool(), e), attn
+
+    # --- a stack of models with an explicit model dimension ------------------------------------
+    def stacked_forward(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], tokens: Tensor,
+                        key_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """The forward of ``M`` models of this architecture at once, ``(logits (M, n, C), attention
+        (M, n, T))``: ``params`` are every parameter stacked (M, ...), ``buffers`` one model's buffers
+        (shared by the stack), ``tokens``/``key_mask`` (n, T) for every model or (M, n, T), one set per
+        model. The same products as :meth:`forward` per model, in another summation order.
+
+        Why not ``torch.func.vmap`` of :meth:`forward`: activations here are laid out (rows, positions,
+        models, width), so the convolutions of all models are one channels-last grouped convolution
+        (models as groups) whose outputs need no transposes, and the embedding lookups of all models
+        one lookup into the (M * V, d) table."""
+        if self.encoder == "bigru":
+            raise ValueError("the bigru encoder trains one model per stack (no stacked GRU here, nor under vmap)")
+        shared = tokens.dim() == 2
+        if key_mask.shape != tokens.shape or tokens.dim() not in (2, 3):
+            raise ValueError(f"expected tokens and key_mask (n, T) or (M, n, T), got {tuple(tokens.shape)}, "
+                             f"{tuple(key_mask.shape)}")
+        E = params["embed.weight"]
+        M, V, d = E.shape
+        n, T = tokens.shape[-2:]
+        if T > self.max_len:
+            raise ValueError(f"sequence length {T} exceeds the model's max_len {self.max_len}")
+        key_mask = key_mask.bool()
+
+        def lay(t: Tensor) -> Tensor:  # a per-row (n, T) or per-model (M, n, T) table as (n, T, M or 1)
+            return t[..., None] if shared else t.permute(1, 2, 0)
+
+        def rows(f, *args) -> Tensor:  # f of (N, T) rows (the squad masks count along dim 1), laid out
+            return lay(f(tokens.reshape(-1, T), *args).view(tokens.shape))
+
+        def per_model(x: Tensor, w: Tensor) -> Tensor:  # (n, M, i) times each model's (M, o, i)^T: (n, M, o)
+            return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+
+        def table(w: Tensor, idx: Tensor) -> Tensor:  # rows idx (n, T, M or 1) of each model's (M, L, d) table
+            return F.embedding(lay(idx) + torch.arange(M, device=idx.device) * w.shape[1], w.reshape(-1, d))
+
+        real = lay(tokens != PAD_ID)[..., None].to(E.dtype)  # (n, T, M or 1, 1)
+        km = lay(key_mask)
+        e = table(E, tokens)  # (n, T, M, d)
+        x = e
+        cols = torch.arange(T, device=tokens.device)
+        if "back" in self.positions:
+            x = x + params["pos_back.weight"][:, T - 1 - cols].transpose(0, 1)
+        if "start" in self.positions:
+            n_pad = (tokens == PAD_ID).sum(-1, keepdim=True)
+            x = x + table(params["pos_start.weight"], (cols - n_pad).clamp_min(0))
+        if self.match:
+            m = rows(squad.question_match, self.sep_id, buffers["ignore"])
+            x = x + m[..., None].to(x.dtype) * params["match_vec"]
+        x = x * real
+        for i in range(len(self.convs) if self.encoder == "conv" else 0):
+            W, b = params[f"convs.{i}.weight"], params[f"convs.{i}.bias"]
+            k = W.shape[-1]
+            # (n, T, M * d) is a channels-last (n, M * d, 1, T) image: one grouped convolution, no copies
+            # (views only: squeeze and unsqueeze keep the gradient's layout, an index would copy it)
+            y = F.conv2d(x.reshape(n, T, M * d).transpose(1, 2).unsqueeze(2), W.reshape(M * d, d, 1, k), b.reshape(-1),
+                         padding=(0, k // 2), groups=M).squeeze(2).transpose(1, 2).reshape(n, T, M, d)
+            # (x + relu(y)) * real, x being zero on padding: the gradient reaching x is the incoming one,
+            # which differs on padding only, where it meets nothing but the zeroing of the first x
+            x = torch.addcmul(x, F.relu(y), real)
+        q = x[:, -1]  # (n, M, d)
+        if self.query == "question":
+            qm = rows(squad.question_mask, self.sep_id).to(x.dtype)
+            w = qm / qm.sum(1, keepdim=True).clamp_min(1.0)
+            z = per_model(torch.linalg.vecdot(e, w[..., None], dim=1), params["summary"])
+            q = q + z
+        u = per_model(per_model(q, params["head.W_Q"]), params["head.W_K"].transpose(1, 2)) \
+            if "head.W_Q" in params else per_model(q, params["head.W_QK"])
+        # every column scores its key, the last one x[:, -1] . u; the query vector q = x[:, -1] + z there
+        # (z . u added), without slicing x: a slice's backward zero-fills an activation-sized gradient
+        s = torch.linalg.vecdot(x, u[:, None])  # (n, T, M)
+        if self.query == "question":
+            s = torch.cat([s[:, :-1], (s[:, -1] + torch.linalg.vecdot(z, u))[:, None]], 1)
+        attention = torch.softmax(s.masked_fill(~km, float("-inf")), dim=1)  # (n, T, M)
+        v = e if self.values == "embed" else e + F.relu(
+            per_model(e.reshape(n * T, M, d), params["value_map.weight"]).reshape(n, T, M, d) + params["value_map.bias"])
+        w = attention
+        if self.relative:
+            kmf = km.to(v.dtype)
+            w = attention - kmf / kmf.sum(1, keepdim=True)
+        ctx = torch.linalg.vecdot(v, w[..., None], dim=1)  # (n, M, d)
+        o = per_model(ctx, torch.bmm(params["head.W_O"], params["head.W_V"]) if "head.W_V" in params
+                      else params["head.W_OV"])
+        attention = attention.permute(2, 0, 1)
+        if self.readout == "class":
+            return o.transpose(0, 1), attention
+        score = torch.linalg.vecdot(e, o[:, None]).masked_fill(~lay(self._first_keys(tokens, key_mask)), float("-inf"))
+        logits = score.permute(2, 0, 1).flip(-1)  # (M, n, T), class c = position T - 1 - c
+        if self.n_classes > T:
+            logits = F.pad(logits, (0, self.n_classes - T), value=float("-inf"))
+        return logits, attention
 
 
 def for_dataset(ds: TextDataset, d_model: int, generator: torch.Generator | None = None, **options: Any) -> HeadModel:

@@ -229,14 +229,19 @@ def test_attention_without_the_private_batched_check(monkeypatch):
 
 
 def _widths(monkeypatch) -> list[int]:
-    """Record the padded length of every batch the analysed-head models see."""
-    seen, forward = [], HeadModel.forward
+    """Record the padded length of every batch the analysed-head models see, alone or stacked."""
+    seen, forward, stacked = [], HeadModel.forward, HeadModel.stacked_forward
 
     def spy(self, tokens, key_mask, attention=None):
         seen.append(tokens.shape[-1])
         return forward(self, tokens, key_mask, attention)
 
+    def stacked_spy(self, params, buffers, tokens, key_mask):
+        seen.append(tokens.shape[-1])
+        return stacked(self, params, buffers, tokens, key_mask)
+
     monkeypatch.setattr(HeadModel, "forward", spy)
+    monkeypatch.setattr(HeadModel, "stacked_forward", stacked_spy)
     return seen
 
 

@@ -4,7 +4,10 @@
 :class:`~qkov_lib.head_model.HeadModel` at several learning rates, ratios and seeds) together: their parameters are stacked
 along a leading model dimension (``torch.func.stack_module_state``) and one forward pass of all
 models is ``torch.func.vmap`` over ``torch.func.functional_call`` of the models' own ``forward``,
-so the stacked model computes exactly what each model computes. One backward pass of the summed
+so the stacked model computes exactly what each model computes. A model class may instead define
+``stacked_forward(params, buffers, tokens, key_mask)``, the same computation written with an
+explicit model dimension (:meth:`qkov_lib.head_model.HeadModel.stacked_forward`, faster than
+``vmap`` for its convolutions and embedding tables); a stack uses it when its models' buffers agree. One backward pass of the summed
 per-model losses gives each model its own gradient (the models share no parameter), and
 :class:`qkov_lib.train.optim.StackedOptimizer` applies torch's SGD / AdamW update with each model's own
 per-group rates (``qk`` at ``ratio * eta_ov``, ``ov``, ``other``; from
@@ -47,7 +50,7 @@ from torch.func import functional_call, stack_module_state, vmap
 from tqdm.auto import tqdm
 
 from qkov_lib.data.batch import Batch
-from qkov_lib.data.text import length_groups, real_lengths
+from qkov_lib.data.text import real_lengths
 from qkov_lib.metrics import DEFAULT_TAUS, summarize
 from qkov_lib.models import group_of, param_groups
 from qkov_lib.runtime import flush_denormals, torch_threads
@@ -58,8 +61,9 @@ NONFINITE_MODES = ("raise", "freeze")
 # Configs of one stack must agree on these (they fix the step loop and the optimizer kind).
 SHARED_FIELDS = ("optimizer", "steps", "batch_size", "n_logs", "log_every", "log_subsample", "log_seed",
                  "length_buckets", "flush_denormals")
-# Elements of the (models x rows x positions x width) activations per evaluation chunk.
-EVAL_BUDGET = 2**22
+# Elements of the (models x rows x positions x width) activations per evaluation chunk: 2**20 (4 MiB of
+# float32) stays in cache, so an evaluation costs fewer training steps than at 2**22, with the same numbers
+EVAL_BUDGET = 2**20
 
 GroupsFn = Callable[[nn.Module, TrainConfig], list[dict]]
 BatchesFn = Callable[[torch.Generator, int, int], list[Tensor]]
@@ -124,7 +128,8 @@ class ModelStack:
 
     ``B = 1``: the model's own parameters are the trained tensors (hooks and checks of its
     forward work as usual). ``B > 1``: leaf tensors from ``torch.func.stack_module_state``
-    and a vmapped ``functional_call`` of a copy of the first model on the ``meta`` device."""
+    and, on a copy of the first model on the ``meta`` device, its ``stacked_forward`` (``stacked``:
+    the class has one and the models' buffers agree) or a vmapped ``functional_call``."""
 
     def __init__(self, models: Sequence[nn.Module]) -> None:
         models = list(models)
@@ -148,6 +153,10 @@ class ModelStack:
             self.params = {n: params[n] for n in self.names}
             self.frozen = {n: p.detach() for n, p in params.items() if n not in self.names}  # not trained
             self.base = copy.deepcopy(models[0]).to("meta")
+            # a class's own forward over a model dimension (HeadModel.stacked_forward), for models whose
+            # buffers agree: it takes one model's buffers; otherwise vmap of the models' forward
+            self.stacked = hasattr(self.base, "stacked_forward") and all(bool((t == t[:1]).all())
+                                                                         for t in self.buffers.values())
 
     # --- tensors -----------------------------------------------------------------------
     def leaves(self) -> dict[str, Tensor]:
@@ -208,6 +217,9 @@ class ModelStack:
                 tokens, key_mask = tokens[0], key_mask[0]
             logits, attn = self.model(tokens, key_mask)
             return logits[None], attn[None]
+        if self.stacked:
+            return self.base.stacked_forward({**self.frozen, **self.params}, {n: t[0] for n, t in self.buffers.items()},
+                                             tokens, key_mask)
         fn = lambda p, b, t, k: functional_call(self.base, (p, b), (t, k))  # noqa: E731
         d = None if shared else 0
         return vmap(fn, in_dims=(0, 0, d, d))({**self.frozen, **self.params}, self.buffers, tokens, key_mask)
@@ -215,26 +227,25 @@ class ModelStack:
     @torch.no_grad()
     def predict(self, data: Batch, by_length: bool = False) -> tuple[Tensor, Tensor]:
         """``(attention (B, N, ...), probabilities (B, N, C) float64)`` of every model on the
-        shared ``data``, in chunks that keep the activations small. ``by_length`` (models that
-        ignore left padding; attention (B, N, T)): the rows shortest first, each chunk cut to its
-        longest row; rows come back in their own order, attention zero on the dropped columns."""
+        shared ``data``, in chunks of near-equal size that keep the activations small. ``by_length``
+        (models that ignore left padding; attention (B, N, T)): the rows shortest first, each chunk
+        cut to its longest row; rows come back in their own order, attention zero on the dropped
+        columns."""
         N, T = data.tokens.shape
         width = max(p.shape[-1] for p in self.params.values())
         chunk = max(1, EVAL_BUDGET // (self.B * T * width))
-        if not by_length:
-            attn, probs = [], []
-            for i in range(0, N, chunk):
-                logits, a = self.forward(data.tokens[i:i + chunk], data.key_mask[i:i + chunk], shared=True)
-                attn.append(a)
-                probs.append(torch.softmax(logits.double(), -1))
-            return torch.cat(attn, 1), torch.cat(probs, 1)
+        lengths = real_lengths(data.tokens)
+        order = torch.argsort(lengths, stable=True) if by_length else torch.arange(N, device=data.tokens.device)
         attn = probs = None
-        for idx, t in length_groups(data.tokens, chunk):
+        # no short last chunk: a product of a few rows may round differently from the same rows among
+        # many (another matmul kernel), and each row's prediction should not depend on the budget
+        for idx in order.tensor_split(max(1, -(-N // chunk))):
+            t = int(lengths[idx].max()) if by_length else T
             logits, a = self.forward(data.tokens[idx, T - t:], data.key_mask[idx, T - t:], shared=True)
             if attn is None:
-                attn = a.new_zeros(self.B, N, T)
+                attn = a.new_zeros(self.B, N, *a.shape[2:-1], T) if by_length else a.new_empty(self.B, N, *a.shape[2:])
                 probs = torch.empty(self.B, N, logits.shape[-1], dtype=torch.float64, device=logits.device)
-            attn[:, idx, T - t:] = a
+            attn[:, idx, ..., T - t:] = a
             probs[:, idx] = torch.softmax(logits.double(), -1)
         return attn, probs
 
