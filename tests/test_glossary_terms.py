@@ -155,5 +155,5 @@ def test_every_chapter_opens_with_what_it_finds(doc):
         m = GLUED_FIGURE.match(line.strip())
         if m and kind == "markdown":
             key = m.group(1)
-            assert re.search(rf"glue\(\s*[\"']{re.escape(key)}[\"']", text), \
+            assert re.search(rf"glue(?:_figure)?\(\s*[\"']{re.escape(key)}[\"']", text), \
                 f"{doc}, line {i}: the figure {key!r} is glued nowhere in the chapter"

@@ -69,3 +69,10 @@ def test_sweep_metrics_keep_the_tables_and_the_figure_keys(monkeypatch):
     assert doc["metrics"]["dtap"]["FAFO / 1"] == [[1.0, 0.0], [0.0, 1.0]]
     for key in ("metrics.dtap", "metrics.history", "metrics.decoupling", "metrics.ladder_dtap", "metrics.adam"):
         assert results_key(doc, key), key
+
+
+def test_grid_glue_quotes_the_grid():
+    cfg = {"ratios": [0.1, 1, 10.0], "seeds": [0, 1, 2], "loss_ladder": [0.3, 0.1], "matched_loss": 0.05}
+    g = sw.grid_glue(cfg)
+    assert g["ratios_list"] == "{0.1, 1, 10}" and g["n_seeds_cfg"] == "3" and g["r_eq_ladder"] == "1"
+    assert g["ladder_levels"] == "0.3, 0.1, 0.05"  # the ladder and the matched loss, highest first

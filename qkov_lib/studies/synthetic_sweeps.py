@@ -1269,6 +1269,15 @@ def speed_facts(speed: Mapping[str, float], wall_s: float, profile: str) -> dict
             "wall_time": f"{wall_s:.0f} s", "profile_name": str(profile)}
 
 
+def grid_glue(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """The grid's settings as chapter 04 quotes them: ``ratios_list`` (``"{0.1, 1, 10}"``),
+    ``ladder_levels`` (the matched-loss ladder, nats), ``r_eq_ladder`` (the ratio the ladder is read
+    at, :func:`equal_rate`) and ``n_seeds_cfg``."""
+    return {"ratios_list": "{" + ", ".join(f"{float(r):g}" for r in cfg["ratios"]) + "}",
+            "ladder_levels": ", ".join(f"{x:g}" for x in ladder_levels(cfg)),
+            "r_eq_ladder": f"{equal_rate(cfg['ratios']):g}", "n_seeds_cfg": str(len(cfg["seeds"]))}
+
+
 def sweep_metrics(tables: Mapping[str, Any], hist: pd.DataFrame, dtaps: Mapping, ladder_maps: Mapping,
                   readings: Mapping[str, Sequence[C.Reading]], facts: Mapping[str, Any],
                   verdicts: Mapping[str, Verdict]) -> dict:
