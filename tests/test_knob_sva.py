@@ -68,3 +68,40 @@ def test_sva_facts_hand_case():
     assert f["trainer_sva_layers"] == "layer 1: subject 0.20, 0.40, attractors 0.10, 0.05"
     assert f["trainer_sva_head"] == "subject 0.50, 0.60, attractors 0.20, 0.10"
     assert f["trainer_sva_acc"] == "0.90, 0.95" and f["trainer_sva_seeds"] == "2" and f["trainer_sva_ratios"] == "1, 10"
+
+
+def _study():
+    """A hand-made :class:`pythia.SvaStudy`: two ratios, two seeds, one layer."""
+    from qkov_lib.studies import agreement_roles
+
+    cols = [*agreement_roles.ROLES, pythia.QUERY_SELF]
+    layer = pd.DataFrame([[0.4, 0.1, 0.1, 0.1, 0.1, 0.2], [0.6, 0.1, 0.0, 0.1, 0.1, 0.1]], columns=cols,
+                         index=pd.Index([1.0, 10.0], name="ratio"))
+    head = layer.assign(**{pythia.QUERY_SELF: 0.0})
+    logs = pd.DataFrame([{"step": st, "loss": 1.0, "ratio": r, "seed": s} for r in (1.0, 10.0) for s in (0, 1)
+                         for st in (1, 2)])
+    cfg = {"ratios": [1.0, 10.0], "seeds": [0, 1]}
+    return pythia.SvaStudy(cfg, {"layer 1": layer}, None, logs, head, None, {"parameterization": "FAFO"})
+
+
+def test_sva_study_panels_log_and_results():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qkov_lib import figure_source
+
+    sva = _study()
+    panels = sva.panels()
+    assert list(panels) == ["GPT-NeoX, layer 1 (head mean)", "one head (FAFO)"]
+    assert list(panels["one head (FAFO)"].columns)[-1] == pythia.QUERY_SELF
+    assert sva.role_table().loc[("GPT-NeoX, layer 1 (head mean)", 10.0), "subject"] == 0.6
+    log = sva.first_run_log()  # the highest ratio, the lowest seed
+    assert list(log.columns) == ["step", "loss"] and list(log["step"]) == [1, 2]
+    roles = pythia.results_metrics(pd.DataFrame({"layer": [1]}), sva)["trainer_roles"]
+    assert [r["ratio"] for r in roles["one head (FAFO)"]] == [1.0, 10.0]
+    fig = pythia.role_figure(panels)
+    assert getattr(fig, figure_source.DRAWN_BY) == "qkov_lib.studies.pythia.role_figure"
+    assert [ax.get_title() for ax in fig.axes] == list(panels)
+    plt.close(fig)

@@ -94,6 +94,10 @@ def test_first_adamw_step_moves_interleaved_qk_slices_by_the_ratio(ratio):
     assert moves["Q"] / moves["V"] == pytest.approx(ratio, rel=0.02)
     assert moves["K"] / moves["V"] == pytest.approx(ratio, rel=0.02)
     assert moves["V"] == pytest.approx(CFG["eta_ov"], rel=0.02)
+    f = pythia.knob_facts(report, moves, ratio)
+    # one slice per head and part; each head's adjacent Q and K rows share one leaf, its V rows another
+    assert f["py_slices"] == str(3 * CFG["n_heads"]) and f["py_leaves"] == str(2 * CFG["n_heads"])
+    assert f["py_demo_ratio"] == f"{ratio:g}" and f["py_demo_qv"] == f"{moves['Q'] / moves['V']:.2f}"
 
 
 def test_training_learns_is_deterministic_and_facts(runs):

@@ -13,7 +13,8 @@ by their mass ("rank 1" = the sharpest head of that layer in that run) before av
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import matplotlib.pyplot as plt
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from qkov_lib.figure_source import draws
 from qkov_lib.data.batch import Batch
-from qkov_lib.knob import knob_groups
+from qkov_lib.knob import KnobReport, knob_groups, knob_optimizer
 from qkov_lib.metrics import macro_f1, relevant_mass, seed_half_width, tag_frame
 from qkov_lib import claims, protocol
 from qkov_lib.runtime import pick_device, seed_everything
@@ -296,6 +297,52 @@ def run_grid(cfg: dict, datasets: dict, device: torch.device | None = None) -> l
                              processes=processes)
 
 
+# --- the knob on this model -----------------------------------------------------------------
+def first_step_moves(cfg: dict, ratio: float, seed: int = 0) -> tuple[KnobReport, dict[str, float]]:
+    """The knob's report for a fresh :class:`EncoderClassifier` of ``cfg``'s shape (vocabulary 50,
+    2 classes, 8 positions, weights drawn from seed ``seed``), and the mean absolute move of the Q,
+    K and V rows (``{"Q": ..., "K": ..., "V": ...}``) of its first layer's packed
+    ``in_proj_weight`` in one AdamW step (OV rate ``cfg["eta_ov"]``, QK rate ``eta_ov * ratio``,
+    AdamW's default weight decay) on one batch of 16 random sequences (seed ``seed + 1``), all of
+    class 0. Adam's first step moves each element by about its rate, so Q/V and K/V come out near
+    ``ratio`` when the packed tensor is split right."""
+    model = EncoderClassifier(50, 2, 8, cfg["d_model"], cfg["n_heads"], cfg["n_layers"], cfg["dim_ff"],
+                              generator=torch.Generator().manual_seed(seed))
+    before = model.encoder.layers[0].self_attn.in_proj_weight.detach().clone()
+    opt, report = knob_optimizer(model, torch.optim.AdamW, lr=cfg["eta_ov"], qk_ratio=float(ratio))
+    tokens = torch.randint(3, 50, (16, 8), generator=torch.Generator().manual_seed(seed + 1))
+    logits, _ = model(tokens, torch.ones_like(tokens, dtype=torch.bool))
+    F.cross_entropy(logits, torch.zeros(16, dtype=torch.long)).backward()
+    opt.step()
+    move = (model.encoder.layers[0].self_attn.in_proj_weight.detach() - before).abs().split(cfg["d_model"])
+    return report, {part: float(m.mean()) for part, m in zip("QKV", move)}
+
+
+def first_layer_report(report: KnobReport | str) -> str:
+    """``str(report)`` without the lines of any layer but the first: a line naming ``layers.<n>.``
+    with ``n != 0`` is dropped (the other layers repeat layer 0's lines)."""
+    return "\n".join(line for line in str(report).splitlines()
+                     if all(n == "0" for n in re.findall(r"\blayers\.(\d+)\.", line)))
+
+
+def move_facts(moves: Mapping[str, float], ratio: float, prefix: str, digits: int = 1) -> dict[str, str]:
+    """Text of a first-step check: ``<prefix>_ratio`` (the ratio), ``<prefix>_qv`` and
+    ``<prefix>_kv`` (the Q and K moves as multiples of the V move, ``digits`` decimals)."""
+    return {f"{prefix}_ratio": f"{ratio:g}", f"{prefix}_qv": f"{moves['Q'] / moves['V']:.{digits}f}",
+            f"{prefix}_kv": f"{moves['K'] / moves['V']:.{digits}f}"}
+
+
+def data_frame(data: Mapping) -> pd.DataFrame:
+    """One row per dataset of ``data`` (name -> :class:`~qkov_lib.data.text.TextDataset`): the shapes
+    (instances x positions) of the train and test tokens, the vocabulary size, the class names and
+    the number of test instances with at least one relevant token."""
+    return pd.DataFrame([{"dataset": name, "train": "x".join(map(str, ds.train.tokens.shape)),
+                          "test": "x".join(map(str, ds.test.tokens.shape)), "vocabulary": ds.vocab_size,
+                          "classes": ", ".join(map(str, ds.class_names)),
+                          "test items with relevant tokens": int(ds.test.relevant.any(1).sum())}
+                         for name, ds in data.items()]).set_index("dataset")
+
+
 # --- tables ---------------------------------------------------------------------------------
 def scores_frame(runs: Sequence[Run]) -> pd.DataFrame:
     """One row per run: dataset, ratio, seed, test loss/accuracy/macro-F1."""
@@ -433,7 +480,8 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
     per higher ratio ``<ds>_r<ratio>_...``: counts of sharper/blunter (layer, head-rank) slots against the
     lowest ratio, their layers, the layer with the largest head-mean gain and the answer to "does the
     sharpening carry beyond one layer and one head?" (:func:`carry_table`); ``<ds>_yes_at`` lists the ratios
-    where it does ("none" if none). ``carry``: that table, if the caller already has it."""
+    where it does ("none" if none); ``full_size``: the model and seeds of the ``full`` profile.
+    ``carry``: that table, if the caller already has it."""
     ratios = sorted(cfg["ratios"])
     lo, L = ratios[0], cfg["n_layers"]
     lt = layer_table(heads).set_index(["dataset", "ratio", "layer"])
@@ -461,6 +509,8 @@ def chapter_facts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict, delta: f
         out[f"{ds}_yes_at"] = out[f"{ds}_yes_at"] or "none"
     out["eta_qk_high"] = f"{cfg['eta_ov'] * ratios[-1]:g}"
     out["eta_ov"] = f"{cfg['eta_ov']:g}"
+    full = PROFILES["full"]
+    out["full_size"] = f"{full['n_layers']} layers × {full['n_heads']} heads, {len(full['seeds'])} seeds"
     return out
 
 
@@ -494,6 +544,65 @@ def chapter_verdicts(scores: pd.DataFrame, heads: pd.DataFrame, cfg: dict) -> di
         out[ds] = {cid: claims.decide(claims.read_cells(cells, claims.ESTIMANDS[cid]), claims.ESTIMANDS[cid])
                    for cid, cells in (("R1-multilayer", d_acc), ("R2-multilayer", d_layer), ("R3-multilayer", d_att))}
     return out
+
+
+def verdict_words(verdicts: Mapping[str, Mapping[str, claims.Verdict]], datasets: Sequence[str] = DATASETS
+                  ) -> dict[str, str]:
+    """The word of each extension verdict (:func:`chapter_verdicts`) for the chapter's opening
+    sentence: ``ml_verdict_<dataset>_<R1|R2|R3>``, "not run" for a dataset or claim not in ``verdicts``."""
+    out = {}
+    for ds in datasets:
+        for cid in ("R1", "R2", "R3"):
+            v = verdicts.get(ds, {}).get(f"{cid}-multilayer")
+            out[f"ml_verdict_{ds}_{cid}"] = v.verdict if v else "not run"
+    return out
+
+
+def verdict_table(verdicts: Mapping[str, Mapping[str, claims.Verdict]]) -> pd.DataFrame:
+    """The extension verdicts of every dataset in one table: :func:`qkov_lib.claims.verdict_frame`
+    of each dataset's verdicts, stacked, with the dataset as the outer index level."""
+    return pd.concat({ds: claims.verdict_frame(vs) for ds, vs in verdicts.items()}, names=["dataset"])
+
+
+@dataclass
+class Analysis:
+    """What the chapter reads from a grid of runs (:func:`analyse`): ``scores`` (one row per run,
+    :func:`scores_frame`), ``heads`` (:func:`heads_frame`), ``history`` (:func:`histories_frame`),
+    ``layers`` (:func:`layer_table`), ``carry`` (:func:`carry_table`), ``facts``
+    (:func:`chapter_facts`) and ``verdicts`` (:func:`chapter_verdicts`), for the settings ``cfg``."""
+
+    cfg: dict
+    scores: pd.DataFrame
+    heads: pd.DataFrame
+    history: pd.DataFrame
+    layers: pd.DataFrame
+    carry: pd.DataFrame
+    facts: dict[str, str]
+    verdicts: dict[str, dict[str, claims.Verdict]]
+
+    def text(self) -> dict[str, str]:
+        """The texts the chapter quotes: the facts and the verdict words (:func:`verdict_words`)."""
+        return {**self.facts, **verdict_words(self.verdicts)}
+
+    def metrics(self) -> dict:
+        """The chapter's metrics for its results file: run scores, the per-layer table (what the
+        layer figure draws, ``layers``), every head's row (the heatmaps, ``heads``; layer and head as
+        text), the training history per dataset (the curves, ``history.<dataset>``), the quoted
+        facts and the scorecard rows (``claims``)."""
+        h = self.history
+        return {"scores": self.scores.to_dict("records"), "layers": self.layers.to_dict("records"),
+                "heads": self.heads.astype({"layer": str, "head": str}).to_dict("records"),
+                "history": {ds: h[h["dataset"] == ds].to_dict("records") for ds in self.cfg["datasets"]},
+                "facts": self.facts, "claims": claims_rows(self.facts, self.verdicts, self.cfg)}
+
+
+def analyse(runs: Sequence[Run], cfg: dict, delta: float = DELTA) -> Analysis:
+    """Every table, fact and verdict of the chapter from its ``runs`` (settings ``cfg``; slots
+    count as sharper or blunter beyond ``delta``)."""
+    scores, heads = scores_frame(runs), heads_frame(runs)
+    carry = carry_table(scores, heads, cfg, delta)
+    return Analysis(cfg, scores, heads, histories_frame(runs), layer_table(heads), carry,
+                    chapter_facts(scores, heads, cfg, delta, carry=carry), chapter_verdicts(scores, heads, cfg))
 
 
 def claims_rows(facts: dict[str, str], verdicts: dict[str, dict[str, claims.Verdict]], cfg: dict
@@ -570,11 +679,14 @@ def layer_lines(table: pd.DataFrame, datasets: Sequence[str]) -> plt.Figure:
     return fig
 
 
-def closing_table(table: pd.DataFrame) -> pd.DataFrame:
-    """The per-layer table of the closing note: head-mean and sharpest-head attention on relevant
-    tokens (mean over seeds) per (dataset, layer), one column per (measure, ratio)."""
-    t = table.copy()
-    t["layer"] = t["layer"].astype(str)
-    w = t.pivot_table(index=["dataset", "layer"], columns="ratio", values=["head-mean", "best head"], sort=False)
-    w.columns = [f"{m} @ {r:g}" for m, r in w.columns]
-    return w[[c for c in w.columns if c.startswith("head-mean")] + [c for c in w.columns if c.startswith("best head")]]
+@draws
+def training_curves(hist: pd.DataFrame, dataset: str) -> plt.Figure:
+    """:func:`qkov_lib.plotting.training_curves` of one dataset's runs: test accuracy and every
+    per-layer attention column of ``hist`` (``L<l> head-mean``, ``L<l> best head``) against AdamW
+    steps, one line per ratio (mean over seeds with its band), titled with the dataset."""
+    from qkov_lib import plotting
+
+    cols = ["accuracy"] + [c for c in hist.columns if c.startswith("L")]
+    fig = plotting.training_curves(hist[hist["dataset"] == dataset], cols, hue="ratio", col_wrap=3)
+    fig.suptitle(dataset, y=1.02)
+    return fig

@@ -16,7 +16,9 @@ token, with :func:`qkov_lib.studies.multilayer.head_metrics`.
 from __future__ import annotations
 
 import itertools
+import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from qkov_lib.data.batch import Batch
+from qkov_lib.figure_source import draws
 from qkov_lib.data.synthetic import SyntheticTask, sample
 from qkov_lib.knob import KnobReport, knob_groups, knob_optimizer, tensor_value
 from qkov_lib.metrics import prediction_metrics
@@ -203,6 +206,16 @@ def first_step_moves(cfg: dict, ratio: float, seed: int = 0) -> tuple[KnobReport
     return report, {part: float(torch.cat(ms).mean()) for part, ms in sorted(moved.items())}
 
 
+def knob_facts(report: KnobReport, moves: dict[str, float], ratio: float) -> dict[str, str]:
+    """Text of the first-step check (:func:`first_step_moves`): ``py_demo_ratio``, ``py_demo_qv``,
+    ``py_demo_kv`` (:func:`qkov_lib.studies.multilayer.move_facts`, two decimals), ``py_slices``
+    (the slices of layer 0's ``query_key_value`` weight in ``report``) and ``py_leaves`` (the
+    parameters holding them)."""
+    l0 = [e for e in report.entries if e.tensor.endswith("layers.0.attention.query_key_value.weight")]
+    return {**ml.move_facts(moves, ratio, "py_demo", 2), "py_slices": str(len(l0)),
+            "py_leaves": str(len({e.parameter for e in l0}))}
+
+
 # --- tables and facts ----------------------------------------------------------------------
 def summary_table(runs: Sequence[ml.Run]) -> pd.DataFrame:
     """Per ratio and layer (and the rollout), means over seeds: the query's attention on the
@@ -214,10 +227,13 @@ def summary_table(runs: Sequence[ml.Run]) -> pd.DataFrame:
     return table
 
 
-def facts(runs: Sequence[ml.Run], cfg: dict) -> dict[str, str]:
+def facts(runs: Sequence[ml.Run], cfg: dict, report: KnobReport | None = None,
+          moves: dict[str, float] | None = None) -> dict[str, str]:
     """Text for the chapter's prose, from ``runs``: accuracy and per-layer attention on the
     distinct token at each ratio (means over seeds), and the count of (layer, head-rank) slots
-    that got sharper / blunter from the lowest to the highest ratio (``multilayer.changes``)."""
+    that got sharper / blunter from the lowest to the highest ratio (``multilayer.changes``);
+    with the ``report`` and ``moves`` of :func:`first_step_moves` at the highest ratio, also
+    their :func:`knob_facts`."""
     table = summary_table(runs)
     ratios = sorted(cfg["ratios"])
     lo, hi = ratios[0], ratios[-1]
@@ -244,6 +260,8 @@ def facts(runs: Sequence[ml.Run], cfg: dict) -> dict[str, str]:
         "py_lo": f"{lo:g}",
         "py_hi": f"{hi:g}",
     }
+    if report is not None and moves is not None:
+        out.update(knob_facts(report, moves, hi))
     return out
 
 
@@ -404,6 +422,16 @@ def one_head_roles(ds, cfg: dict, profile: str | None) -> tuple[pd.DataFrame, pd
     return f.drop(columns="accuracy"), f[["accuracy"]], rcfg
 
 
+@draws
+def role_figure(panels: dict[str, pd.DataFrame]):
+    """:func:`qkov_lib.plotting.role_bars` of :meth:`SvaStudy.panels`: stacked bars of the mean
+    attention mass per token role against the ratio, one panel per layer and one for the
+    one-head model."""
+    from qkov_lib import plotting
+
+    return plotting.role_bars(panels, list(next(iter(panels.values())).columns))
+
+
 def sva_facts(roles: dict[str, pd.DataFrame], acc: pd.DataFrame, head_roles: pd.DataFrame, head_acc: pd.DataFrame,
               cfg: dict, rcfg: dict) -> dict[str, str]:
     """Text for the section's prose: sizes, steps, seeds, and for every layer and the one-head
@@ -426,3 +454,65 @@ def sva_facts(roles: dict[str, pd.DataFrame], acc: pd.DataFrame, head_roles: pd.
         "trainer_sva_eta": f"{cfg['eta_ov']:g}",
     }
     return out
+
+
+@dataclass
+class SvaStudy:
+    """The Trainer section's runs (:func:`sva_study`): per layer of the GPT-NeoX model the mean
+    attention mass per token role (``roles``: layer -> ratio x role, :func:`sva_grid`), its test
+    accuracy per ratio, every run's Trainer log (``logs``), and the one-head model's role masses,
+    accuracy and settings (:func:`one_head_roles`); ``cfg``: the Trainer's settings."""
+
+    cfg: dict
+    roles: dict[str, pd.DataFrame]
+    accuracy: pd.DataFrame
+    logs: pd.DataFrame
+    head_roles: pd.DataFrame
+    head_accuracy: pd.DataFrame
+    head_cfg: dict
+
+    def text(self) -> dict[str, str]:
+        """The texts the section quotes (:func:`sva_facts`)."""
+        return sva_facts(self.roles, self.accuracy, self.head_roles, self.head_accuracy, self.cfg, self.head_cfg)
+
+    def first_run_log(self) -> pd.DataFrame:
+        """The Trainer's log of the run at the highest ratio with the lowest seed: step, loss and
+        the rate of every group, one row per logged step."""
+        logs = self.logs
+        run = logs[(logs["ratio"] == max(self.cfg["ratios"])) & (logs["seed"] == min(self.cfg["seeds"]))]
+        return run.drop(columns=["ratio", "seed"]).reset_index(drop=True)
+
+    def panels(self) -> dict[str, pd.DataFrame]:
+        """The panels of the role figure: per layer of the GPT-NeoX model ("GPT-NeoX, <layer> (head
+        mean)") and for the one-head model (titled with its parameterization), the mean attention
+        mass per token role (ratio x role: :data:`qkov_lib.studies.agreement_roles.ROLES`, then
+        :data:`QUERY_SELF`)."""
+        from qkov_lib.studies import agreement_roles
+
+        cols = [*agreement_roles.ROLES, QUERY_SELF]
+        panels = {f"GPT-NeoX, {w} (head mean)": f[cols] for w, f in self.roles.items()}
+        panels[f"one head ({self.head_cfg['parameterization']})"] = self.head_roles[cols]
+        return panels
+
+    def role_table(self) -> pd.DataFrame:
+        """:meth:`panels` in one table, indexed by (model, ratio)."""
+        return pd.concat(self.panels(), names=["model", "ratio"])
+
+
+def sva_study(cfg: dict, profile: str | None, data_dir=None) -> SvaStudy:
+    """Train the Trainer section's models on the SVA prefixes of ``cfg`` (:func:`load_sva`): the
+    GPT-NeoX grid through the Trainer (:func:`sva_grid`, its output folders in a temporary
+    directory) and the one-head models of ``profile`` (:func:`one_head_roles`)."""
+    ds = load_sva(cfg, data_dir)
+    with tempfile.TemporaryDirectory() as tmp:
+        roles, acc, logs = sva_grid(ds, cfg, tmp)
+    head_roles, head_acc, head_cfg = one_head_roles(ds, cfg, profile)
+    return SvaStudy(cfg, roles, acc, logs, head_roles, head_acc, head_cfg)
+
+
+def results_metrics(table: pd.DataFrame, sva: SvaStudy) -> dict:
+    """The Pythia sections' metrics for the chapter's results file: the per-layer summary of the
+    synthetic-task runs (``pythia_layers``, :func:`summary_table`) and the role panels of the SVA
+    runs (``trainer_roles``: panel -> rows with their ``ratio``, what the role figure draws)."""
+    return {"pythia_layers": table.to_dict("records"),
+            "trainer_roles": {name: f.reset_index().to_dict("records") for name, f in sva.panels().items()}}
