@@ -14,6 +14,7 @@ and in a dry run caps the steps of the chapter's settings (:func:`qkov_lib.profi
 
 from __future__ import annotations
 
+import functools
 import math
 import resource
 import sys
@@ -191,6 +192,12 @@ def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: 
     return parts
 
 
+def _ablation(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
+    from qkov_lib.studies import ablation
+
+    return ablation.work(cfg)
+
+
 def _multilayer(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
     from qkov_lib.studies import pythia
 
@@ -206,7 +213,7 @@ def _multilayer(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
 #: chapter (its results name, as ``qkov run`` names it) -> its work from the resolved settings
 WORK: dict[str, Callable[..., list[Part]]] = {
     "synthetic": _synthetic, "theory_reduction": _reduction, "theory_asymptotics": _asymptotics, "sweep": _sweep,
-    "squad": _map, "hatexplain": _map, "sva": _map, "multilayer": _multilayer,
+    "squad": _map, "hatexplain": _map, "sva": _map, "multilayer": _multilayer, "protocol_choices": _ablation,
 }
 
 
@@ -345,6 +352,12 @@ def _probe_map(cfg: Mapping[str, Any], device: torch.device, chapter: str = "", 
     return run
 
 
+def _probe_dataset_map(dataset: str, cfg: Mapping[str, Any], device: torch.device, **_: Any) -> Callable[[int], Any]:
+    from qkov_lib.studies import realmap
+
+    return _probe_map(realmap.map_config(dataset, cfg["profile"]), device, chapter=dataset)
+
+
 def _probe_encoder(cfg: Mapping[str, Any], device: torch.device, **_: Any) -> Callable[[int], Any]:
     from qkov_lib.studies import multilayer
 
@@ -365,6 +378,8 @@ def _probe_pythia(cfg: Mapping[str, Any], device: torch.device, **_: Any) -> Cal
 PROBES: dict[str, Callable[..., Callable[[int], Any]]] = {
     "synthetic": _probe_synthetic, "sweep": _probe_sweep, "map": _probe_map, "encoder": _probe_encoder,
     "pythia": _probe_pythia,
+    # the protocol-choices chapter: each dataset's map model under that chapter's profile
+    **{f"map:{d}": functools.partial(_probe_dataset_map, d) for d in ("squad", "hatexplain", "sva")},
 }
 
 
@@ -483,12 +498,12 @@ def results_record(est: Estimate | None, wall_time_s: float | None) -> dict[str,
 # --- every chapter's estimate, nothing trained (make estimate, the GPU workflow's first step) -----
 def _settings(chapter: str, profile: str | None) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """``(cfg, others)`` of ``chapter`` as its settings cell resolves them, every override None."""
-    from qkov_lib.studies import (agreement_roles, asymptotics, multilayer, realmap, reduction, synthetic,
+    from qkov_lib.studies import (ablation, agreement_roles, asymptotics, multilayer, realmap, reduction, synthetic,
                                   synthetic_sweeps)
 
     tables = {"synthetic": synthetic.PROFILES, "theory_reduction": reduction.PROFILES_REDUCTION,
               "theory_asymptotics": asymptotics.PROFILES_ASYMPTOTICS, "sweep": synthetic_sweeps.PROFILES,
-              "multilayer": multilayer.PROFILES}
+              "multilayer": multilayer.PROFILES, "protocol_choices": ablation.PROFILES}
     if chapter in tables:
         return profiles.resolve(tables[chapter], profile), {}
     cfg = realmap.map_config(chapter, profile)

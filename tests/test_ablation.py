@@ -151,3 +151,17 @@ def test_a_tiny_study_end_to_end(monkeypatch):
     assert set(res.words["arm"]) == {"default", "readout", "budget", "evaluation"}
     assert res.arms["sva"]["readout"].models and not next(iter(res.arms["sva"]["readout"].models.values())).relative
     assert len(res.settle["sva"]) == 4
+
+
+def test_the_cost_model_counts_every_arm_that_trains():
+    from qkov_lib import cost
+
+    parts = cost.work("protocol_choices", ablation.study_config("cpu"))
+    assert [(p.name, p.runs, p.steps, p.probe) for p in parts] == [
+        ("squad: default arm, adamw", 8, 800, "map:squad"), ("squad: readout arm, adamw", 8, 800, "map:squad"),
+        ("squad: ov_init arm, adamw", 8, 800, "map:squad"), ("squad: budget arm, adamw", 8, 3200, "map:squad"),
+        ("sva: default arm, adamw", 8, 2000, "map:sva"), ("sva: readout arm, adamw", 8, 2000, "map:sva"),
+        ("sva: budget arm, adamw", 8, 8000, "map:sva")]
+    full = cost.work("protocol_choices", ablation.study_config("full"))
+    assert any(p.name.startswith("squad: tuning, adamw") for p in full)  # no rate given: tuned here
+    assert any(p.name == "sva: natural prefixes" for p in full)

@@ -386,7 +386,7 @@ def test_the_measured_peak_memory_counts_the_ended_worker_processes(monkeypatch,
 
 # --- the chapters -----------------------------------------------------------------------------
 TRAINING_CHAPTERS = ["01_synthetic", "02_theory_reduction", "03_theory_asymptotics", "04_sweep", "05_squad",
-                     "06_hatexplain", "07_sva", "09_multilayer"]
+                     "06_hatexplain", "07_sva", "protocol_choices", "09_multilayer"]
 
 
 @pytest.mark.parametrize("stem", TRAINING_CHAPTERS)
@@ -395,10 +395,10 @@ def test_each_training_chapter_states_its_cost_before_it_trains(stem):
     assert {"dry_run", "force"} <= set(chapters.chapter_parameters(src))
     code = [c.source for c in jupytext.read(src).cells if c.cell_type == "code"]
     at = next(i for i, c in enumerate(code) if "cost.preflight(" in c)
-    name = stem.split("_", 1)[-1]
+    name = cache.chapter_name(src)
     assert f'cost.preflight("{name}"' in code[at] and name in cost.WORK
     first_training = next(i for i, c in enumerate(code) if any(
-        f in c for f in ("run_grid(", "run_chapter_map(", "overlay_grid(", "long_runs(", "chapter_map(")))
+        f in c for f in ("run_grid(", "run_chapter_map(", "overlay_grid(", "long_runs(", "chapter_map(", "run_study(")))
     assert at < first_training
 
 

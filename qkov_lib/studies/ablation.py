@@ -33,6 +33,7 @@ import pandas as pd
 import torch
 
 from qkov_lib import claims, protocol, rate_plane
+from qkov_lib.figure_source import draws
 from qkov_lib.data.batch import spread
 from qkov_lib.profiles import profile_table
 from qkov_lib.studies import realmap
@@ -68,7 +69,7 @@ SETTLE_WINDOW = 0.2
 SETTLE_LOGS = 3  # ... over at least this many logged evaluations
 
 COMMON = dict(datasets=["squad", "sva", "hatexplain"], ablations=list(ABLATIONS), optimizers=["adamw", "sgd"],
-              ratios=[1.0, 10.0, 100.0], seeds=[0, 1, 2, 3], steps_factor=4, eval_rows=300, rates_given=None)
+              ratios=[1.0, 10.0, 100.0], seeds=[0, 1, 2, 3], steps_factor=4, eval_rows=300, rates_given=None, processes=None)
 PROFILES = profile_table(
     COMMON,
     # test: seconds (CI): SVA's test map, two seeds, AdamW at a given rate
@@ -126,12 +127,10 @@ def arm_config(name: str, dataset: str, mcfg: Mapping[str, Any], steps_factor: i
     return {**cfg, **change}
 
 
-def study_config(profile: str | None, **overrides: Any) -> dict[str, Any]:
-    """The chapter's settings: :data:`PROFILES` with ``overrides`` (None = the profile's), checked; unknown
-    datasets and ablations raise ValueError."""
-    from qkov_lib.profiles import resolve
-
-    cfg = resolve(PROFILES, profile, **overrides)
+def check_study(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` (:data:`PROFILES` resolved by :func:`qkov_lib.profiles.resolve`) checked beyond types: known
+    datasets and ablations, ratio 1 among the ratios, two seeds or more, ``steps_factor`` and ``eval_rows``
+    integers >= 1, ``rates_given`` None or ``{dataset: {optimizer: rate > 0}}``; returns it."""
     for d in cfg["datasets"]:
         realmap.check_dataset(d)
     for a in cfg["ablations"]:
@@ -140,17 +139,30 @@ def study_config(profile: str | None, **overrides: Any) -> dict[str, Any]:
         raise ValueError(f"the ratios must include 1 (the reference), got {cfg['ratios']}")
     if len(cfg["seeds"]) < 2:
         raise ValueError(f"an interval needs at least 2 seeds, got {cfg['seeds']}")
+    for k in ("steps_factor", "eval_rows"):
+        if isinstance(cfg[k], bool) or not isinstance(cfg[k], int) or cfg[k] < 1:
+            raise ValueError(f"{k} must be an integer >= 1, got {cfg[k]!r}")
     rates = cfg["rates_given"]
     if rates is not None and not (isinstance(rates, Mapping) and all(
             isinstance(v, Mapping) and all(isinstance(e, (int, float)) and e > 0 for e in v.values())
             for v in rates.values())):
         raise ValueError(f"rates_given must be None or {{dataset: {{optimizer: rate > 0}}}}, got {rates!r}")
-    return cfg
+    return dict(cfg)
+
+
+def study_config(profile: str | None, **overrides: Any) -> dict[str, Any]:
+    """The chapter's settings: :data:`PROFILES` with ``overrides`` (None = the profile's), resolved and
+    checked (:func:`check_study`)."""
+    from qkov_lib.profiles import resolve
+
+    return check_study(resolve(PROFILES, profile, **overrides))
 
 
 def map_settings(dataset: str, scfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The dataset's map config under the study's profile, at the study's optimizers."""
-    return realmap.map_config(dataset, scfg["profile"], optimizers=list(scfg["optimizers"]))
+    """The dataset's map config under the study's profile, at the study's optimizers (and ``processes``, when
+    set: on a CPU, the one-thread processes the arms train in)."""
+    return realmap.map_config(dataset, scfg["profile"], optimizers=list(scfg["optimizers"]),
+                              processes=scfg.get("processes"))
 
 
 # --- training the arms ------------------------------------------------------------------------------------
@@ -385,6 +397,7 @@ def settle_text(table: pd.DataFrame, tol: float = SETTLE_TOL) -> str:
     return "; ".join(parts)
 
 
+@draws
 def plot_settle(curves: pd.DataFrame, settle: pd.DataFrame, metric: str = "val_AC@0.5"):
     """``metric`` over training steps of every run (one panel per optimizer, one colour per ratio, one line per
     seed), a dot where each run stopped moving (:func:`settle_table`). White face; returns the figure."""
@@ -509,11 +522,89 @@ def record(res: StudyResult) -> dict[str, Any]:
             "protocol_cells": {f"{d}/{a}": r.protocol.to_dict("records") for d, arms in res.arms.items()
                                for a, r in arms.items()},
             "settle": {d: t.to_dict("records") for d, t in res.settle.items()},
+            "budget_curves": {d: c.to_dict("records") for d, c in res.curves.items()},
             "natural": None if res.natural is None else res.natural.to_dict("records")}
+
+
+# --- cost, and what the chapter quotes ----------------------------------------------------------------------
+def work(scfg: Mapping[str, Any]) -> list:
+    """The study's work as :class:`qkov_lib.cost.Part` s, per dataset timed with its own map's probe
+    (``map:<dataset>``): tuning (where no rate is given), the default arm and every retrained arm that applies
+    (the budget arm at its longer budget), SVA's natural prefixes."""
+    from qkov_lib.cost import Part
+    from qkov_lib.profiles import resolve
+
+    parts = []
+    n = len(scfg["ratios"]) * len(scfg["seeds"])
+    for name in scfg["datasets"]:
+        mcfg = map_settings(name, scfg)
+        procs = int(mcfg.get("processes") or 1)
+        given = (scfg["rates_given"] or {}).get(name)
+        for o in mcfg["optimizers"]:
+            if given is None:
+                parts += [Part(f"{name}: tuning, {o}, eta_ov {e:g}", len(scfg["seeds"]), realmap.run_steps(mcfg, o, e),
+                               f"map:{name}", procs) for e in mcfg[f"{o}_rates"]]
+            eta = float(given[o]) if given is not None and o in given else max(mcfg[f"{o}_rates"])
+            for arm in ["default", *(a for a in scfg["ablations"] if a not in ("evaluation", "natural")
+                                     and applies(a, name, mcfg))]:
+                cfg = default_config(mcfg) if arm == "default" else arm_config(arm, name, mcfg, int(scfg["steps_factor"]))
+                parts.append(Part(f"{name}: {arm} arm, {o}", n, realmap.run_steps(cfg, o, eta), f"map:{name}", procs))
+        if "natural" in scfg["ablations"] and applies("natural", name, mcfg):
+            from qkov_lib.studies import agreement_roles
+
+            ncfg = resolve(agreement_roles.NATURAL_PROFILES, scfg["profile"])
+            parts.append(Part(f"{name}: natural prefixes", n, int(ncfg["steps"]), f"map:{name}",
+                              int(ncfg.get("processes") or 1)))
+    return parts
+
+
+def rates_frame(res: StudyResult) -> pd.DataFrame:
+    """Per dataset and optimizer the base rate every arm trains, and whether this build tuned it."""
+    return pd.DataFrame([{"dataset": d, "optimizer": o, "eta_ov": e,
+                          "source": "tuned here at ratio 1" if res.tuned[d] else "given (rates_given)"}
+                         for d, sel in res.selected.items() for o, e in sel.items()])
+
+
+def _list(xs: Sequence[str]) -> str:
+    xs = list(xs)
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1] if xs else "none"
+
+
+def chapter_facts(res: StudyResult, scfg: Mapping[str, Any]) -> dict[str, str]:
+    """What the chapter glues (prefix ``pc_``): one sentence per choice (:func:`verdict_changes`; a choice
+    not run says where it would apply), the words an ablation changes, the budget arm's settling steps,
+    the sizes and rules it quotes and R3 on SQuAD."""
+    names = {"squad": "SQuAD", "sva": "SVA", "hatexplain": "HateXplain"}
+    def not_run(a: str) -> str:
+        where = [names[d] for d in realmap.DATASETS if applies(a, d, realmap.map_config(d, scfg["profile"]))]
+        return f"not run in this profile (the full profile runs it; it applies to {_list(where)})"
+
+    f = {f"pc_{a}": res.sentences[a] if a in res.sentences else not_run(a) for a in ABLATIONS}
+    f["pc_datasets"] = (f"{_list([names.get(d, d) for d in scfg['datasets']])}, "
+                        f"{_list([rate_plane.optimizer_name(o) for o in scfg['optimizers']])}, ratios "
+                        f"{', '.join(f'{r:g}' for r in scfg['ratios'])}, {len(scfg['seeds'])} seeds")
+    f["pc_scope"] = f["pc_datasets"] + " and the choices " + _list(list(scfg["ablations"]))
+    f["pc_words"] = word_sentence(word_changes(res.words))
+    f["pc_settle_factor"] = str(scfg["steps_factor"])
+    f["pc_eval_rows"] = f"{scfg['eval_rows']:,}"
+    f["pc_settle_tol"], f["pc_settle_window"] = f"{SETTLE_TOL:g}", f"{100 * SETTLE_WINDOW:g} %"
+    f["pc_settle_logs"] = str(SETTLE_LOGS)
+    f["pc_settle_squad"] = (settle_text(res.settle["squad"]) if "squad" in res.settle else
+                            "not run in this build (the budget arm on SQuAD is not among its settings)")
+    f["pc_settle_all"] = "; ".join(f"{names.get(d, d)}: {settle_text(t)}" for d, t in res.settle.items()) or "no budget arm"
+    f["pc_eval_every"] = ", ".join(f"{names.get(d, d)} {realmap.map_config(d, scfg['profile'])['eval_every']}"
+                                   for d in res.settle) or "-"
+    f["pc_rates_source"] = "; ".join(f"{names.get(d, d)}: " + ("tuned here at ratio 1" if res.tuned[d] else "given")
+                                     + " (" + ", ".join(f"{rate_plane.optimizer_name(o)} {e:g}" for o, e in sel.items())
+                                     + ")" for d, sel in res.selected.items())
+    sq = res.arms.get("squad", {}).get("default")
+    f["pc_squad_r3"] = (sq.verdicts["R3"].reason if sq is not None and "R3" in sq.verdicts else
+                        "SQuAD is not among this build's datasets")
+    return f
 
 
 __all__ = ["ABLATIONS", "Ablation", "PROFILES", "StudyResult", "applies", "arm_config", "arm_readings",
            "check_ablation", "default_config", "delta_rows", "delta_table", "map_settings", "natural_cells",
            "one_rate_config", "plot_settle", "record", "remeasure", "run_study", "settle_step", "settle_table",
-           "settle_text", "study_config", "train_arm", "tune", "verdict_changes", "word_changes", "word_frame",
+           "settle_text", "study_config", "check_study", "work", "rates_frame", "chapter_facts", "train_arm", "tune", "verdict_changes", "word_changes", "word_frame",
            "word_rows", "word_sentence"]

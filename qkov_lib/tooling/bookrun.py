@@ -17,7 +17,7 @@ from typing import Any
 
 from qkov_lib import BACKGROUND_ENV
 from qkov_lib.tooling import chapters as ch
-from qkov_lib.tooling.cache import REPO_ROOT, chapters
+from qkov_lib.tooling.cache import REPO_ROOT, chapter_name, chapters
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def run_plan(root: str | os.PathLike = REPO_ROOT, jobs: int = 1, costs: Mapping[
     pages = []
     for src in chapters(root):
         params = ch.chapter_parameters(src)
-        pages.append(Page(src, src.stem.split("_", 1)[-1], jobs if "processes" in params else 1,
+        pages.append(Page(src, chapter_name(src), jobs if "processes" in params else 1,
                           "results_dir" in params))
     first = [p for p in pages if not p.reads_others]
     costs = costs or {}

@@ -31,9 +31,11 @@ def chapter_path(chapter: str | os.PathLike) -> Path:
     if p.suffix == ".md" and p.exists():
         return p
     book = REPO_ROOT / "book"
-    found = [q for q in sorted(book.glob("*.md")) if q.stem == p.stem or q.stem.split("_", 1)[-1] == p.stem]
+    from qkov_lib.tooling.cache import chapter_name
+
+    found = [q for q in sorted(book.glob("*.md")) if q.stem == p.stem or chapter_name(q) == p.stem]
     if len(found) != 1:
-        names = sorted(q.stem.split("_", 1)[-1] for q in book.glob("[0-9]*_*.md"))
+        names = sorted(chapter_name(q) for q in book.glob("[0-9]*_*.md"))
         raise FileNotFoundError(f"no single chapter {str(chapter)!r}; chapters: {', '.join(names)}")
     return found[0]
 
@@ -366,7 +368,9 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
 
     src = chapter_path(chapter)
     out_dir = Path(out_dir)
-    name = name or src.stem.split("_", 1)[-1]
+    from qkov_lib.tooling.cache import chapter_name
+
+    name = name or chapter_name(src)
     check_name(name, out_dir)
     check_parameters(src, parameters or {})
     nb = jupytext.read(src)
@@ -402,7 +406,7 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
             # a signal ends the run as Interrupted, whatever the kernel's interrupted cell raised
             stop = exc if isinstance(exc, Interrupted) or not noted else Interrupted(noted[0])
             with _signals_noted(noted):
-                record_failure(results, nb_out, error_line(stop), {"chapter": src.stem.split("_", 1)[-1],
+                record_failure(results, nb_out, error_line(stop), {"chapter": chapter_name(src),
                                                                    "params": dict(parameters or {})})
             if stop is not exc:
                 raise stop from None

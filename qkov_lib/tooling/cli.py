@@ -243,6 +243,7 @@ def _run(args: Any) -> int:
     not writable), 130 (Ctrl-C) or 143 (SIGTERM: stopped the same way, see
     :func:`qkov_lib.tooling.chapters.stopping_on_signals`)."""
     from qkov_lib.tooling import chapters
+    from qkov_lib.tooling.cache import chapter_name
 
     def stopped(e: KeyboardInterrupt) -> int:
         return 128 + getattr(e, "signum", 2)  # 2: SIGINT
@@ -251,7 +252,7 @@ def _run(args: Any) -> int:
     try:
         src = chapters.chapter_path(args.chapter)
         try:
-            chapters.check_name(src.stem.split("_", 1)[-1] if args.name is None else args.name, args.out)
+            chapters.check_name(chapter_name(src) if args.name is None else args.name, args.out)
         except ValueError as e:
             raise ValueError(f"--name: {e}") from e
         if "results_path" in params:  # the run sets it to its staging file: a value given here would be lost
@@ -265,7 +266,7 @@ def _run(args: Any) -> int:
     except KeyboardInterrupt as e:
         print(f"qkov run: {str(e) or 'interrupted'} before the chapter started; nothing was written", file=sys.stderr)
         return stopped(e)
-    name = src.stem.split("_", 1)[-1] if args.name is None else args.name
+    name = chapter_name(src) if args.name is None else args.name
     res, nb = Path(args.out) / f"{name}.json", Path(args.out) / f"{name}.ipynb"
     earlier = res.is_file()
     try:
