@@ -323,7 +323,7 @@ class HeadModel(nn.Module):
             return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
 
         def table(w: Tensor, idx: Tensor) -> Tensor:  # rows idx (n, T, M or 1) of each model's (M, L, d) table
-            return F.embedding(lay(idx) + torch.arange(M, device=idx.device) * w.shape[1], w.reshape(-1, d))
+            return _Rows.apply(w.reshape(-1, d), lay(idx) + torch.arange(M, device=idx.device) * w.shape[1])
 
         real = lay(tokens != PAD_ID)[..., None].to(E.dtype)  # (n, T, M or 1, 1)
         km = lay(key_mask)
@@ -380,6 +380,24 @@ class HeadModel(nn.Module):
         if self.n_classes > T:
             logits = F.pad(logits, (0, self.n_classes - T), value=float("-inf"))
         return logits, attention
+
+
+class _Rows(torch.autograd.Function):
+    """Rows ``idx`` (...) of a table ``w`` (R, d): (..., d), as ``F.embedding``; the gradient (R, d)
+    is zeros with the incoming rows added at ``idx`` (``index_add_``), about three times faster on
+    CPU than ``F.embedding``'s dense backward for the stacked tables (18 x 15,000 rows)."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor, idx: Tensor) -> Tensor:
+        ctx.save_for_backward(idx)
+        ctx.rows = w.shape[0]
+        return F.embedding(idx, w)
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor, None]:
+        (idx,) = ctx.saved_tensors
+        d = g.shape[-1]
+        return g.new_zeros(ctx.rows, d).index_add_(0, idx.reshape(-1), g.reshape(-1, d)), None
 
 
 def for_dataset(ds: TextDataset, d_model: int, generator: torch.Generator | None = None, **options: Any) -> HeadModel:
