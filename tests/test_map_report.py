@@ -71,12 +71,11 @@ def test_every_figure_line_of_a_page_names_a_key_of_its_results_file(monkeypatch
         plt.close(fig) if fig is not None else None
 
     monkeypatch.setattr(R.figure_source, "show", show)
-    monkeypatch.setattr(R.figure_source, "glue_figure", lambda glue, fig, name, key: show(fig, name, key))
     monkeypatch.setattr(realmap, "roles_by_optimizer", lambda result, fn: roles)
     monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
     gain = R.show_phase(res, "squad")
     assert gain.equals(realmap.largest_gain(res)) and gain["Δ AC@0.5 (points)"].iloc[0] == pytest.approx(20.0)
-    R.show_planes(res, "squad")
+    R.show_accuracy_plane(res, "squad")
     R.show_curves(res, "squad")  # no histories: nothing drawn, still a line of its own
     correct = R.show_tuned(evals, res, "squad")
     shown = R.show_roles(res, None, ["answer", "rest"], "squad")
@@ -84,10 +83,10 @@ def test_every_figure_line_of_a_page_names_a_key_of_its_results_file(monkeypatch
     # the correctness table: the two right instances with relevant tokens attend 0.9 and 0.6
     assert correct.loc[("adamw", 1.0), ("attn_relevant", "correct")] == pytest.approx(0.75)
     names = [key for _, _, key in lines]
-    assert names == ["metrics.map_phase", "metrics.plane", "metrics.plane", "metrics.curves", "metrics.tuned_dtap",
+    assert names == ["metrics.map_phase", "metrics.plane", "metrics.curves", "metrics.tuned_dtap",
                      "metrics.tuned_runs.adamw", "metrics.map_roles"]
     assert {name for _, name, _ in lines} == {"squad"}
-    assert [fig is None for fig, _, _ in lines] == [False, False, False, True, False, False, False]
+    assert [fig is None for fig, _, _ in lines] == [False, False, True, False, False, False]
     ds = SimpleNamespace(report={"train": 10})
     extra = claims.claim("R1", claims.CLAIMS["R1"], "natural prefixes", "reproduced", "07_sva")
     doc = {"metrics": results.jsonable(R.record(res, ds, "squad", evals, roles=roles, extra_claims=[extra]))}

@@ -5,7 +5,8 @@ dataset page shows in the same places, each figure with the line that says where
 A page trains its map (:func:`.realmap.run_chapter_map`) and evaluates its tuned models
 (:func:`.realmap.tuned_evaluations`, ``evals``: ``{optimizer: [RealRun, ...]}``), then calls
 :func:`glue_facts` with :func:`page_facts`, :func:`show_data`, :func:`show_phase`,
-:func:`show_planes`, :func:`show_curves`, :func:`show_baselines`, :func:`show_tuned` and, where it
+:func:`show_accuracy_plane` (below the plane of AC@0.5,
+which it glues itself), :func:`show_curves`, :func:`show_baselines`, :func:`show_tuned` and, where it
 has them, :func:`show_groups` and :func:`show_roles`; it saves :func:`record`, which holds every
 key the figure lines name (:data:`KEYS`, under the results file's ``metrics``)."""
 
@@ -91,11 +92,9 @@ def show_phase(result: MapResult, results: str, metrics: Sequence[str] = PHASE_M
     return realmap.largest_gain(result)
 
 
-def show_planes(result: MapResult, results: str, glue_name: str = "fig_plane_ac") -> None:
-    """The rate plane of AC@0.5 over the trained pairs, glued as ``glue_name`` (the page's summary figure)
-    and shown, then that of accuracy over every run (:func:`.rate_plane.plot_plane`)."""
-    figure_source.glue_figure(glue_name, rate_plane.plot_plane(result.plane, "AC@0.5", result.ceiling), results,
-                              key("plane"))
+def show_accuracy_plane(result: MapResult, results: str) -> None:
+    """The rate plane of accuracy over every run, trained or not (:func:`.rate_plane.plot_plane`, the view R1
+    reads), shown below the page's plane of AC@0.5 (which the page glues for its summary itself)."""
     figure_source.show(rate_plane.plot_plane(result.plane, "accuracy", result.ceiling, all_runs=True), results,
                        key("plane"))
 
@@ -185,5 +184,5 @@ def record(result: MapResult, ds: TextDataset, dataset: str, evals: Evals,
 
 
 __all__ = ["KEYS", "PHASE_METRICS", "key", "glue_facts", "page_facts", "rules_markdown", "show_data", "title", "show_phase",
-           "show_planes", "show_curves", "tuned_tables", "show_baselines", "show_tuned", "show_groups", "show_roles",
+           "show_accuracy_plane", "show_curves", "tuned_tables", "show_baselines", "show_tuned", "show_groups", "show_roles",
            "tuned_dtap", "record"]
