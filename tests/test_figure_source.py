@@ -5,6 +5,7 @@ without it and a key its results file lacks."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import matplotlib
 
@@ -100,3 +101,17 @@ def test_the_book_check_wants_a_line_under_every_figure_and_its_key_in_the_resul
     assert len(missing) == 1 and "has no key 'metrics.phase'" in missing[0].text
     nofile = bt.source_findings(_page(img + good.replace("squad.json", "sva.json")), tmp_path)
     assert len(nofile) == 1 and "no results file sva.json" in nofile[0].text
+
+
+def test_a_source_line_names_a_results_file_the_build_writes_but_its_function_must_exist(tmp_path):
+    line = ("<p>Drawn by <code>qkov_lib.rate_plane.plot_plane</code> from <code>squad.json</code>, key "
+            "<code>metrics.plane</code>.</p>")
+    page, repo = _page(line), Path(__file__).resolve().parents[1]
+    assert bt.reference_findings(page, tmp_path / "05_squad.html", tmp_path, repo, {}) == []
+    gone = bt.reference_findings(_page(line.replace("plot_plane", "plot_nothing")), tmp_path / "05_squad.html",
+                                 tmp_path, repo, {})
+    assert len(gone) == 1 and "plot_nothing" in gone[0].text
+    # outside a source line, a .json name is still a repository path to check
+    other = bt.reference_findings(_page("<p>See <code>squad.json</code>.</p>"), tmp_path / "05_squad.html",
+                                  tmp_path, repo, {})
+    assert len(other) == 1 and "squad.json is not in the repository" in other[0].text

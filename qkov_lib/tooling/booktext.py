@@ -729,6 +729,8 @@ def reference_findings(page: Page, page_file: Path, html_root: Path, repo: Path,
                        page_names: Mapping[str, str]) -> list[Finding]:
     """The module's ``references`` rule over one page: links, code spans and prose naming files or
     pages that do not exist. ``page_names``: every page of the book, name (``book/05_squad``) -> title."""
+    from qkov_lib import figure_source
+
     out: list[Finding] = []
 
     def bad(text: str) -> None:
@@ -739,6 +741,9 @@ def reference_findings(page: Page, page_file: Path, html_root: Path, repo: Path,
     for b in page.blocks:
         if b.kind not in ("prose", "heading"):
             continue
+        # a figure's source line names its results file, which the build writes (``sources`` checks it)
+        source = figure_source.parse(b.text) if b.kind == "prose" else None
+        built = {f"{source[1]}.json"} if source else set()
         for href, text in b.links:
             why = link_problem(href, page_file, html_root)
             if why:
@@ -749,7 +754,7 @@ def reference_findings(page: Page, page_file: Path, html_root: Path, repo: Path,
                 if MODULE_TOKEN.match(token):
                     why = module_problem(token, repo)
                 elif PATH_TOKEN.match(token):
-                    why = path_problem(token, repo)
+                    why = None if token in built else path_problem(token, repo)
                 elif _README.search(token):
                     why = f"{token} names no file of the repository or the book"
                 else:
