@@ -160,6 +160,11 @@ def _reduction(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
             Part("step convergence and conservation", 2 * len(cfg["etas_convergence"]), longest, "synthetic")]
 
 
+def _ode_only(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
+    # the long-time laws page integrates the reduced ODE only: no model is trained
+    return []
+
+
 def _asymptotics(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
     return [Part("full-model runs", 4 * len(cfg["full_ratios"]) * (1 + len(cfg["full_seeds"])), int(cfg["full_steps"]),
                  "synthetic")]
@@ -212,7 +217,8 @@ def _multilayer(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
 
 #: chapter (its results name, as ``qkov run`` names it) -> its work from the resolved settings
 WORK: dict[str, Callable[..., list[Part]]] = {
-    "synthetic": _synthetic, "theory_reduction": _reduction, "theory_asymptotics": _asymptotics, "sweep": _sweep,
+    "synthetic": _synthetic, "theory_reduction": _reduction, "theory_asymptotics": _ode_only, "sharpness": _asymptotics,
+    "sweep": _sweep,
     "squad": _map, "hatexplain": _map, "sva": _map, "multilayer": _multilayer, "protocol_choices": _ablation,
 }
 
@@ -502,7 +508,8 @@ def _settings(chapter: str, profile: str | None) -> tuple[dict[str, Any], dict[s
                                   synthetic_sweeps)
 
     tables = {"synthetic": synthetic.PROFILES, "theory_reduction": reduction.PROFILES_REDUCTION,
-              "theory_asymptotics": asymptotics.PROFILES_ASYMPTOTICS, "sweep": synthetic_sweeps.PROFILES,
+              "theory_asymptotics": asymptotics.PROFILES_ASYMPTOTICS, "sharpness": asymptotics.PROFILES_ASYMPTOTICS,
+              "sweep": synthetic_sweeps.PROFILES,
               "multilayer": multilayer.PROFILES, "protocol_choices": ablation.PROFILES}
     if chapter in tables:
         return profiles.resolve(tables[chapter], profile), {}
@@ -513,7 +520,7 @@ def _settings(chapter: str, profile: str | None) -> tuple[dict[str, Any], dict[s
 
 
 #: the device each chapter trains on where it is not the machine's best (the theory chapters: CPU)
-CHAPTER_DEVICE = {"theory_reduction": "cpu", "theory_asymptotics": "cpu"}
+CHAPTER_DEVICE = {"theory_reduction": "cpu", "theory_asymptotics": "cpu", "sharpness": "cpu"}
 
 
 def main(argv: list[str] | None = None) -> int:

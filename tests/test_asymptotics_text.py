@@ -1,4 +1,4 @@
-"""Chapter 03's sentences and figure data in the library (qkov_lib.studies.asymptotics,
+"""The theory pages' sentences (long-time laws, sharpness) and figure data in the library (qkov_lib.studies.asymptotics,
 qkov_lib.studies.s2_phase): each sentence is the branch its comparison chose, filled with its
 numbers; the phase portraits hold the field and trajectories they draw."""
 
@@ -28,8 +28,8 @@ def facts(**kw):
 
 
 def test_t3_sentence_follows_the_literal_reading():
-    assert asym.asymptotics_sentences(facts(q_literal=True))["t3_sentence"] == "The QK scalar does grow like log² t here."
-    s = asym.asymptotics_sentences(facts(q_exp_max="0.31", thr_literal_tol="0.5", t_end="1e+100", q_end_CACO="6.2"))
+    assert asym.law_sentences(facts(q_literal=True))["t3_sentence"] == "The QK scalar does grow like log² t here."
+    s = asym.law_sentences(facts(q_exp_max="0.31", thr_literal_tol="0.5", t_end="1e+100", q_end_CACO="6.2"))
     assert s["t3_sentence"].startswith("The QK scalar grows like log log t, not like log² t")
     assert s["q_sentence"] == ("The QK scalar q does **not** grow like log² t: its fitted exponent in log t is at most "
                                "0.31, more than 0.5 away from 2, and at t = 1e+100 it has only reached q = 6.2 (CACO); "
@@ -37,11 +37,12 @@ def test_t3_sentence_follows_the_literal_reading():
 
 
 def test_line_and_ranking_sentences_pick_their_branch():
-    s = asym.asymptotics_sentences(facts(single_exact=True, single_n="3", line_res_single="1e-9", thr_line_exact="1e-6"))
+    s = asym.law_sentences(facts(single_exact=True, single_n="3", line_res_single="1e-9", thr_line_exact="1e-6"))
     assert s["t4_single_sentence"] == "For n = 3 the residual is 1e-9, within 1e-6: integration error, so the line is exact."
+    s = asym.ranking_sentences(facts())
     assert s["s2_horizon_sentence"] == ("S2 does not depend on the horizon here: the asymptotic ranking and the one at "
                                         "the training horizon are both A > B.")
-    s = asym.asymptotics_sentences(facts(rank_full_random="B > A", cross_t_found=True, cross_t="4e5"))
+    s = asym.ranking_sentences(facts(rank_full_random="B > A", cross_t_found=True, cross_t="4e5"))
     assert s["s2_horizon_sentence"].startswith("S2 depends on the horizon. The asymptotic ranking is A > B; at the "
                                                "training horizon it is B > A.")
     assert s["fafo_lead"] == "In this task CACO is already ahead of FAFO at the training horizon."
@@ -71,17 +72,20 @@ def test_phase_portraits_hold_the_field_they_draw():
     assert t.iloc[0][["w", "q"]].tolist() == [0.5, 0.5]  # starts at its init
 
 
-def test_asymptotics_metrics_hold_every_figure_key():
+def test_each_theory_page_saves_every_figure_key_it_names():
     class Phase:
         ode, cells = pd.DataFrame({"ratio": [1.0]}), pd.DataFrame({"ratio": [1.0]})
 
     runs = pd.DataFrame({c: [1.0] for c in asym.RUN_COLUMNS} | {"loss": [0.1], "distinct": [0.9]})
     lines = pd.DataFrame({c: [1.0] for c in asym.LINE_COLUMNS} | {"w": [0.5]})
     e = pd.DataFrame()
-    m = asym.asymptotics_metrics(runs, e, e, e, e, lines, lines, e, {"field": [], "trajectories": e}, Phase, {}, [])
-    assert list(m["trajectories"]["ode"].columns) == list(asym.RUN_COLUMNS)
-    assert list(m["lines"]["mixture"].columns) == list(asym.LINE_COLUMNS)
-    doc = {"metrics": json.loads(json.dumps(jsonable(m)))}
-    for key in ("metrics.trajectories.ode", "metrics.trajectories", "metrics.lines", "metrics.phase_portraits",
-                "metrics.s2_phase"):
-        assert results_key(doc, key), key
+    law = asym.law_metrics(runs, e, e, lines, lines, {"field": [], "trajectories": e}, {}, [])
+    ranking = asym.ranking_metrics(runs, e, e, e, Phase, {}, [])
+    assert list(law["trajectories"]["ode"].columns) == list(asym.RUN_COLUMNS) == list(ranking["trajectories"]["ode"])
+    assert list(law["lines"]["mixture"].columns) == list(asym.LINE_COLUMNS)
+    for m, keys in ((law, ("metrics.trajectories.ode", "metrics.lines", "metrics.phase_portraits")),
+                    (ranking, ("metrics.trajectories", "metrics.trajectories.full_model", "metrics.s2_phase"))):
+        doc = {"metrics": json.loads(json.dumps(jsonable(m)))}
+        for key in keys:
+            assert results_key(doc, key), key
+    assert "s2_phase" not in law and "lines" not in ranking  # each page saves its own figures' data only

@@ -385,8 +385,8 @@ def test_the_measured_peak_memory_counts_the_ended_worker_processes(monkeypatch,
 
 
 # --- the chapters -----------------------------------------------------------------------------
-TRAINING_CHAPTERS = ["01_synthetic", "02_theory_reduction", "03_theory_asymptotics", "04_sweep", "05_squad",
-                     "06_hatexplain", "07_sva", "protocol_choices", "09_multilayer"]
+TRAINING_CHAPTERS = ["01_synthetic", "02_theory_reduction", "03_theory_asymptotics", "sharpness", "04_sweep",
+                     "05_squad", "06_hatexplain", "07_sva", "protocol_choices", "09_multilayer"]
 
 
 @pytest.mark.parametrize("stem", TRAINING_CHAPTERS)

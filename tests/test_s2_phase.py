@@ -183,7 +183,7 @@ def test_phase_facts_and_the_scorecard_row_come_from_the_map():
     assert f"toward FACO at {k} of {len(moves)} steps and toward CACO at {m}" in f["s2p_move_sentence"]
     assert f["s2p_regime_sentence"].startswith("Per regime and side of equal rates: practical (loss ≥ 0.0001)")
     row = sp.s2_claim(f, v)
-    assert row["id"] == "S2" and row["verdict"] == v.verdict and row["chapter"] == "03_theory_asymptotics"
+    assert row["id"] == "S2" and row["verdict"] == v.verdict and row["chapter"] == sp.PAGE == "sharpness"
 
 
 def test_a_level_the_integration_does_not_reach_is_not_tested():

@@ -91,8 +91,16 @@ def _asym_tables(**overrides) -> dict:
 
 
 def _readings(t: dict, **kw) -> dict:
-    return asymptotics.asymptotics_readings(t["runs"], t["table"], t["t3"], t["lines_single"], t["lines_mix"], t["full"],
-                                            **kw)
+    """T3, T4 (the long-time laws page) and T5, T6 (the sharpness page) read on the tables of ``t``."""
+    return {**asymptotics.law_readings(t["table"], t["t3"], t["lines_single"], t["lines_mix"]),
+            **asymptotics.ranking_readings(t["runs"], t["full"], **kw)}
+
+
+def _facts(t: dict, rd: dict, v: dict, t3=None) -> dict:
+    """The facts of both pages on the tables of ``t`` (``t3`` in place of ``t["t3"]`` when given)."""
+    law = asymptotics.law_facts(t["table"], t["t3"] if t3 is None else t3, t["lines_single"], t["lines_mix"],
+                                t["sizes"], t["cfg"], rd, v)
+    return {**law, **asymptotics.ranking_facts(t["runs"], t["hz"], t["ml"], t["full"], t["cfg"], rd, v)}
 
 
 def _asym_verdicts(t: dict) -> dict[str, str]:
@@ -185,34 +193,32 @@ def test_asymptotics_with_one_ratio_say_not_tested():
     t = _asym_tables(ratios=[1.0], full_ratios=[1.0])
     rd = _readings(t)
     v = asymptotics.asymptotics_verdicts(rd)
-    f = asymptotics.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
-                                      t["full"], t["sizes"], t["cfg"], rd, v)
+    f = _facts(t, rd, v)
     assert v["T5"].verdict == "not tested" and not f["t5_tested"] and "no cell was measured" in f["t5_matched_sentence"]
     assert f["t5_mono"] == f["A_scaling"] == "not tested (one ratio)" and not f["A_tested"]
     assert f["fafo_toward"] == "not tested" and "S2" not in v and f["one_rule"] == C.ONE_RULE
-    rows = asymptotics.asymptotics_claims(f, v)
+    rows = asymptotics.law_claims(f, v) + asymptotics.ranking_claims(f, v)
     assert [r["id"] for r in rows] == ["T3", "T4", "T5", "T6"] and all(r["rule"] and r["reason"] for r in rows)
+    assert [r["chapter"] for r in rows] == ["03_theory_asymptotics"] * 2 + ["sharpness"] * 2
     # no equal rates: T6 cannot be judged
     t = _asym_tables(ratios=[10.0], full_ratios=[10.0])
     assert {k: x for k, x in _asym_verdicts(t).items() if k in ("T5", "T6")} == {"T5": "not tested", "T6": "not tested"}
 
 
 def test_asymptotics_sentence_choices_follow_the_numbers(asym):
-    """The comparisons that choose chapter 03's sentences follow the numbers: with q's fitted
+    """The comparisons that choose the theory pages' sentences follow the numbers: with q's fitted
     exponent set to 2, 'q grows like log² t' is chosen instead of 'it does not'; T3's law names
     exactly the cells where exp(q) ~ log² t holds and is contradicted."""
     t = asym
     rd = _readings(t)
     v = asymptotics.asymptotics_verdicts(rd)
-    f = asymptotics.asymptotics_facts(t["runs"], t["table"], t["t3"], t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
-                                      t["full"], t["sizes"], t["cfg"], rd, v)
+    f = _facts(t, rd, v)
     assert f["q_literal"] is False
     assert f["thr_literal_tol"] == C.threshold_text("LITERAL_TOL") and f["rule_T5"] == C.ESTIMANDS["T5"].text()
     held = [r.cell.split(", ")[1] for r in rd["T3"] if r.cell.startswith("exp(q)") and r.outcome == "holds"]
     assert f["t3_expq_holds"] == (", ".join(held) or "none")
     t3 = t["t3"].assign(**{"exponent of q in log t": 2.0})
-    f2 = asymptotics.asymptotics_facts(t["runs"], t["table"], t3, t["hz"], t["ml"], t["lines_single"], t["lines_mix"],
-                                       t["full"], t["sizes"], t["cfg"], rd, v)
+    f2 = _facts(t, rd, v, t3)
     assert f2["q_literal"] is True and f2["q_exp_max"] == "2.00"
 
 

@@ -1,6 +1,7 @@
-"""The reduced ODEs' asymptotics (claims T3-T6, S2): long log-time integrations, exponent fits,
-line coordinates (T4), the effect of the ratio (T5), the sharpness ranking at equal rates (T6, S2)
-and the full-model runs that check them at a practical horizon, with verdicts and figures."""
+"""The reduced ODEs' asymptotics: long log-time integrations, exponent fits and line coordinates
+(T3, T4: the long-time laws page), the effect of the ratio (T5) and the sharpness ranking at equal
+rates (T6, and the context of S2: the sharpness page), with the full-model runs that check them at
+a practical horizon, verdicts and figures."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from qkov_lib.claims import Verdict, claim
 from qkov_lib.runtime import seed_everything
 from qkov_lib.train import TrainConfig
 from qkov_lib.studies import synthetic as base
+from qkov_lib.studies.s2_phase import PAGE
 from qkov_lib.studies.trajectory import at_levels
 from qkov_lib.studies.reduction import PARAMS, _fig, probed_gd, sizes_of, symmetric_model, task_of  # noqa: F401  (sizes_of: the chapter calls exp.sizes_of)
 
@@ -43,7 +45,7 @@ PROFILES_ASYMPTOTICS: dict[str, dict] = {
 
 
 # --------------------------------------------------------------------------------------
-# chapter 03: asymptotics, lines, sharpness ranking
+# the long-time laws page (T3, T4) and the sharpness page (T5, T6, S2's context)
 # --------------------------------------------------------------------------------------
 def long_runs(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float] | None = None, w0: float | None = None,
               q0: float | None = None, t_max: float | None = None) -> pd.DataFrame:
@@ -463,23 +465,30 @@ def s2_inputs(full: pd.DataFrame) -> tuple[dict[str, float], str | None]:
     return att, C.s2_fafo_move(before, after, gap)
 
 
-def asymptotics_readings(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, lines_single: pd.DataFrame,
-                         lines_mix: pd.DataFrame, full: pd.DataFrame, phase_ode: pd.DataFrame | None = None,
-                         phase_runs: pd.DataFrame | None = None) -> dict[str, list[C.Reading]]:
-    """Every cell of T3, T4, T5 and T6 read by the one rule (:func:`qkov_lib.studies.synthetic.read`;
-    the exact ODE cells and the cells over seeds are separate Bonferroni families). T6 reads the S2
-    phase map at ratio 1 (``phase_ode``, ``phase_runs``) when given."""
+def law_readings(table: pd.DataFrame, t3: pd.DataFrame, lines_single: pd.DataFrame,
+                 lines_mix: pd.DataFrame) -> dict[str, list[C.Reading]]:
+    """Every cell of T3 (the fitted growth laws, :func:`t3_cells`) and T4 (the line law,
+    :func:`t4_cells`) read by the one rule (:func:`qkov_lib.studies.synthetic.read`): the claims of
+    the long-time laws page, all on the reduced ODE."""
     single_n = str(int(lines_single["n"].iloc[0])) if len(lines_single) and "n" in lines_single else ""
     t4, t4_est = t4_cells(lines_single, lines_mix, single_n)
-    return {"T3": base.read(C.ESTIMANDS["T3"], t3_cells(table, t3)), "T4": base.read(t4_est, t4),
-            "T5": base.read(C.ESTIMANDS["T5"], *t5_cells(runs, full)),
+    return {"T3": base.read(C.ESTIMANDS["T3"], t3_cells(table, t3)), "T4": base.read(t4_est, t4)}
+
+
+def ranking_readings(runs: pd.DataFrame, full: pd.DataFrame, phase_ode: pd.DataFrame | None = None,
+                     phase_runs: pd.DataFrame | None = None) -> dict[str, list[C.Reading]]:
+    """Every cell of T5 (:func:`t5_cells`: the ODE's long runs ``runs`` and the full-model runs
+    ``full``) and T6 (:func:`t6_cells`, which also reads the S2 phase map at ratio 1, ``phase_ode``
+    and ``phase_runs``, when given) read by the one rule; the exact ODE cells and the cells over
+    seeds are separate Bonferroni families."""
+    return {"T5": base.read(C.ESTIMANDS["T5"], *t5_cells(runs, full)),
             "T6": base.read(C.ESTIMANDS["T6"], *t6_cells(full, phase_ode, phase_runs))}
 
 
 def asymptotics_verdicts(readings: Mapping[str, Sequence[C.Reading]]) -> dict[str, Verdict]:
-    """T3, T4, T5 and T6 from their readings (:func:`asymptotics_readings`) by
-    :func:`qkov_lib.studies.synthetic.verdict`. (S2 is decided on the phase diagram of
-    :mod:`qkov_lib.studies.s2_phase`, which the chapter adds to these.)"""
+    """The verdict of each claim of ``readings`` (:func:`law_readings`: T3, T4;
+    :func:`ranking_readings`: T5, T6) by :func:`qkov_lib.studies.synthetic.verdict`. (S2 is decided
+    on the phase diagram of :mod:`qkov_lib.studies.s2_phase`, which its page adds to these.)"""
     rule = {"T4": f"{C.ESTIMANDS['T4'].text()}; {T4_MIXTURE.text()}"}
     return {k: base.verdict(r, C.ESTIMANDS[k], rule.get(k, "")) for k, r in readings.items()}
 
@@ -493,26 +502,48 @@ def _list(items: Sequence[str]) -> str:
     return ", ".join(items) if items else "none"
 
 
-def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
-                      ml: pd.DataFrame, lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame,
-                      sizes: dy.Sizes, cfg: dict, readings: Mapping[str, Sequence[C.Reading]],
-                      verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
-    """Every number, verdict, rule and threshold chapter 03 quotes, as glue strings computed from
-    its tables, plus the comparisons that choose its sentences (bools and words); every sentence
-    that counts or names cells is computed from the ``readings`` it speaks of
-    (:func:`asymptotics_readings`)."""
+def _common_facts(cfg: dict) -> dict[str, Any]:
+    """What both theory pages quote of the ODE settings: the thresholds, the one rule, the lowest,
+    highest and equal ratio, the fit window and the end of the integration."""
     f: dict[str, Any] = {f"thr_{n.lower()}": C.threshold_text(n)
                          for n in ("SLOPE_TOL", "LITERAL_TOL", "LINE_EXACT", "LINE_APPROX", "SHARPER", "CONST_TOL")}
     f["one_rule"] = C.ONE_RULE
     ratios = sorted(float(r) for r in cfg["ratios"])
-    eq = equal_or_lowest(ratios)
-    f["r_lo"], f["r_hi"], f["r_eq"] = f"{ratios[0]:g}", f"{ratios[-1]:g}", f"{eq:g}"
+    f["r_lo"], f["r_hi"], f["r_eq"] = f"{ratios[0]:g}", f"{ratios[-1]:g}", f"{equal_or_lowest(ratios):g}"
     f["t_fit_lo"], f["t_fit_hi"] = f"{cfg['fit_windows'][-2]:.0e}", f"{cfg['fit_windows'][-1]:.0e}"
     f["t_end"], f["s_end"] = f"{cfg['t_max']:.0e}", f"{math.log(cfg['t_max']):.0f}"
-    f.update(_t3_facts(table, t3, eq, readings["T3"]))
-    f.update(_t5_facts(runs, full, ratios, readings["T5"]))
+    return f
+
+
+def law_facts(table: pd.DataFrame, t3: pd.DataFrame, lines_single: pd.DataFrame, lines_mix: pd.DataFrame,
+              sizes: dy.Sizes, cfg: dict, readings: Mapping[str, Sequence[C.Reading]],
+              verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
+    """Every number, verdict, rule and threshold the long-time laws page (T3, T4) quotes, as glue
+    strings computed from its tables, plus the comparisons that choose its sentences (bools and
+    words); the sentences that count or name cells are computed from T3's ``readings``
+    (:func:`law_readings`)."""
+    f = _common_facts(cfg)
+    ratios = sorted(float(r) for r in cfg["ratios"])
+    f.update(_t3_facts(table, t3, equal_or_lowest(ratios), readings["T3"]))
     f.update(_t4_facts(lines_single, lines_mix))
-    f.update(_ranking_facts(runs, hz, ml, full, cfg, eq))
+    f["kappa_qk"], f["nbar"] = f"{sizes.kappa_qk:.4g}", f"{sizes.n_mean:g}"
+    f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
+    f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], ratios[0])['n_star']:.2f}"
+    f.update(C.verdict_glue(verdicts))
+    return f
+
+
+def ranking_facts(runs: pd.DataFrame, hz: pd.DataFrame, ml: pd.DataFrame, full: pd.DataFrame, cfg: dict,
+                  readings: Mapping[str, Sequence[C.Reading]], verdicts: Mapping[str, Verdict]) -> dict[str, Any]:
+    """Every number, verdict, rule and threshold the sharpness page (T5, T6; S2's phase map adds
+    :func:`qkov_lib.studies.s2_phase.phase_facts`) quotes, as glue strings computed from its tables
+    (the ODE's long runs ``runs``, its rankings ``hz`` and ``ml``, the full-model runs ``full``),
+    plus the comparisons that choose its sentences; the sentences that count or name cells are
+    computed from the ``readings`` of :func:`ranking_readings`."""
+    f = _common_facts(cfg)
+    ratios = sorted(float(r) for r in cfg["ratios"])
+    f.update(_t5_facts(runs, full, ratios, readings["T5"]))
+    f.update(_ranking_facts(runs, hz, ml, full, cfg, equal_or_lowest(ratios)))
     f["t6_sentence"] = _cells_sentence(
         "Factorized QK is sharper than collapsed QK with the same OV circuit (log-odds of the attention on the "
         "distinct token, FACO over CACO and FAFO over CAFO, at equal rates)", readings["T6"])
@@ -522,9 +553,6 @@ def asymptotics_facts(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame,
         fhi = max(full_means(full).index.get_level_values(1))
         f["fafo_lo"], f["fafo_hi"] = f"{att['FAFO']:.4f}", f"{float(full_means(full)[('FAFO', fhi)]):.4f}"
         f["faco_lo"], f["caco_lo"] = f"{att['FACO']:.4f}", f"{att['CACO']:.4f}"
-    f["kappa_qk"], f["nbar"] = f"{sizes.kappa_qk:.4g}", f"{sizes.n_mean:g}"
-    f["K"], f["M"] = str(sizes.n_classes), str(sizes.n_common_vocab)
-    f["n_star_cafo"] = f"{dy.asymptotic_law('CAFO', sizes, cfg['eta_ov'], ratios[0])['n_star']:.2f}"
     f.update(C.verdict_glue(verdicts))
     return f
 
@@ -659,10 +687,15 @@ def _ranking_facts(runs: pd.DataFrame, hz: pd.DataFrame, ml: pd.DataFrame, full:
     return f
 
 
-def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
-    """Scorecard rows for T3, T4, T5 and T6: numbers from :func:`asymptotics_facts`, verdicts
-    (with rule and reason) from :func:`asymptotics_verdicts`."""
-    ch = "03_theory_asymptotics"
+#: the page that decides T3 and T4 (the long-time laws); T5, T6 and S2 are decided on :data:`RANKING_PAGE`
+LAW_PAGE = "03_theory_asymptotics"
+RANKING_PAGE = PAGE
+
+
+def law_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
+    """Scorecard rows for T3 and T4: numbers from :func:`law_facts`, verdicts (with rule and
+    reason) from :func:`asymptotics_verdicts`."""
+    ch = LAW_PAGE
     return [
         claim("T3", "OV scalar ~ log t; QK scalar ~ log^2 t (or exp(QK) ~ log^2 t); constants set by the ratio",
               f"fitted exponent of w in log t {f['ov_slope_range']}; of q at most {f['q_exp_max']} (q = "
@@ -672,6 +705,14 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
               f"straight line of slope ratio*n in (X(w), Y(q)) with residual {f['line_res_single']} when every "
               f"sequence has n = {f['single_n']} common tokens; with the mixture over n residual up to "
               f"{f['line_res_mix']} ({f['line_res_mix_worst']})", verdicts["T4"], ch),
+    ]
+
+
+def ranking_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
+    """Scorecard rows for T5 and T6: numbers from :func:`ranking_facts`, verdicts (with rule and
+    reason) from :func:`asymptotics_verdicts`."""
+    ch = RANKING_PAGE
+    return [
         claim("T5", "faster QK learning puts more attention on relevant tokens; common-token mass shrinks faster with the ratio",
               f"{f['t5_matched_sentence']} At the end of the ODE the common mass {f['t5_mono']}.", verdicts["T5"], ch),
         claim("T6", "at equal rates factorized and collapsed models differ; factorized QK gives sharper attention",
@@ -680,10 +721,10 @@ def asymptotics_claims(f: Mapping[str, str], verdicts: Mapping[str, Verdict]) ->
 
 
 
-def asymptotics_sentences(f: Mapping[str, Any]) -> dict[str, str]:
-    """The sentences chapter 03 quotes outside the S2 phase map (glue strings by name:
-    ``t3_sentence``, ``t4_single_sentence``, ``fafo_lead``, ...), each chosen by a comparison that
-    :func:`asymptotics_facts` made (its bools and words) and filled with its numbers."""
+def law_sentences(f: Mapping[str, Any]) -> dict[str, str]:
+    """The sentences the long-time laws page quotes (glue strings by name: ``t3_sentence``,
+    ``t4_single_sentence``, ...), each chosen by a comparison that :func:`law_facts` made (its
+    bools and words) and filled with its numbers."""
     s: dict[str, str] = {}
     s["A_err_why"] = ("its tilt correction w e^{-q} ~ 1/(A q) decays only like 1/log log t" if f["A_err_worst"] == "FAFO"
                       else "its corrections decay like 1/log t")
@@ -712,12 +753,6 @@ def asymptotics_sentences(f: Mapping[str, Any]) -> dict[str, str]:
         "The QK scalar grows like log log t, not like log² t: only exp(q) grows like a power of log t, and like log² t "
         f"within the rule for {f['t3_expq_holds']}; a factorized OV circuit learns at rate 2 eta |w| and takes away the "
         "loss that drives QK learning.")
-    s["t5_ode_sentence"] = (
-        f"In the ODE the attention mass on common tokens at t = {f['t_end']} {f['t5_mono']}. The derivation predicts 1/r "
-        f"at late times: the product (mass × ratio) at ratio {f['r_hi']} divided by the same product at ratio "
-        f"{f['r_lo']} is {f['t5_prod']}. A value of 1 would mean exactly 1/r; {f.get('t5_closest')} comes closest "
-        f"({f.get('t5_closest_value')})." if f["t5_tested"] else
-        f"With one ODE ratio ({f['r_lo']}) the dependence on the ratio is not tested.")
     s["t4_single_sentence"] = (
         f"For n = {f['single_n']} the residual is {f['line_res_single']}, "
         + (f"within {f['thr_line_exact']}: integration error, so the line is exact." if f["single_exact"] else
@@ -732,6 +767,21 @@ def asymptotics_sentences(f: Mapping[str, Any]) -> dict[str, str]:
         f"T4: the line at fixed n is {'exact' if f['single_exact'] else 'NOT exact'} (residual {f['line_res_single']}); "
         f"with the mixture over n the residual reaches {f['line_res_mix']}, "
         + ("within" if f["mix_approx"] else "beyond") + f" {f['thr_line_approx']}.")
+    return s
+
+
+def ranking_sentences(f: Mapping[str, Any]) -> dict[str, str]:
+    """The sentences the sharpness page quotes outside the S2 phase map (glue strings by name:
+    ``t5_ode_sentence``, ``fafo_lead``, ``s2_horizon_sentence``, ...), each chosen by a comparison
+    that :func:`ranking_facts` made and filled with its numbers (``second_pair`` also quotes the
+    phase map's ``s2p_share_B``, :func:`qkov_lib.studies.s2_phase.phase_facts`)."""
+    s: dict[str, str] = {}
+    s["t5_ode_sentence"] = (
+        f"In the ODE the attention mass on common tokens at t = {f['t_end']} {f['t5_mono']}. The derivation predicts 1/r "
+        f"at late times: the product (mass × ratio) at ratio {f['r_hi']} divided by the same product at ratio "
+        f"{f['r_lo']} is {f['t5_prod']}. A value of 1 would mean exactly 1/r; {f.get('t5_closest')} comes closest "
+        f"({f.get('t5_closest_value')})." if f["t5_tested"] else
+        f"With one ODE ratio ({f['r_lo']}) the dependence on the ratio is not tested.")
     cross_loss = {"never": "CACO never becomes sharper than FAFO at matched loss (within the integration)",
                   "always": "at matched loss, CACO is sharper than FAFO at every loss level"}.get(
         f["cross_loss_kind"], f"at matched loss, CACO is sharper than FAFO only below a loss of {f['cross_loss_short']} nats")
@@ -750,7 +800,7 @@ def asymptotics_sentences(f: Mapping[str, Any]) -> dict[str, str]:
                   "summary."}.get(f["fafo_toward"], f"toward {f['fafo_toward']}."))
     s["s2_sentence"] = (
         f"These two rankings at equal rates match {f['s2_full']} (the runs' horizon) and {f['s2_asym']} (the ODE's "
-        "longest horizon); the phase map above reads S2 over every regime.")
+        "longest horizon); the phase map reads S2 over every regime.")
     s["second_pair"] = (
         ("CAFO is the least sharp in every ranking of the tables above (ODE horizons, matched losses, full-model runs)"
          if f["cafo_last"] == "last in every regime" else "CAFO is not the least sharp in every ranking of the tables above")
@@ -801,20 +851,27 @@ def phase_portraits(sizes: dy.Sizes, cfg: dict, ratios: Sequence[float],
     return {"field": fields, "trajectories": pd.concat(paths, ignore_index=True)}
 
 
-def asymptotics_metrics(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, hz: pd.DataFrame,
-                        ml: pd.DataFrame, lines_single: pd.DataFrame, lines_mix: pd.DataFrame, full: pd.DataFrame,
-                        portraits: Mapping[str, pd.DataFrame], phase: Any, facts: Mapping[str, Any],
-                        rows: Sequence[Mapping[str, str]]) -> dict:
-    """The metrics chapter 03 saves: its tables (records), ``trajectories`` (the long ODE runs'
-    :data:`RUN_COLUMNS` as ``ode``, the full-model runs as ``full_model``: what
-    :func:`plot_asymptotics` and :func:`plot_ranking` draw), ``lines`` (:data:`LINE_COLUMNS`,
-    :func:`plot_lines`),
-    ``phase_portraits`` (:func:`phase_portraits`), ``s2_phase`` (the phase map's ODE cells and
-    full-model cells, :func:`qkov_lib.studies.s2_phase.plot_phase`), the facts and the scorecard
-    rows. ``phase``: a :class:`qkov_lib.studies.s2_phase.Phase`."""
-    return {"exponent_table": table, "t3": t3, "horizon_ranking": hz, "matched_loss_ranking": ml,
+def law_metrics(runs: pd.DataFrame, table: pd.DataFrame, t3: pd.DataFrame, lines_single: pd.DataFrame,
+                lines_mix: pd.DataFrame, portraits: Mapping[str, pd.DataFrame], facts: Mapping[str, Any],
+                rows: Sequence[Mapping[str, str]]) -> dict:
+    """The metrics the long-time laws page saves: its tables (records), ``trajectories.ode`` (the
+    long ODE runs' :data:`RUN_COLUMNS`, what :func:`plot_asymptotics` draws), ``lines``
+    (:data:`LINE_COLUMNS`, :func:`plot_lines`), ``phase_portraits`` (:func:`phase_portraits`), the
+    facts and the scorecard rows."""
+    return {"exponent_table": table, "t3": t3, "trajectories": {"ode": runs[list(RUN_COLUMNS)]},
+            "lines": {"single_n": lines_single[list(LINE_COLUMNS)], "mixture": lines_mix[list(LINE_COLUMNS)]},
+            "phase_portraits": dict(portraits), "facts": dict(facts), "claims": list(rows)}
+
+
+def ranking_metrics(runs: pd.DataFrame, hz: pd.DataFrame, ml: pd.DataFrame, full: pd.DataFrame, phase: Any,
+                    facts: Mapping[str, Any], rows: Sequence[Mapping[str, str]]) -> dict:
+    """The metrics the sharpness page saves: its rankings (records), ``trajectories`` (the long ODE
+    runs' :data:`RUN_COLUMNS` as ``ode`` and the full-model runs as ``full_model``: what
+    :func:`plot_ranking` draws), ``s2_phase`` (the phase map's ODE cells and full-model cells,
+    :func:`qkov_lib.studies.s2_phase.plot_phase`), the facts and the scorecard rows. ``phase``: a
+    :class:`qkov_lib.studies.s2_phase.Phase`."""
+    return {"horizon_ranking": hz, "matched_loss_ranking": ml,
             "trajectories": {"ode": runs[list(RUN_COLUMNS)], "full_model": full},
-            "lines": {"single_n": lines_single[list(LINE_COLUMNS)], "mixture": lines_mix[list(LINE_COLUMNS)]}, "phase_portraits": dict(portraits),
             "s2_phase": {"ode_map": phase.ode, "full_cells": phase.cells}, "facts": dict(facts), "claims": list(rows)}
 
 

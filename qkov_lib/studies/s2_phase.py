@@ -50,6 +50,7 @@ from qkov_lib.train import engine
 from qkov_lib.studies import synthetic as base
 
 PARAMS = list(PARAMETERIZATIONS)
+PAGE = "sharpness"  # the page that decides S2 on the phase map (book/sharpness.md), and T5, T6 beside it
 AXES = ("ratio", "init", "n", "loss")  # the map's axes, in the order of a cell key
 
 _BOOK_N = [2, 4, 8, 12]  # the common-token counts of the book's synthetic task (cpu profile)
@@ -459,7 +460,7 @@ def regime_table(ode: pd.DataFrame, moves: pd.DataFrame) -> pd.DataFrame:
 
 def phase_facts(ode: pd.DataFrame, cells: pd.DataFrame, moves: pd.DataFrame, verdict: Verdict,
                 cfg: Mapping) -> dict[str, object]:
-    """The numbers and words chapter 03's S2 section quotes (glue strings, ``s2p_*``), and the
+    """The numbers and words the S2 phase map's section quotes (glue strings, ``s2p_*``), and the
     comparisons that choose its sentences."""
     settle, settle_top = ranking_settles(ode), ranking_settles(ode, "top two")
     n = len(ode)
@@ -526,7 +527,7 @@ def _regime_facts(ode: pd.DataFrame, moves: pd.DataFrame) -> dict[str, str]:
 
 
 def s2_claim(facts: Mapping[str, object], verdict: Verdict) -> dict[str, str]:
-    """The scorecard row of S2 (decided on chapter 03's phase map)."""
+    """The scorecard row of S2 (decided on the phase map of the sharpness page, :data:`PAGE`)."""
     return claim("S2", "summaries disagree: (CACO, FACO) with faster QK moving FAFO toward FACO, or (CAFO, CACO) "
                        "with FAFO moving toward CACO",
                  f"reduced ODE over {facts['s2p_cells']} cells (ratio {facts['s2p_ratios']}, init "
@@ -535,11 +536,11 @@ def s2_claim(facts: Mapping[str, object], verdict: Verdict) -> dict[str, str]:
                  f"summary B's at {facts['s2p_share_B']}, neither at {facts['s2p_share_neither']}, ties "
                  f"{facts['s2p_share_tie']}; the full model ({facts['s2p_full_cells']} cells) agrees with it at "
                  f"{facts['s2p_agree']} of the {facts['s2p_decided']} cells where its 2nd and 3rd separate", verdict,
-                 "03_theory_asymptotics")
+                 PAGE)
 
 
 def phase_sentences(f: Mapping[str, Any]) -> dict[str, str]:
-    """The sentences chapter 03 quotes about the S2 phase map (``s2p_settle_sentence``,
+    """The sentences the sharpness page quotes about the S2 phase map (``s2p_settle_sentence``,
     ``s2p_B_sentence``, ``s2p_neither_sentence``, ``s2p_disagree_sentence``), each chosen by a
     comparison that :func:`phase_facts` made and filled with its numbers."""
     s: dict[str, str] = {}

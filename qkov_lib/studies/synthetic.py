@@ -234,7 +234,7 @@ def chapter_facts(summary: pd.DataFrame, dtaps: Mapping[tuple[str, float], np.nd
     """The numbers and sentences the chapter's prose quotes, computed from the seed summary and
     the heatmaps, and the rules by which S1 and S3 are decided in the sweep chapter, at matched
     training loss (``rule_S1``, ``rule_S3``). This chapter decides no claim: its runs end after a
-    fixed number of steps, where most have saturated (S2 is decided by chapter 03's phase map)."""
+    fixed number of steps, where most have saturated (S2 is decided by the phase map of the sharpness page)."""
     lo, hi = min(cfg["ratios"]), max(cfg["ratios"])
     params = list(dict.fromkeys(summary["parameterization"]))
     by = summary.set_index(["parameterization", "ratio"])
