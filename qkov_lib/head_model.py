@@ -328,17 +328,23 @@ class HeadModel(nn.Module):
         real = lay(tokens != PAD_ID)[..., None].to(E.dtype)  # (n, T, M or 1, 1)
         km = lay(key_mask)
         e = table(E, tokens)  # (n, T, M, d)
-        x = e
+        # what a key adds to e (its position counted back, its match flag) is a row of one small table per
+        # model, [pos_back; pos_back + match_vec; 0], looked up with the zero row on padding: the keys
+        # x = row + e * real in one pass, where each term and the masking took one (the match term two)
         cols = torch.arange(T, device=tokens.device)
-        if "back" in self.positions:
-            x = x + params["pos_back.weight"][:, T - 1 - cols].transpose(0, 1)
+        back = params["pos_back.weight"] if "back" in self.positions else E.new_zeros(M, 1, d)
+        at = (T - 1 - cols if "back" in self.positions else torch.zeros_like(cols)).expand(tokens.shape)
+        parts = [back]
+        if self.match:
+            parts.append(back + params["match_vec"][:, None])
+            matched = squad.question_match(tokens.reshape(-1, T), self.sep_id, buffers["ignore"]).view(tokens.shape)
+            at = at + back.shape[1] * matched
+        parts.append(E.new_zeros(M, 1, d))
+        at = at.masked_fill(tokens == PAD_ID, back.shape[1] * (len(parts) - 1))
+        x = torch.addcmul(table(torch.cat(parts, 1), at), e, real)
         if "start" in self.positions:
             n_pad = (tokens == PAD_ID).sum(-1, keepdim=True)
-            x = x + table(params["pos_start.weight"], (cols - n_pad).clamp_min(0))
-        if self.match:
-            m = rows(squad.question_match, self.sep_id, buffers["ignore"])
-            x = x + m[..., None].to(x.dtype) * params["match_vec"]
-        x = x * real
+            x = torch.addcmul(x, table(params["pos_start.weight"], (cols - n_pad).clamp_min(0)), real)
         for i in range(len(self.convs) if self.encoder == "conv" else 0):
             W, b = params[f"convs.{i}.weight"], params[f"convs.{i}.bias"]
             k = W.shape[-1]
