@@ -171,12 +171,13 @@ def _asymptotics(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
 
 
 def _sweep(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
-    parts = [Part("main grid", len(cfg["parameterizations"]) * len(cfg["ratios"]) * len(cfg["seeds"]),
-                  int(cfg["steps"]), "sweep")]
-    if cfg.get("robustness"):
-        per = len(cfg["parameterizations"]) * len(cfg["variant_ratios"]) * len(cfg["variant_seeds"])
-        parts.append(Part("robustness variants", per * len(cfg["variants"]), int(cfg["variant_steps"]), "sweep"))
-    return parts
+    return [Part("main grid", len(cfg["parameterizations"]) * len(cfg["ratios"]) * len(cfg["seeds"]),
+                 int(cfg["steps"]), "sweep")]
+
+
+def _robustness(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
+    per = len(cfg["parameterizations"]) * len(cfg["variant_ratios"]) * len(cfg["variant_seeds"])
+    return [Part("robustness variants", per * len(cfg["variants"]), int(cfg["variant_steps"]), "sweep")]
 
 
 def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: Any) -> list[Part]:
@@ -218,7 +219,7 @@ def _multilayer(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
 #: chapter (its results name, as ``qkov run`` names it) -> its work from the resolved settings
 WORK: dict[str, Callable[..., list[Part]]] = {
     "synthetic": _synthetic, "theory_reduction": _reduction, "theory_asymptotics": _ode_only, "sharpness": _asymptotics,
-    "sweep": _sweep,
+    "sweep": _sweep, "robustness": _robustness,
     "squad": _map, "hatexplain": _map, "sva": _map, "multilayer": _multilayer, "protocol_choices": _ablation,
 }
 
@@ -509,7 +510,7 @@ def _settings(chapter: str, profile: str | None) -> tuple[dict[str, Any], dict[s
 
     tables = {"synthetic": synthetic.PROFILES, "theory_reduction": reduction.PROFILES_REDUCTION,
               "theory_asymptotics": asymptotics.PROFILES_ASYMPTOTICS, "sharpness": asymptotics.PROFILES_ASYMPTOTICS,
-              "sweep": synthetic_sweeps.PROFILES,
+              "sweep": synthetic_sweeps.PROFILES, "robustness": synthetic_sweeps.PROFILES,
               "multilayer": multilayer.PROFILES, "protocol_choices": ablation.PROFILES}
     if chapter in tables:
         return profiles.resolve(tables[chapter], profile), {}

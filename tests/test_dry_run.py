@@ -183,11 +183,11 @@ def test_work_of_the_full_profiles_counted_by_hand():
     syn = cost.work("synthetic", profiles.resolve(synthetic.PROFILES, "full"))
     assert [(p.runs, p.steps) for p in syn] == [(4 * 2 * 5, 20000)]
     sweep = cost.work("sweep", profiles.resolve(synthetic_sweeps.PROFILES, "full"))
-    # 4 parameterizations x 7 ratios x 20 seeds; 7 variants x 4 parameterizations x 4 ratios x 10 seeds
-    assert [(p.runs, p.steps) for p in sweep] == [(560, 20000), (7 * 4 * 4 * 10, 10000)]
-    assert sum(p.run_steps for p in sweep) == 560 * 20000 + 1120 * 10000
-    no_rob = cost.work("sweep", profiles.resolve(synthetic_sweeps.PROFILES, "full", robustness=False))
-    assert [p.name for p in no_rob] == ["main grid"]
+    assert [(p.runs, p.steps) for p in sweep] == [(560, 20000)]  # 4 parameterizations x 7 ratios x 20 seeds
+    rob = cost.work("robustness", profiles.resolve(synthetic_sweeps.PROFILES, "full"))
+    # 7 variants x 4 parameterizations x 4 ratios x 10 seeds
+    assert [(p.name, p.runs, p.steps) for p in rob] == [("robustness variants", 7 * 4 * 4 * 10, 10000)]
+    assert sum(p.run_steps for p in sweep + rob) == 560 * 20000 + 1120 * 10000
     squad = cost.work("squad", realmap.map_config("squad", "full"))
     # per optimizer and base rate: 5 ratios x 5 seeds, up to 8000 steps at the top rate, twice that a decade
     # and more below it (step_growth 2, at most x2)
@@ -386,7 +386,7 @@ def test_the_measured_peak_memory_counts_the_ended_worker_processes(monkeypatch,
 
 # --- the chapters -----------------------------------------------------------------------------
 TRAINING_CHAPTERS = ["01_synthetic", "02_theory_reduction", "03_theory_asymptotics", "sharpness", "04_sweep",
-                     "05_squad", "06_hatexplain", "07_sva", "protocol_choices", "09_multilayer"]
+                     "robustness", "05_squad", "06_hatexplain", "07_sva", "protocol_choices", "09_multilayer"]
 
 
 @pytest.mark.parametrize("stem", TRAINING_CHAPTERS)
@@ -398,7 +398,8 @@ def test_each_training_chapter_states_its_cost_before_it_trains(stem):
     name = cache.chapter_name(src)
     assert f'cost.preflight("{name}"' in code[at] and name in cost.WORK
     first_training = next(i for i, c in enumerate(code) if any(
-        f in c for f in ("run_grid(", "run_chapter_map(", "overlay_grid(", "long_runs(", "chapter_map(", "run_study(")))
+        f in c for f in ("run_grid(", "run_chapter_map(", "overlay_grid(", "long_runs(", "chapter_map(", "run_study(",
+                         ".robustness(")))
     assert at < first_training
 
 
@@ -424,7 +425,7 @@ def test_every_chapter_that_trains_is_listed():
 # exercise and whose own parts (the word readout, the question match and query) the test profile
 # runs, to keep CI inside its 90 minutes on a machine twice as slow; `make book PROFILE=full
 # DRY_RUN=1` runs every chapter.
-DRY_CHAPTERS = ["sva", "hatexplain", "squad", "sweep", "multilayer"]
+DRY_CHAPTERS = ["sva", "hatexplain", "squad", "sweep", "robustness", "multilayer"]
 _DRY_ASKED = os.environ.get("QKOV_DRY_RUN_CHAPTERS", "")
 
 

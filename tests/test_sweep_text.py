@@ -1,5 +1,6 @@
-"""Chapter 04's sentences, closing numbers and figure data in the library
-(qkov_lib.studies.synthetic_sweeps.sweep_sentences, speed_facts, readings_points, sweep_metrics)."""
+"""The sweep and robustness pages' sentences, closing numbers and figure data in the library
+(qkov_lib.studies.synthetic_sweeps.sweep_sentences, robustness_sentences, speed_facts, readings_points,
+sweep_metrics, robustness_metrics)."""
 
 import json
 from collections import defaultdict
@@ -34,8 +35,10 @@ def test_sentences_pick_their_branch():
                                 "the second's.")
     s = sw.sweep_sentences(facts(n_ratios_run=1, r_lo="1"))
     assert s["s3_sentence"] == "Only ratio 1 was run, so the effect of the ratio (S3) is not tested."
-    assert s["fail_sentence"] == ""
-    assert s["rob_sentence"].startswith("The robustness variants were not run")
+    assert s["fail_sentence"] == "" and "rob_sentence" not in s  # the robustness page's
+    assert sw.robustness_sentences(facts())["rob_sentence"].startswith("The robustness variants were not run")
+    s = sw.robustness_sentences(facts(rob_tested=True, rob_main_rank="FACO > CACO", rob_same_rank="2", rob_n="3"))
+    assert "main grid after its fixed steps (FACO > CACO) reappears in 2 of 3 variants" in s["rob_sentence"]
 
 
 def test_speed_facts_formats_the_measurement():
@@ -61,14 +64,18 @@ def test_sweep_metrics_keep_the_tables_and_the_figure_keys(monkeypatch):
     hist = pd.DataFrame({"parameterization": ["FAFO"], "ratio": [1.0], "seed": [0], "step": [10], "loss": [0.3],
                          "attn_relevant": [0.6], "ov": [1.0]})
     tables = {"runs": runs, "summary": runs, "matched_runs": runs.assign(stop_step=[40])}
-    m = sw.sweep_metrics(tables, hist, {("FAFO", 1.0): np.eye(2)}, {("FAFO", 0.1): np.eye(2)}, {}, {"x": "1"}, {})
+    m = sw.sweep_metrics(tables, hist, {("FAFO", 1.0): np.eye(2)}, {("FAFO", 0.1): np.eye(2)}, {"x": "1"}, {})
     assert m["runs"] is runs and m["claims"] == [{"id": "S3"}]  # the tables the sweep tooling reads stay as they are
     assert list(m["history"].columns) == ["parameterization", "ratio", "seed", "step", "attn_relevant", "loss"]
     assert "stop_step" in m["decoupling"]["matched_loss"] and "attn_relevant" not in m["decoupling"]["fixed_steps"]
     doc = {"metrics": json.loads(json.dumps(jsonable(m)))}
     assert doc["metrics"]["dtap"]["FAFO / 1"] == [[1.0, 0.0], [0.0, 1.0]]
-    for key in ("metrics.dtap", "metrics.history", "metrics.decoupling", "metrics.ladder_dtap", "metrics.adam"):
+    for key in ("metrics.dtap", "metrics.history", "metrics.decoupling", "metrics.ladder_dtap"):
         assert results_key(doc, key), key
+    monkeypatch.setattr(sw, "robustness_claims", lambda facts, verdicts: [{"id": "S3-adam"}])
+    r = sw.robustness_metrics({"robustness": runs}, {"S3-adam": []}, {}, {})
+    assert r["robustness"] is runs and r["claims"] == [{"id": "S3-adam"}]
+    assert results_key({"metrics": json.loads(json.dumps(jsonable(r)))}, "metrics.adam")
 
 
 def test_grid_glue_quotes_the_grid():

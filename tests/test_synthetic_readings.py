@@ -186,15 +186,19 @@ def test_s3_under_adam_reads_the_adamw_variant_against_ratio_one_beside_gradient
                      for _, r in gd.iterrows()]}
     adam = _matched_frame({p: -1.0 for p in P4}, ratios=(0.1, 1.0, 10.0, 100.0)).assign(
         optimizer="adamw", variant="AdamW", matched_level=0.05)
-    rd = synthetic_sweeps.chapter_readings(ladder, {}, adam, 0.05)
+    rd = synthetic_sweeps.variant_readings(adam, gd, 0.05)  # gradient descent: the main grid's runs at the loss
     assert {r.outcome for r in rd["S3-adam"]} == {"contradicted"} and len(rd["S3-adam"]) == 8
     assert {r.outcome for r in rd["S3-gd"]} == {"holds"} and rd["S3-gd"][0].cell.startswith("gradient descent, ")
     v = synthetic_sweeps.chapter_verdicts(rd)
-    assert v["S3-adam"].verdict == "not reproduced" and v["S3"].verdict == "reproduced"
+    assert v["S3-adam"].verdict == "not reproduced" and "S3" not in v
+    assert synthetic_sweeps.chapter_verdicts(synthetic_sweeps.chapter_readings(ladder, {}))["S3"].verdict == "reproduced"
     f = synthetic_sweeps._adam_facts(rd, v)
     assert "S3 under AdamW reads not reproduced (8 contradicted of 8 cells)" in f["adam_sentence"]
     assert "gradient descent read reproduced (8 holds of 8 cells)" in f["adam_sentence"]
-    none = synthetic_sweeps.chapter_readings(ladder, {}, None, 0.05)
+    alone = synthetic_sweeps.variant_readings(adam, None, 0.05)  # the sweep page's results not at hand
+    assert alone["S3-gd"] == [] and alone["S3-adam"] == rd["S3-adam"]
+    assert "gradient descent's same cells are not at hand" in synthetic_sweeps._adam_facts(alone, v)["adam_sentence"]
+    none = synthetic_sweeps.variant_readings(None, gd, 0.05)
     assert none["S3-adam"] == [] and synthetic_sweeps.chapter_verdicts(none)["S3-adam"].verdict == "not tested"
 
 
@@ -271,8 +275,9 @@ def test_a_variant_may_run_its_own_ratios_and_seeds():
     assert set(matched[matched["variant"] == "AdamW"]["optimizer"]) == {"adamw"}
     rv = synthetic_sweeps.robustness_verdicts(table, matched)
     assert rv.loc["AdamW", "optimizer"] == "adamw" and rv.loc["AdamW", "ratios"] == "1 -> 10"
-    ladder = {0.3: [r for r in synthetic_sweeps.run_grid(cfg, ratios=[1.0, 10.0], seeds=[0, 1], matched_loss=0.3).matched[0.3]]}
-    rd = synthetic_sweeps.chapter_readings(ladder, {}, matched, 0.3)
+    gd = synthetic_sweeps.run_grid(cfg, ratios=[1.0, 10.0], seeds=[0, 1], matched_loss=0.3).matched[0.3]
+    rd = synthetic_sweeps.variant_readings(matched, base.runs_frame(gd), 0.3)
+    assert rd["S3-gd"] and rd["S3-adam"]  # gradient descent's cells beside AdamW's
     f = synthetic_sweeps._adam_facts(rd, synthetic_sweeps.chapter_verdicts(rd), rv)
     assert f["adam_sentence"].endswith(f"Under AdamW one class never learned in {rv.loc['AdamW', 'locked in']} runs at "
                                        "ratio 10.")

@@ -350,7 +350,7 @@ def test_unreached_runs_are_left_out_of_the_pairs():
 
 
 def test_the_rescaling_check_trains_the_same_time_at_a_stable_rate():
-    cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0], robustness=False, parameterizations=["FAFO", "CACO"])
+    cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0], parameterizations=["FAFO", "CACO"])
     c = synthetic_sweeps.rescaling_check(cfg, 100.0, 20)
     assert list(c.columns) == synthetic_sweeps.RESCALING_COLUMNS and len(c) == 2
     assert (c["eta_QK"] == 50.0).all() and (c["eta_QK stable"] == cfg["eta_qk_stable"]).all()
@@ -364,11 +364,11 @@ def test_the_rescaling_check_trains_the_same_time_at_a_stable_rate():
 
 @pytest.mark.parametrize("ratios", [[1.0, 10.0], [1.0]])
 def test_sweep_chapter_rows_carry_s1_s3_and_the_extensions_but_not_s2(ratios):
-    """The chapter's verdicts and scorecard rows come from the ladder at matched loss; S2 is decided
-    by chapter 03, so it has neither a verdict nor a row here. One ratio: S3 and R3 not tested."""
+    """The sweep page's verdicts and scorecard rows come from the ladder at matched loss; S2 is decided
+    by the sharpness page, so it has neither a verdict nor a row here. One ratio: S3 and R3 not tested."""
     from qkov_lib.studies import synthetic as base
 
-    cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0, 1], robustness=False, ratios=ratios)
+    cfg = resolve(synthetic_sweeps.PROFILES, "test", seeds=[0, 1], ratios=ratios)
     grid = synthetic_sweeps.run_grid(cfg, matched_loss=synthetic_sweeps.ladder_levels(cfg))
     mruns = grid.matched[cfg["matched_loss"]]
     table, mtable = base.runs_frame(grid.runs), base.runs_frame(mruns)
@@ -376,14 +376,19 @@ def test_sweep_chapter_rows_carry_s1_s3_and_the_extensions_but_not_s2(ratios):
     dtaps = base.mean_dtap(grid.runs)
     toward = synthetic_sweeps.fafo_toward(dtaps, cfg["ratios"], 1.0)
     pairs = synthetic_sweeps.ladder_pairs(grid.matched, 1.0, cfg["parameterizations"])
-    rd = synthetic_sweeps.chapter_readings(grid.matched, pairs, None, cfg["matched_loss"])
+    rd = synthetic_sweeps.chapter_readings(grid.matched, pairs)
     v = synthetic_sweeps.chapter_verdicts(rd)
     assert mtable["stop_step"].notna().any()  # the ladder is reached
-    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, None, dtaps, cfg, v, pairs, rd)
+    f = synthetic_sweeps.chapter_facts(summary, matched, table, mtable, toward, dtaps, cfg, v, pairs)
     rows = synthetic_sweeps.claims(f, v)
-    assert [r["id"] for r in rows] == ["S1", "S3", "T5", "R3-synthetic", "S3-robustness", "S3-adam"] and "S2" not in v
-    assert v["S3-robustness"].verdict == v["S3-adam"].verdict == "not tested"
-    assert rows[4]["ours"] == "robustness variants not run" and "not tested" in rows[5]["ours"]
+    assert [r["id"] for r in rows] == ["S1", "S3", "T5", "R3-synthetic"] and "S2" not in v
+    # the robustness page without variants: S3-robustness and S3-adam not tested, GD's cells still read
+    rv = synthetic_sweeps.variant_readings(None, mtable, cfg["matched_loss"])
+    vv = synthetic_sweeps.chapter_verdicts(rv)
+    assert set(vv) == {"S3-robustness", "S3-adam"} and vv["S3-robustness"].verdict == vv["S3-adam"].verdict == "not tested"
+    rrows = synthetic_sweeps.robustness_claims(synthetic_sweeps.robustness_facts(None, rv, vv, cfg, summary), vv)
+    assert [r["id"] for r in rrows] == ["S3-robustness", "S3-adam"] and {r["chapter"] for r in rrows} == {"robustness"}
+    assert rrows[0]["ours"] == "robustness variants not run" and "not tested" in rrows[1]["ours"]
     assert "lowest_class_acc" in table and f["lockin_by_ratio"].startswith("ratio ")
     if len(ratios) == 1:
         assert v["S3"].verdict == v["R3-synthetic"].verdict == "not tested"

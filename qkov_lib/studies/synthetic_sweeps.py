@@ -11,9 +11,12 @@ the synthetic chapter; the engine is tested to equal :func:`qkov_lib.train.train
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,7 +57,6 @@ PROFILES: dict[str, dict] = {
     "test": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1], steps=150, eta_ov=0.5, eta_qk_stable=5.0, rescale_steps=40,
                  init_scale=0.1, optimizer="gd", n_classes=3, n_common_vocab=2, n_common=[2, 4],
                  embedding="onehot", n_test=300, dtype="float64", n_logs=15, matched_loss=0.3, loss_ladder=[0.6, 0.3],
-                 robustness=True,
                  variant_ratios=[1.0, 10.0], variant_seeds=[0, 1], variant_steps=80,
                  variants=[{"name": "long T (n in {6})", "n_common": [6]},
                            {"name": "Gaussian embeddings", "embedding": "gaussian"},
@@ -64,12 +66,11 @@ PROFILES: dict[str, dict] = {
     "cpu": dict(parameterizations=list(PARAMETERIZATIONS), ratios=RATIOS, seeds=[0, 1, 2, 3, 4], steps=2000,
                 eta_ov=0.5, eta_qk_stable=5.0, rescale_steps=200, init_scale=0.1, optimizer="gd", n_classes=4, n_common_vocab=3, n_common=[2, 4, 8, 12],
                 embedding="onehot", n_test=4000, dtype="float64", n_logs=30, matched_loss=0.05, loss_ladder=[0.3, 0.1, 0.05],
-                robustness=True,
                 variant_ratios=RATIOS, variant_seeds=[0, 1, 2], variant_steps=1000, variants=VARIANTS_CPU),
     "full": dict(parameterizations=list(PARAMETERIZATIONS), ratios=[0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0],
                  seeds=list(range(20)), steps=20000, eta_ov=0.5, eta_qk_stable=5.0, rescale_steps=1000, init_scale=0.1, optimizer="gd", n_classes=8,
                  n_common_vocab=4, n_common=[2, 4, 8, 16], embedding="onehot", n_test=20000, dtype="float64",
-                 n_logs=40, matched_loss=0.01, loss_ladder=[0.3, 0.1, 0.05, 0.01], robustness=True,
+                 n_logs=40, matched_loss=0.01, loss_ladder=[0.3, 0.1, 0.05, 0.01],
                  variant_ratios=RATIOS,
                  variant_seeds=list(range(10)), variant_steps=10000, variants=VARIANTS_CPU),
 }
@@ -509,7 +510,7 @@ def ladder_s2(ladder: Mapping[float, Sequence[base.Run]], ratio: float, params: 
     over FAFO's per-seed heatmaps (:func:`.synthetic.fafo_gap`). Without two seeds (for the
     second and third, or for FAFO at every faster ratio) that part is ``"not tested"``. Returns
     the table (:data:`LADDER_S2_COLUMNS`) and (top two, move) of each level reached by all four
-    parameterizations at ``ratio`` (evidence for S2, decided on chapter 03's map)."""
+    parameterizations at ``ratio`` (evidence for S2, decided on the sharpness page's phase map)."""
     rows, calls = [], {}
     for level, runs in ladder.items():
         by = _reached_by(runs, ratio)
@@ -718,7 +719,7 @@ def robustness_readings(rob_matched: pd.DataFrame) -> dict[str, list[C.Reading]]
 
 def robustness_verdicts(table: pd.DataFrame, matched: pd.DataFrame, ref_ratio: float = 1.0) -> pd.DataFrame:
     """Per variant: its optimizer, the ranking after the variant's steps at ``ref_ratio`` (the lowest ratio if
-    it was not run) and which S2 summary its top two match (evidence for chapter 03's map), the
+    it was not run) and which S2 summary its top two match (evidence for the sharpness page's phase map), the
     highest ratio's eta_QK and, for full-batch gradient descent (the only optimizer whose loss never
     rises at a stable rate), the runs there whose training loss rose; how many runs at the highest ratio ended with
     test accuracy below ``claims.STUCK_ACC`` or diverged ("stuck"), and S3's verdict for the
@@ -842,12 +843,12 @@ def s1_inputs(dtaps: Mapping[tuple[str, float], np.ndarray], params: Sequence[st
     return base.pairwise_tv(dtaps, have, ratio)
 
 
-def adam_frames(ladder: Mapping[float, Sequence[base.Run]], rob_matched: pd.DataFrame | None,
-                level: float) -> dict[str, pd.DataFrame]:
-    """The runs S3-adam compares at matched training loss ``level``, ratios 1 and above: gradient
-    descent (the main grid, at the ratios AdamW ran) and AdamW (the robustness variant whose
-    optimizer is ``adamw``; absent when the variants were not run)."""
-    gd = base.runs_frame(ladder[level]) if level in ladder else pd.DataFrame()
+def adam_frames(gd_matched: pd.DataFrame | None, rob_matched: pd.DataFrame | None) -> dict[str, pd.DataFrame]:
+    """The runs S3-adam compares at matched training loss, ratios 1 and above: gradient descent
+    (``gd_matched``, the main grid's runs table at the matched loss, at the ratios AdamW ran; None
+    when not at hand) and AdamW (the robustness variant whose optimizer is ``adamw``; absent when
+    the variants were not run)."""
+    gd = gd_matched if gd_matched is not None else pd.DataFrame()
     out = {"gradient descent": gd[gd["ratio"] >= 1.0]} if len(gd) else {}
     if rob_matched is not None and len(rob_matched) and "optimizer" in rob_matched:
         ad = rob_matched[(rob_matched["optimizer"] == "adamw") & (rob_matched["ratio"] >= 1.0)]
@@ -859,32 +860,57 @@ def adam_frames(ladder: Mapping[float, Sequence[base.Run]], rob_matched: pd.Data
 
 
 def chapter_readings(ladder: Mapping[float, Sequence[base.Run]],
-                     pairs: Mapping[float, Mapping[tuple[str, str], C.Change]],
-                     rob_matched: pd.DataFrame | None, level: float) -> dict[str, list[C.Reading]]:
-    """Every cell the chapter's claims read, by the one rule, all at matched training loss on the
+                     pairs: Mapping[float, Mapping[tuple[str, str], C.Change]]) -> dict[str, list[C.Reading]]:
+    """Every cell the sweep page's claims read, by the one rule, all at matched training loss on the
     ladder (``ladder``: loss level -> runs there, ``Grid.matched``): S1 (:func:`s1_named`), S3 against
-    the lowest ratio (:func:`s3_named`), T5 per step of the ratio (:func:`t5_named`), R3-synthetic
-    (:func:`r3_named`), S3-robustness (:func:`robustness_readings`, one family per variant) and
-    S3 under AdamW against ratio 1 at ``level`` (``S3-adam``) with gradient descent's same cells
-    beside it (``S3-gd``, shown, not a claim)."""
-    out = {"S1": base.read(C.ESTIMANDS["S1"], s1_named(pairs)), "S3": base.read(C.ESTIMANDS["S3"], s3_named(ladder)),
-           "T5": base.read(C.ESTIMANDS["T5"], t5_named(ladder)),
-           "R3-synthetic": base.read(C.ESTIMANDS["S3"], r3_named(ladder)),
-           "S3-robustness": [r for rr in robustness_readings(rob_matched).values() for r in rr]
+    the lowest ratio (:func:`s3_named`), T5 per step of the ratio (:func:`t5_named`) and R3-synthetic
+    (:func:`r3_named`)."""
+    return {"S1": base.read(C.ESTIMANDS["S1"], s1_named(pairs)), "S3": base.read(C.ESTIMANDS["S3"], s3_named(ladder)),
+            "T5": base.read(C.ESTIMANDS["T5"], t5_named(ladder)),
+            "R3-synthetic": base.read(C.ESTIMANDS["S3"], r3_named(ladder))}
+
+
+def variant_readings(rob_matched: pd.DataFrame | None, gd_matched: pd.DataFrame | None,
+                     level: float) -> dict[str, list[C.Reading]]:
+    """Every cell the robustness page reads, by the one rule, at matched training loss ``level``:
+    S3-robustness (:func:`robustness_readings`, one family per variant; empty when the variants
+    were not run), S3 under AdamW against ratio 1 (``S3-adam``) and gradient descent's same cells
+    beside it (``S3-gd``, shown, not a claim; from ``gd_matched``, the main grid's runs at
+    ``level``, empty when None)."""
+    out = {"S3-robustness": [r for rr in robustness_readings(rob_matched).values() for r in rr]
            if rob_matched is not None and len(rob_matched) else []}
-    frames = adam_frames(ladder, rob_matched, level)
+    frames = adam_frames(gd_matched, rob_matched)
     for key, name in (("S3-gd", "gradient descent"), ("S3-adam", "AdamW")):
         out[key] = base.read(C.ESTIMANDS["S3"], {f"{name}, {k}": c for k, c in s3_named({level: frames[name]}).items()}
                              if name in frames else {})
     return out
 
 
+def main_grid_tables(results_dir: str | os.PathLike | None, cfg: Mapping[str, Any]
+                     ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+    """``(matched runs, summary)`` of the main grid as the sweep page saved them (``sweep.json`` in
+    ``results_dir``; None: :func:`qkov_lib.tooling.results.default_results_path`): its runs table at
+    the matched loss (``matched_runs``) and its seed summary after the fixed steps (``summary``), or
+    ``(None, None)`` when the file is missing or unreadable or was written under another profile or
+    matched loss than ``cfg``'s."""
+    from qkov_lib.tooling.results import default_results_path
+
+    path = Path(results_dir) / "sweep.json" if results_dir else default_results_path("sweep")
+    try:
+        doc = json.loads(path.read_text())
+        params, m = doc["params"], doc["metrics"]
+        same = params.get("profile") == cfg.get("profile") and float(params["matched_loss"]) == float(cfg["matched_loss"])
+        return (pd.DataFrame(m["matched_runs"]), pd.DataFrame(m["summary"])) if same else (None, None)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
+
+
 def chapter_verdicts(readings: Mapping[str, Sequence[C.Reading]]) -> dict[str, Verdict]:
-    """The chapter's claims (S1, S3, T5 and the extensions R3-synthetic, S3-robustness, S3-adam)
-    from :func:`chapter_readings` by :func:`qkov_lib.studies.synthetic.verdict`, the only source of
-    their words. S2 is decided by chapter 03's phase map, not here."""
+    """The claims of ``readings`` (:func:`chapter_readings`: S1, S3, T5, R3-synthetic;
+    :func:`variant_readings`: S3-robustness, S3-adam) by :func:`qkov_lib.studies.synthetic.verdict`,
+    the only source of their words. S2 is decided by the sharpness page's phase map, not here."""
     est = {"S1": "S1", "S3": "S3", "T5": "T5", "R3-synthetic": "S3", "S3-robustness": "S3", "S3-adam": "S3"}
-    return {k: base.verdict(readings[k], C.ESTIMANDS[e]) for k, e in est.items()}
+    return {k: base.verdict(readings[k], C.ESTIMANDS[e]) for k, e in est.items() if k in readings}
 
 
 @draws
@@ -919,10 +945,8 @@ def _counts(match: Mapping[float, str], n: int) -> str:
 
 
 def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFrame, mtable: pd.DataFrame,
-                  toward: pd.DataFrame, rob_verdicts: pd.DataFrame | None, dtaps: dict, cfg: dict,
-                  verdicts: Mapping[str, Verdict],
-                  pairs: Mapping[float, Mapping[tuple[str, str], C.Change]] | None = None,
-                  readings: Mapping[str, Sequence[C.Reading]] | None = None) -> dict[str, Any]:
+                  toward: pd.DataFrame, dtaps: dict, cfg: dict, verdicts: Mapping[str, Verdict],
+                  pairs: Mapping[float, Mapping[tuple[str, str], C.Change]] | None = None) -> dict[str, Any]:
     """Every number, threshold and verdict (with rule and reason) the chapter's prose quotes, as
     glue strings, and the comparisons that choose its sentences (bools, counts and words, from
     the thresholds of :mod:`qkov_lib.claims`; the sentences are the chapter's). Comparisons the
@@ -934,7 +958,6 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
                          for k in ("SHARPER", "SAME_LOSS", "SAME_ACC", "DTAP_TV", "STUCK_ACC")}
     f.update(C.verdict_glue(verdicts))
     f["one_rule"] = C.ONE_RULE
-    f.update(_adam_facts(readings or {}, verdicts, rob_verdicts))
     f.update({"r_lo": f"{ratios[0]:g}", "r_hi": f"{ratios[-1]:g}", "r_eq": f"{eq:g}", "n_runs": str(len(table)),
               "n_param": str(len(params)), "n_seeds": str(len(cfg["seeds"])),
               "n_diverged": str(int(table["diverged"].sum())), "matched_loss": f"{cfg['matched_loss']:g}",
@@ -943,15 +966,34 @@ def chapter_facts(summary: pd.DataFrame, matched: pd.DataFrame, table: pd.DataFr
     f.update(_s2_facts(summary, matched, toward, ratios))
     f.update(_s3_facts(summary, table, params, ratios))
     f.update(_r3_facts(matched, mtable, params, ratios))
+    return f
+
+
+def robustness_facts(rob_verdicts: pd.DataFrame | None, readings: Mapping[str, Sequence[C.Reading]],
+                     verdicts: Mapping[str, Verdict], cfg: Mapping[str, Any],
+                     main_summary: pd.DataFrame | None = None) -> dict[str, Any]:
+    """Every number, threshold and verdict the robustness page quotes, as glue strings: per variant
+    (``rob_verdicts``, :func:`robustness_verdicts`) the S3 verdicts counted, the runs stuck or whose
+    loss rose at the highest ratio, how many variants keep the main grid's equal-rate ranking
+    (``main_summary``, the main grid's seed summary, :func:`main_grid_tables`; "not compared" without
+    it) and which summary's pair their top two match; S3 under AdamW beside gradient descent
+    (:func:`_adam_facts`)."""
+    f: dict[str, Any] = {"thr_stuck_acc": C.threshold_text("STUCK_ACC"), "one_rule": C.ONE_RULE,
+                         "matched_loss": f"{cfg['matched_loss']:g}"}
+    f.update(C.verdict_glue(verdicts))
+    f.update(_adam_facts(readings, verdicts, rob_verdicts))
     f["rob_tested"] = rob_verdicts is not None and len(rob_verdicts) > 0
     if f["rob_tested"]:
         rv = rob_verdicts
+        main = " > ".join(order_at(main_summary, equal_rate(sorted(main_summary["ratio"].unique())))) \
+            if main_summary is not None and len(main_summary) else None
         f.update(rob_counts=", ".join(f"{k} {n}" for k, n in rv["S3 verdict"].value_counts().items()),
                  rob_n=str(len(rv)), rob_stuck=str(int(rv["stuck or diverged"].sum())),
                  rob_hi_runs=str(int(rv["runs at highest ratio"].sum())),
                  rob_rises=str(int(rv["GD runs whose loss rose"].sum())),
                  rob_gd_runs=str(int(rv.loc[rv["GD runs whose loss rose"].notna(), "runs at highest ratio"].sum())),
-                 rob_same_rank=str(int((rv["ranking at equal rates"] == " > ".join(order_at(summary, eq))).sum())),
+                 rob_main_rank=main or "not at hand",
+                 rob_same_rank=str(int((rv["ranking at equal rates"] == main).sum())) if main else "not compared",
                  rob_top2=", ".join(f"{k}: {n}" for k, n in rv["top two match"].value_counts().items()))
     return f
 
@@ -966,10 +1008,12 @@ def _adam_facts(readings: Mapping[str, Sequence[C.Reading]], verdicts: Mapping[s
     adam = rob_verdicts[rob_verdicts["optimizer"] == "adamw"] if rob_verdicts is not None else None
     locked = (f" Under AdamW one class never learned in {adam['locked in'].iloc[0]} runs at ratio "
               f"{adam['ratios'].iloc[0].split(' -> ')[-1]}." if adam is not None and len(adam) else "")
+    beside = (f"the same cells under gradient descent read {C.word([r.outcome for r in gd])} "
+              f"({base.outcome_counts(gd)})" if gd else
+              "gradient descent's same cells are not at hand (the sweep page's results of this profile were not found)")
     return {"adam_tested": True, "adam_sentence": (
         f"At matched training loss, against ratio 1, S3 under AdamW reads {verdicts['S3-adam'].verdict} "
-        f"({base.outcome_counts(ad)}); the same cells under gradient descent read "
-        f"{C.word([r.outcome for r in gd])} ({base.outcome_counts(gd)}).{locked}")}
+        f"({base.outcome_counts(ad)}); {beside}.{locked}")}
 
 
 def stability_facts(table: pd.DataFrame, check: pd.DataFrame | None, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -1147,7 +1191,7 @@ def s2_verdict(top_fixed: Sequence[str], top_matched: Sequence[str]) -> str:
 
 
 def sweep_sentences(f: Mapping[str, Any]) -> dict[str, str]:
-    """The sentences chapter 04 quotes (glue strings by name: ``s1_sentence``, ``s2_sentence``,
+    """The sentences the sweep page quotes (glue strings by name: ``s1_sentence``, ``s2_sentence``,
     ``check_sentence``, ``r3_sentence``, ...), each chosen by a comparison that :func:`chapter_facts`
     or :func:`stability_facts` made (its bools, counts and words) and filled with its numbers."""
     s: dict[str, str] = {}
@@ -1231,14 +1275,22 @@ def sweep_sentences(f: Mapping[str, Any]) -> dict[str, str]:
            "not reproduced": "At matched loss the attention does not rise with the ratio.",
            "not tested": "No cell above the lowest ratio reached the loss, so the comparison is not tested."
            }[f["verdict_R3_synthetic"]])
+    return s
+
+
+def robustness_sentences(f: Mapping[str, Any]) -> dict[str, str]:
+    """The sentence the robustness page quotes about its variants (``rob_sentence``), chosen by
+    whether they ran (:func:`robustness_facts`) and filled with its numbers."""
+    s: dict[str, str] = {}
     s["rob_sentence"] = (
         f"Per variant, S3's rule at matched loss gives: {f['rob_counts']} (of {f['rob_n']}). At the highest ratio, "
         f"{f['rob_stuck']} of {f['rob_hi_runs']} runs got stuck (accuracy below {f['thr_stuck_acc']}) or diverged, and "
         f"the training loss rose at some step in {f['rob_rises']} of the {f['rob_gd_runs']} full-batch gradient-descent "
-        "runs there. The equal-rate ranking of the main grid reappears in "
-        f"{f['rob_same_rank']} of {f['rob_n']} variants; the top two at equal rates match: {f['rob_top2']}."
+        "runs there. The equal-rate ranking of the main grid after its fixed steps "
+        f"({f['rob_main_rank']}) reappears in {f['rob_same_rank']} of {f['rob_n']} variants; the top two at equal rates "
+        f"match: {f['rob_top2']}."
         if f["rob_tested"] else
-        "The robustness variants were not run (robustness = False), so S3-robustness is not tested.")
+        "The robustness variants were not run (no variant), so S3-robustness is not tested.")
     return s
 
 
@@ -1279,28 +1331,33 @@ def grid_glue(cfg: Mapping[str, Any]) -> dict[str, str]:
 
 
 def sweep_metrics(tables: Mapping[str, Any], hist: pd.DataFrame, dtaps: Mapping, ladder_maps: Mapping,
-                  readings: Mapping[str, Sequence[C.Reading]], facts: Mapping[str, Any],
-                  verdicts: Mapping[str, Verdict]) -> dict:
-    """The metrics chapter 04 saves: its ``tables`` as they are (``runs``, ``summary``, ...: the names
+                  facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> dict:
+    """The metrics the sweep page saves: its ``tables`` as they are (``runs``, ``summary``, ...: the names
     the sweep tooling reads), and for its figures ``dtap`` (mean DTAP heatmaps by parameterization and
     ratio), ``history`` (:data:`HISTORY_COLUMNS`), ``decoupling`` (:data:`DECOUPLING_COLUMNS` of the
-    fixed-step and the matched-loss runs), ``ladder_dtap`` (by parameterization and loss level) and
-    ``adam`` (:func:`readings_points` of S3 under GD and AdamW); then the facts and the scorecard rows."""
+    fixed-step and the matched-loss runs) and ``ladder_dtap`` (by parameterization and loss level);
+    then the facts and the scorecard rows."""
     runs, matched = tables["runs"], tables["matched_runs"]
     cols = lambda t: [c for c in DECOUPLING_COLUMNS if c in t]  # noqa: E731
     return {**tables, "dtap": dict(dtaps), "history": hist[[c for c in HISTORY_COLUMNS if c in hist]],
             "decoupling": {"fixed_steps": runs[cols(runs)], "matched_loss": matched[cols(matched)]},
-            "ladder_dtap": dict(ladder_maps), "adam": readings_points(readings, ("S3-gd", "S3-adam")),
-            "facts": dict(facts), "claims": claims(facts, verdicts)}
+            "ladder_dtap": dict(ladder_maps), "facts": dict(facts), "claims": claims(facts, verdicts)}
+
+
+def robustness_metrics(tables: Mapping[str, Any], readings: Mapping[str, Sequence[C.Reading]],
+                       facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> dict:
+    """The metrics the robustness page saves: its ``tables`` as they are (``robustness``,
+    ``robustness_verdicts``), ``adam`` (:func:`readings_points` of S3 under GD and AdamW, what
+    :func:`plot_adam` draws), the facts and the scorecard rows (:func:`robustness_claims`)."""
+    return {**tables, "adam": readings_points(readings, ("S3-gd", "S3-adam")), "facts": dict(facts),
+            "claims": robustness_claims(facts, verdicts)}
 
 
 def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
     """Scorecard rows for the paper's S1, S3 and T5 (T5 read on the sweep's ratios) and the
-    extensions R3-synthetic, S3-robustness and S3-adam (S2 is decided by chapter 03's phase map):
-    one line of measured numbers each, from :func:`chapter_facts`; verdicts from
-    :func:`chapter_verdicts`."""
+    extension R3-synthetic (S2 is decided by the phase map of the sharpness page): one line of
+    measured numbers each, from :func:`chapter_facts`; verdicts from :func:`chapter_verdicts`."""
     f, ch = facts, "04_sweep"
-    s3_adam = C.EXTENSIONS["S3-adam"][1]
     return [
         claim("S1", "DTAP heatmaps differ between the four parameterizations",
               f"pairs of parameterizations whose per-seed heatmap distance at ratio {f['r_eq']}, by training loss: "
@@ -1314,8 +1371,19 @@ def claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[di
         claim("R3-synthetic", C.statement("R3-synthetic"),
               f"{f['n_reached']} of {f['n_matched_runs']} runs reached loss {f['matched_loss']}; "
               f"{verdicts['R3-synthetic'].effect or 'no change measured'}", verdicts["R3-synthetic"], ch),
+    ]
+
+
+ROBUSTNESS_PAGE = "robustness"  # the page that decides S3-robustness and S3-adam (book/robustness.md)
+
+
+def robustness_claims(facts: Mapping[str, Any], verdicts: Mapping[str, Verdict]) -> list[dict[str, str]]:
+    """Scorecard rows for the extensions S3-robustness and S3-adam, from :func:`robustness_facts`;
+    verdicts from :func:`chapter_verdicts` over :func:`variant_readings`."""
+    f, ch = facts, ROBUSTNESS_PAGE
+    return [
         claim("S3-robustness", C.statement("S3-robustness"),
               f"per variant at matched loss S3 gives {f['rob_counts']} (of {f['rob_n']})" if f["rob_tested"]
               else "robustness variants not run", verdicts["S3-robustness"], ch),
-        claim("S3-adam", s3_adam, f["adam_sentence"], verdicts["S3-adam"], ch),
+        claim("S3-adam", C.EXTENSIONS["S3-adam"][1], f["adam_sentence"], verdicts["S3-adam"], ch),
     ]
