@@ -430,7 +430,7 @@ _DRY_ASKED = os.environ.get("QKOV_DRY_RUN_CHAPTERS", "")
 
 
 @pytest.mark.skipif(not _DRY_ASKED, reason="dry full-profile chapters take 1-13 CPU minutes each: "
-                    "run with QKOV_DRY_RUN_CHAPTERS=1 (.ci/run runs sva, hatexplain and sweep)")
+                    "run with QKOV_DRY_RUN_CHAPTERS=1 (.ci/run runs sva, hatexplain, sweep and robustness)")
 @pytest.mark.parametrize("chapter", DRY_CHAPTERS)
 def test_the_full_profile_runs_dry_through_papermill(chapter, tmp_path):
     if _DRY_ASKED != "1" and chapter not in _DRY_ASKED.split():
