@@ -452,6 +452,13 @@ def test_the_matched_loss_table_of_a_grid_where_no_run_reached_the_loss():
     mt = synthetic_sweeps.matched_table(grid.matched[1e-9])
     assert list(mt["reached"]) == ["0/2", "0/2"] and mt["stop_step"].isna().all()
     assert not {"reached_x", "reached_y"} & set(mt.columns)
+    # as the sweep page shows it: one row per cell, "mean ± half-width" strings, the reached column last
+    view = synthetic_sweeps.matched_view(grid.matched[1e-9])
+    assert list(view.index) == [("FAFO", 1.0), ("FAFO", 10.0)] and list(view["reached"]) == ["0/2", "0/2"]
+    summary = synthetic_sweeps.summarize_runs(grid.runs)
+    shown = synthetic_sweeps.summary_view(summary)
+    assert list(shown.columns[-2:]) == ["n_seeds", "n_diverged"] and list(shown["n_seeds"]) == [2, 2]
+    assert all(" ± " in v for v in shown["loss"])
 
 
 def test_the_decoupling_figure_draws_when_no_run_reached_the_matched_loss():

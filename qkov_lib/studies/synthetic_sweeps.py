@@ -555,11 +555,28 @@ def matched_table(runs: Sequence[base.Run]) -> pd.DataFrame:
     t = base.runs_frame(runs)
     t["reached"] = t["stop_step"].notna() & (t["diverged"] == 0)
     reached = t[t["reached"]]
-    summ = base.seed_summary(reached, ["parameterization", "ratio"], ["stop_step", "loss", "attn_relevant", "AC@0.5",
-                                                                       "AC@0.9", "weak_attn_confident"])
+    summ = base.seed_summary(reached, ["parameterization", "ratio"], MATCHED_METRICS)
     n = t.groupby(["parameterization", "ratio"], sort=False)["reached"].agg(["sum", "size"]).reset_index()
     n["reached"] = [f"{a}/{b}" for a, b in zip(n["sum"], n["size"])]
     return summ.merge(n[["parameterization", "ratio", "reached"]], on=["parameterization", "ratio"], how="right")
+
+
+MATCHED_METRICS = ["stop_step", "loss", "attn_relevant", "AC@0.5", "AC@0.9", "weak_attn_confident"]
+
+
+def summary_view(summary: pd.DataFrame) -> pd.DataFrame:
+    """:func:`summarize_runs`' table as the page shows it: ``mean ± half-width`` per metric, then the
+    seeds summarised and the diverged runs left out (``n_seeds``, ``n_diverged``)."""
+    shown = base.format_summary(summary.drop(columns="n_diverged"), METRICS)
+    return shown.join(summary.set_index(["parameterization", "ratio"])[["n_seeds", "n_diverged"]])
+
+
+def matched_view(runs: Sequence[base.Run]) -> pd.DataFrame:
+    """:func:`matched_table` as the page shows it: ``mean ± half-width`` of the steps to the target
+    loss and the test metrics there, then how many seeds reached it (``reached``, as ``k/n``)."""
+    mt = matched_table(runs)
+    return base.format_summary(mt.drop(columns="reached"), MATCHED_METRICS).join(
+        mt.set_index(["parameterization", "ratio"])["reached"])
 
 
 def matched_summary(runs: Sequence[base.Run]) -> pd.DataFrame:
