@@ -198,10 +198,34 @@ def _map(cfg: Mapping[str, Any], natural: Mapping[str, Any] | None = None, **_: 
     return parts
 
 
-def _ablation(cfg: Mapping[str, Any], **_: Any) -> list[Part]:
-    from qkov_lib.studies import ablation
+def _ablation(scfg: Mapping[str, Any], **_: Any) -> list[Part]:
+    """The protocol-choices study (:mod:`qkov_lib.studies.ablation`), per dataset timed with its own map's
+    probe (``map:<dataset>``): tuning (where no rate is given), the default arm and every retrained arm that
+    applies (the budget arm at its longer budget), SVA's natural prefixes."""
+    from qkov_lib.profiles import resolve
+    from qkov_lib.studies import ablation, agreement_roles, realmap
 
-    return ablation.work(cfg)
+    parts = []
+    n = len(scfg["ratios"]) * len(scfg["seeds"])
+    for name in scfg["datasets"]:
+        mcfg = ablation.map_settings(name, scfg)
+        procs = int(mcfg.get("processes") or 1)
+        given = (scfg["rates_given"] or {}).get(name)
+        for o in mcfg["optimizers"]:
+            if given is None:
+                parts += [Part(f"{name}: tuning, {o}, eta_ov {e:g}", len(scfg["seeds"]), realmap.run_steps(mcfg, o, e),
+                               f"map:{name}", procs) for e in mcfg[f"{o}_rates"]]
+            eta = float(given[o]) if given is not None and o in given else max(mcfg[f"{o}_rates"])
+            for arm in ["default", *(a for a in scfg["ablations"] if a not in ("evaluation", "natural")
+                                     and ablation.applies(a, name, mcfg))]:
+                cfg = (ablation.default_config(mcfg) if arm == "default" else
+                       ablation.arm_config(arm, name, mcfg, int(scfg["steps_factor"])))
+                parts.append(Part(f"{name}: {arm} arm, {o}", n, realmap.run_steps(cfg, o, eta), f"map:{name}", procs))
+        if "natural" in scfg["ablations"] and ablation.applies("natural", name, mcfg):
+            ncfg = resolve(agreement_roles.NATURAL_PROFILES, scfg["profile"])
+            parts.append(Part(f"{name}: natural prefixes", n, int(ncfg["steps"]), f"map:{name}",
+                              int(ncfg.get("processes") or 1)))
+    return parts
 
 
 def _multilayer(cfg: Mapping[str, Any], **_: Any) -> list[Part]:

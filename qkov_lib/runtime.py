@@ -153,3 +153,15 @@ def is_batched(x: torch.Tensor) -> bool | None:
         raise TypeError(f"expected a tensor, got {type(x).__name__}")
     check = _batched_check()
     return None if check is None else bool(check(x))
+
+
+#: the environment variable that moves every chapter's results file (``<dir>/<chapter>.json``)
+RESULTS_ENV = "QKOV_RESULTS_DIR"
+
+
+def results_file(chapter: str) -> Path:
+    """``$QKOV_RESULTS_DIR/<chapter>.json``, else ``<repo>/_build/results/<chapter>.json``: where a
+    chapter writes its results and where a page that reads another's looks for them."""
+    import os
+
+    return Path(os.environ.get(RESULTS_ENV, REPO_ROOT / "_build" / "results")) / f"{chapter}.json"

@@ -527,37 +527,6 @@ def record(res: StudyResult) -> dict[str, Any]:
 
 
 # --- cost, and what the chapter quotes ----------------------------------------------------------------------
-def work(scfg: Mapping[str, Any]) -> list:
-    """The study's work as :class:`qkov_lib.cost.Part` s, per dataset timed with its own map's probe
-    (``map:<dataset>``): tuning (where no rate is given), the default arm and every retrained arm that applies
-    (the budget arm at its longer budget), SVA's natural prefixes."""
-    from qkov_lib.cost import Part
-    from qkov_lib.profiles import resolve
-
-    parts = []
-    n = len(scfg["ratios"]) * len(scfg["seeds"])
-    for name in scfg["datasets"]:
-        mcfg = map_settings(name, scfg)
-        procs = int(mcfg.get("processes") or 1)
-        given = (scfg["rates_given"] or {}).get(name)
-        for o in mcfg["optimizers"]:
-            if given is None:
-                parts += [Part(f"{name}: tuning, {o}, eta_ov {e:g}", len(scfg["seeds"]), realmap.run_steps(mcfg, o, e),
-                               f"map:{name}", procs) for e in mcfg[f"{o}_rates"]]
-            eta = float(given[o]) if given is not None and o in given else max(mcfg[f"{o}_rates"])
-            for arm in ["default", *(a for a in scfg["ablations"] if a not in ("evaluation", "natural")
-                                     and applies(a, name, mcfg))]:
-                cfg = default_config(mcfg) if arm == "default" else arm_config(arm, name, mcfg, int(scfg["steps_factor"]))
-                parts.append(Part(f"{name}: {arm} arm, {o}", n, realmap.run_steps(cfg, o, eta), f"map:{name}", procs))
-        if "natural" in scfg["ablations"] and applies("natural", name, mcfg):
-            from qkov_lib.studies import agreement_roles
-
-            ncfg = resolve(agreement_roles.NATURAL_PROFILES, scfg["profile"])
-            parts.append(Part(f"{name}: natural prefixes", n, int(ncfg["steps"]), f"map:{name}",
-                              int(ncfg.get("processes") or 1)))
-    return parts
-
-
 def rates_frame(res: StudyResult) -> pd.DataFrame:
     """Per dataset and optimizer the base rate every arm trains, and whether this build tuned it."""
     return pd.DataFrame([{"dataset": d, "optimizer": o, "eta_ov": e,

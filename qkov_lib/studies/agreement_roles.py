@@ -38,7 +38,7 @@ from qkov_lib.metrics import mass_by_role
 from qkov_lib.profiles import profile_table
 from qkov_lib.runtime import seed_everything
 from qkov_lib.head_model import HeadModel, predict_by_length
-from qkov_lib.train import History, TrainConfig
+from qkov_lib.train import History, TrainConfig, predict
 
 ROLES: tuple[str, ...] = tuple(ROLE_CODES.values())  # subject, attractor, verb, last, rest
 LAST_ANY = "last position"  # mass on the word right before the verb, whatever its role (not exclusive)
@@ -81,11 +81,15 @@ def role_mass(attn: Tensor, roles: Sequence[str], key_mask: Tensor) -> dict[str,
     return out
 
 
+def test_attention(model: nn.Module, data: Batch) -> torch.Tensor:
+    """The attention rows (N, T) of ``model`` on ``data`` (on the model's device, returned on the CPU)."""
+    dev = next(model.parameters()).device
+    return predict(model, data.to(dev))[0].cpu()
+
+
 def model_role_mass(model: nn.Module, ds: TextDataset) -> dict[str, float]:
     """:func:`role_mass` of ``model``'s attention on the test split of a Marvin & Linzen dataset (its roles
     from ``ds.test_info["roles"]``)."""
-    from qkov_lib.studies.realmap import test_attention
-
     return role_mass(test_attention(model, ds.test), ds.test_info["roles"], ds.test.key_mask)
 
 

@@ -37,7 +37,7 @@ from qkov_lib.profiles import profile_table
 from qkov_lib.train import TrainConfig, predict
 from qkov_lib.studies import rationales, attention_analysis, trajectory
 from qkov_lib import protocol
-from qkov_lib.studies.agreement_roles import split_validation
+from qkov_lib.studies.agreement_roles import split_validation, test_attention  # noqa: F401 -- also realmap.test_attention
 
 # the HeadModel options a map config may set, config name -> model argument ("head_query": "query"
 # already names the SVA loader's query token)
@@ -951,12 +951,6 @@ def top_words(result: MapResult, optimizer: str, data: Batch, vocab: Sequence[st
         w = rationales.most_attended_words(test_attention(r.model, data), data, vocab, k=k)
         cols[f"ratio {r.ratio:g}"] = [f"{word} ({100 * f:.0f}%)" for word, f in zip(w.index, w["in_rationale"])]
     return pd.DataFrame(cols, index=pd.RangeIndex(1, k + 1, name="rank"))
-
-
-def test_attention(model: nn.Module, data: Batch) -> torch.Tensor:
-    """The attention rows (N, T) of ``model`` on ``data`` (on the model's device, returned on the CPU)."""
-    dev = next(model.parameters()).device
-    return predict(model, data.to(dev))[0].cpu()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -906,13 +906,13 @@ def variant_readings(rob_matched: pd.DataFrame | None, gd_matched: pd.DataFrame 
 def main_grid_tables(results_dir: str | os.PathLike | None, cfg: Mapping[str, Any]
                      ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
     """``(matched runs, summary)`` of the main grid as the sweep page saved them (``sweep.json`` in
-    ``results_dir``; None: :func:`qkov_lib.tooling.results.default_results_path`): its runs table at
+    ``results_dir``; None: :func:`qkov_lib.runtime.results_file`): its runs table at
     the matched loss (``matched_runs``) and its seed summary after the fixed steps (``summary``), or
     ``(None, None)`` when the file is missing or unreadable or was written under another profile or
     matched loss than ``cfg``'s."""
-    from qkov_lib.tooling.results import default_results_path
+    from qkov_lib.runtime import results_file
 
-    path = Path(results_dir) / "sweep.json" if results_dir else default_results_path("sweep")
+    path = Path(results_dir) / "sweep.json" if results_dir else results_file("sweep")
     try:
         doc = json.loads(path.read_text())
         params, m = doc["params"], doc["metrics"]

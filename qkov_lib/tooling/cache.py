@@ -37,6 +37,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from qkov_lib.tooling.names import chapter_name  # noqa: F401 -- also cache.chapter_name
+
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # qkov_lib: the library the cache key hashes
 REPO_ROOT = PACKAGE_DIR.parent
 REQUIREMENTS = REPO_ROOT / "requirements.txt"
@@ -273,13 +275,6 @@ def chapters(root: str | os.PathLike = REPO_ROOT) -> list[Path]:
     """The executable pages of the book (MyST notebooks in ``_toc.yml``), in toc order; an entry
     without a file is an error (:func:`toc_pages`)."""
     return [p for p in toc_pages(root) if is_notebook(p)]
-
-
-def chapter_name(path: str | os.PathLike) -> str:
-    """``book/01_synthetic.md`` -> ``synthetic`` (the number prefix only sets the order)."""
-    stem = Path(path).stem
-    head, _, tail = stem.partition("_")
-    return tail if head.isdigit() and tail else stem
 
 
 def _executed_for(src: Path, executed: Path) -> Path | None:

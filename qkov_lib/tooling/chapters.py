@@ -31,7 +31,7 @@ def chapter_path(chapter: str | os.PathLike) -> Path:
     if p.suffix == ".md" and p.exists():
         return p
     book = REPO_ROOT / "book"
-    from qkov_lib.tooling.cache import chapter_name
+    from qkov_lib.tooling.names import chapter_name
 
     found = [q for q in sorted(book.glob("*.md")) if q.stem == p.stem or chapter_name(q) == p.stem]
     if len(found) != 1:
@@ -368,7 +368,7 @@ def run_chapter(chapter: str | os.PathLike, out_dir: str | os.PathLike, paramete
 
     src = chapter_path(chapter)
     out_dir = Path(out_dir)
-    from qkov_lib.tooling.cache import chapter_name
+    from qkov_lib.tooling.names import chapter_name
 
     name = name or chapter_name(src)
     check_name(name, out_dir)

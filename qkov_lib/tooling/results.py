@@ -17,16 +17,16 @@ import numpy as np
 import torch
 
 from qkov_lib.data.sources import used_files
-from qkov_lib.runtime import REPO_ROOT, git_commit, pick_device, versions
+from qkov_lib.runtime import REPO_ROOT, RESULTS_ENV, git_commit, pick_device, results_file, versions
 
-RESULTS_ENV = "QKOV_RESULTS_DIR"
 FAILED_SUFFIX = ".failed.json"  # <name>.failed.json: the results file of a run that failed
 RUNNING_DIR = ".running"  # <folder>/.running/<name>/<file>: what a run writes until it has succeeded
 
 
 def default_results_path(chapter: str) -> Path:
-    """``$QKOV_RESULTS_DIR/<chapter>.json``, else ``<repo>/_build/results/<chapter>.json``."""
-    return Path(os.environ.get(RESULTS_ENV, REPO_ROOT / "_build" / "results")) / f"{chapter}.json"
+    """``$QKOV_RESULTS_DIR/<chapter>.json``, else ``<repo>/_build/results/<chapter>.json``
+    (:func:`qkov_lib.runtime.results_file`)."""
+    return results_file(chapter)
 
 
 def jsonable(x: Any) -> Any:
