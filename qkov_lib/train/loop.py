@@ -7,18 +7,18 @@ models is ``torch.func.vmap`` over ``torch.func.functional_call`` of the models'
 so the stacked model computes exactly what each model computes. A model class may instead define
 ``stacked_forward(params, buffers, tokens, key_mask)``, the same computation written with an
 explicit model dimension (:meth:`qkov_lib.head_model.HeadModel.stacked_forward`, faster than
-``vmap`` for its convolutions and embedding tables); a stack uses it when its models' buffers agree. One backward pass of the summed
-per-model losses gives each model its own gradient (the models share no parameter), and
-:class:`qkov_lib.train.optim.StackedOptimizer` applies torch's SGD / AdamW update with each model's own
-per-group rates (``qk`` at ``ratio * eta_ov``, ``ov``, ``other``; from
-:func:`qkov_lib.models.param_groups` or any ``groups`` function).
+``vmap`` for its convolutions and embedding tables); a stack uses it when its models' buffers
+agree. One backward pass of the summed per-model losses gives each model its own gradient (the
+models share no parameter), and :class:`qkov_lib.train.optim.StackedOptimizer` applies torch's
+SGD / AdamW update with each model's own per-group rates (``qk`` at ``ratio * eta_ov``, ``ov``,
+``other``; from :func:`qkov_lib.models.param_groups` or any ``groups`` function).
 
 Each model keeps its own initialisation (the models are built by the caller), its own minibatch
 order (a generator seeded with its ``TrainConfig.seed``, the same permutations
 :func:`qkov_lib.train.train` draws) and its own rates. With ``B = 1`` the model's own
 parameters are trained in place with a plain forward call (this is
 :func:`qkov_lib.train.train`); ``tests/test_stacked.py`` checks that a stack equals training
-each model alone.
+each model alone, and ``tests/test_stacked_head.py`` that a stacked forward equals the vmapped one.
 
 Logging (at the log steps of the shared config): the metrics of
 :func:`qkov_lib.train.evaluate` on a fixed seeded subsample of the training data
@@ -61,8 +61,9 @@ NONFINITE_MODES = ("raise", "freeze")
 # Configs of one stack must agree on these (they fix the step loop and the optimizer kind).
 SHARED_FIELDS = ("optimizer", "steps", "batch_size", "n_logs", "log_every", "log_subsample", "log_seed",
                  "length_buckets", "flush_denormals")
-# Elements of the (models x rows x positions x width) activations per evaluation chunk: 2**20 (4 MiB of
-# float32) stays in cache, so an evaluation costs fewer training steps than at 2**22, with the same numbers
+# Elements of the (models x rows x positions x width) activations per evaluation chunk: at 2**20 (4 MiB of
+# float32) 18 HateXplain map models evaluate 512 rows in 64 ms, at 2**22 in 84 (SQuAD 641 and 664 ms),
+# with the same predictions (benchmarks/README.md)
 EVAL_BUDGET = 2**20
 
 GroupsFn = Callable[[nn.Module, TrainConfig], list[dict]]
