@@ -165,3 +165,24 @@ def test_the_cost_model_counts_every_arm_that_trains():
     full = cost.work("protocol_choices", ablation.study_config("full"))
     assert any(p.name.startswith("squad: tuning, adamw") for p in full)  # no rate given: tuned here
     assert any(p.name == "sva: natural prefixes" for p in full)
+
+
+def test_the_default_arm_trains_the_rate_its_dataset_chapter_tuned_in_the_same_profile(tmp_path):
+    import json
+
+    scfg = ablation.study_config("cpu")
+    assert scfg["rates_given"]["squad"] == {"adamw": 1e-3}
+    write = lambda name, profile, selected: (tmp_path / f"{name}.json").write_text(  # noqa: E731
+        json.dumps({"params": {"profile": profile}, "metrics": {"map_selected": selected}}))
+    write("squad", "cpu", {"adamw": 0.01, "sgd": 0.3})
+    write("sva", "test", {"adamw": 0.01})  # another profile's file: not this build's
+    out = ablation.with_chapter_rates(scfg, tmp_path)
+    assert out["rates_given"]["squad"] == {"adamw": 0.01} and out["rates_given"]["sva"] == {"adamw": 1e-3}
+    assert out["rates_source"] == {"squad": "tuned by its chapter in this build (squad.json)", "sva": "given"}
+    # the reader's own rates win; a file that chose no AdamW rate (no run trained) is passed over
+    assert ablation.with_chapter_rates(scfg, tmp_path, keep_given=True)["rates_given"]["squad"] == {"adamw": 1e-3}
+    write("squad", "cpu", {"sgd": 0.3})
+    assert ablation.with_chapter_rates(scfg, tmp_path)["rates_source"]["squad"] == "given"
+    # no file and no given rate: tuned here
+    bare = dict(scfg, rates_given=None)
+    assert ablation.with_chapter_rates(bare, tmp_path / "none")["rates_source"] == {"squad": "tuned here", "sva": "tuned here"}

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -75,8 +76,9 @@ PROFILES = profile_table(
     # test: seconds (CI): SVA's test map, two seeds, AdamW at a given rate
     dict(datasets=["sva"], ablations=["readout", "budget", "evaluation"], optimizers=["adamw"], ratios=[1.0, 10.0],
          seeds=[0, 1], steps_factor=2, eval_rows=50, rates_given={"sva": {"adamw": 1e-2}}),
-    # cpu: 10 minutes on 2 cores: AdamW at ratios 1 and 100, the rates the dataset chapters' cpu maps choose (SQuAD
-    # AdamW 1e-3, SVA AdamW 1e-3); HateXplain (budget and evaluation only) and the natural prefixes in full
+    # cpu: 10 minutes on 2 cores: AdamW at ratios 1 and 100. In the book each dataset's rate is the one its chapter
+    # tuned in the same build (with_chapter_rates); these stand in when the page runs alone (the rates the cpu maps
+    # chose in earlier builds: SQuAD AdamW 1e-3, SVA AdamW 1e-3). HateXplain and the natural prefixes in full
     dict(datasets=["squad", "sva"], ablations=["readout", "ov_init", "budget", "evaluation"], optimizers=["adamw"],
          ratios=[1.0, 100.0], rates_given={"squad": {"adamw": 1e-3}, "sva": {"adamw": 1e-3}}),
     # full (GPU): every dataset, ablation and optimizer, ratios 1, 10, 100, 8 seeds, rates tuned here
@@ -148,6 +150,37 @@ def check_study(cfg: Mapping[str, Any]) -> dict[str, Any]:
             for v in rates.values())):
         raise ValueError(f"rates_given must be None or {{dataset: {{optimizer: rate > 0}}}}, got {rates!r}")
     return dict(cfg)
+
+
+def with_chapter_rates(scfg: Mapping[str, Any], results_dir=None, keep_given: bool = False) -> dict[str, Any]:
+    """``scfg`` with each dataset's base rates taken from its own chapter's results file
+    (``<results_dir>/<dataset>.json``, None: :func:`qkov_lib.runtime.results_file`), where that file was
+    written under the same profile and chose a rate for every optimizer of ``scfg``: the default arm then
+    trains the rate the dataset chapter of the same build tuned. ``rates_source`` says, per dataset, where
+    the rates come from: that file, ``"given"`` (``rates_given``: the profile's or the reader's) or
+    ``"tuned here"``. ``keep_given``: the reader gave ``rates_given``, which then wins."""
+    import json
+
+    from qkov_lib.runtime import results_file
+
+    out = dict(scfg)
+    rates = {d: dict(v) for d, v in (scfg["rates_given"] or {}).items()}
+    source = {d: ("given" if d in rates else "tuned here") for d in scfg["datasets"]}
+    for d in scfg["datasets"]:
+        if keep_given and d in rates:
+            continue
+        path = Path(results_dir) / f"{d}.json" if results_dir else results_file(d)
+        try:
+            doc = json.loads(path.read_text())
+            same = doc["params"]["profile"] == scfg["profile"]
+            chosen = {o: float(doc["metrics"]["map_selected"][o]) for o in scfg["optimizers"]}
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if same:
+            rates[d], source[d] = chosen, f"tuned by its chapter in this build ({path.name})"
+    out["rates_given"] = rates or None
+    out["rates_source"] = source
+    return out
 
 
 def study_config(profile: str | None, **overrides: Any) -> dict[str, Any]:
@@ -437,7 +470,8 @@ class StudyResult:
     (:func:`verdict_changes`), ``words`` (:func:`word_rows` of every arm), ``selected`` (per dataset the base
     rates used), ``tuned`` (per dataset whether they were tuned here), ``arms`` (dataset -> arm -> MapResult),
     ``natural`` (SVA's natural-prefix frame) and ``settle`` (dataset -> :func:`settle_table` of its budget arm),
-    ``curves`` (dataset -> the budget arm's :func:`.trajectory.curves`)."""
+    ``curves`` (dataset -> the budget arm's :func:`.trajectory.curves`), ``sources`` (per dataset where its
+    rates came from, :func:`with_chapter_rates`)."""
 
     table: pd.DataFrame
     sentences: dict[str, str]
@@ -449,6 +483,7 @@ class StudyResult:
     settle: dict[str, pd.DataFrame]
     curves: dict[str, pd.DataFrame]
     datasets: dict[str, Any]
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def run_study(scfg: Mapping[str, Any], data_dir=None, device: torch.device | None = None) -> StudyResult:
@@ -504,7 +539,7 @@ def run_study(scfg: Mapping[str, Any], data_dir=None, device: torch.device | Non
     table = delta_table(rows)
     return StudyResult(table, verdict_changes(table, [a for a in scfg["ablations"] if (table["ablation"] == a).any()]),
                        pd.DataFrame(words, columns=["dataset", "arm", "claim", "word"]), selected_all, tuned, arms,
-                       natural, settle, curves, datasets)
+                       natural, settle, curves, datasets, dict(scfg.get("rates_source") or {}))
 
 
 def word_frame(words: pd.DataFrame) -> pd.DataFrame:
@@ -530,7 +565,7 @@ def record(res: StudyResult) -> dict[str, Any]:
 def rates_frame(res: StudyResult) -> pd.DataFrame:
     """Per dataset and optimizer the base rate every arm trains, and whether this build tuned it."""
     return pd.DataFrame([{"dataset": d, "optimizer": o, "eta_ov": e,
-                          "source": "tuned here at ratio 1" if res.tuned[d] else "given (rates_given)"}
+                          "source": res.sources.get(d, "tuned here" if res.tuned[d] else "given")}
                          for d, sel in res.selected.items() for o, e in sel.items()])
 
 
@@ -563,7 +598,7 @@ def chapter_facts(res: StudyResult, scfg: Mapping[str, Any]) -> dict[str, str]:
     f["pc_settle_all"] = "; ".join(f"{names.get(d, d)}: {settle_text(t)}" for d, t in res.settle.items()) or "no budget arm"
     f["pc_eval_every"] = ", ".join(f"{names.get(d, d)} {realmap.map_config(d, scfg['profile'])['eval_every']}"
                                    for d in res.settle) or "-"
-    f["pc_rates_source"] = "; ".join(f"{names.get(d, d)}: " + ("tuned here at ratio 1" if res.tuned[d] else "given")
+    f["pc_rates_source"] = "; ".join(f"{names.get(d, d)}: " + res.sources.get(d, "tuned here" if res.tuned[d] else "given")
                                      + " (" + ", ".join(f"{rate_plane.optimizer_name(o)} {e:g}" for o, e in sel.items())
                                      + ")" for d, sel in res.selected.items())
     sq = res.arms.get("squad", {}).get("default")
