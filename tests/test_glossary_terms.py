@@ -1,7 +1,8 @@
 """The chapters' links to the glossary, read from the sources (no build): every ``{term}`` role in
 ``book/*.md`` names a term that ``book/glossary.md`` defines, no role sits where it cannot render
 (a code cell, whose text is Python, or a heading), every page of the book but the first and the
-glossary links at least one term, and every chapter opens with what it finds.
+glossary links at least one term, every chapter opens with what it finds, and every page stays at
+most 300 lines.
 
 Sphinx checks the first of these too: the ``term`` role warns "term not in glossary" for a target
 that no glossary defines (it warns whatever ``nitpicky`` says; the book does not set it), and
@@ -157,3 +158,15 @@ def test_every_chapter_opens_with_what_it_finds(doc):
             key = m.group(1)
             assert re.search(rf"glue(?:_figure)?\(\s*[\"']{re.escape(key)}[\"']", text), \
                 f"{doc}, line {i}: the figure {key!r} is glued nowhere in the chapter"
+
+
+#: a page is read in one sitting: its source (prose, maths, library calls) stays this short
+MAX_LINES = 300
+
+
+@pytest.mark.parametrize("doc", toc_files(ROOT))
+def test_every_page_stays_short(doc):
+    """Chapters are thin: narrative, maths and calls into qkov_lib; what grows goes to the library or
+    to a page of its own."""
+    n = len((ROOT / f"{doc}.md").read_text(encoding="utf-8").splitlines())
+    assert n <= MAX_LINES, f"{doc}.md has {n} lines (at most {MAX_LINES})"
