@@ -117,7 +117,7 @@ def test_model_role_mass_reads_the_models_test_attention_with_the_test_roles(mon
 
     b = _batch([4, 2])
     attn = torch.tensor([[0.1, 0.5, 0.1, 0.3, 0.0], [0.0, 0.0, 0.6, 0.4, 0.0]])
-    monkeypatch.setattr(realmap, "test_attention", lambda model, data: attn if data is b else None)
+    monkeypatch.setattr(sr, "test_attention", lambda model, data: attn if data is b else None)
     out = sr.model_role_mass(object(), SimpleNamespace(test=b, test_info={"roles": ["-S-A", "SL"]}))
     assert out["subject"] == pytest.approx((0.5 + 0.6) / 2) and out["last"] == pytest.approx(0.4 / 2)
 
