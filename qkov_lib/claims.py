@@ -412,7 +412,7 @@ ONE_RULE = ("Each claim is an effect with its 95 % interval in every cell it rea
             "contradicted when it lies wholly on the other side, and is undecided otherwise. The word: reproduced "
             "(holds in every cell), holds where (holds in some, contradicted in none), mixed (holds in some, "
             "contradicted in others), not reproduced (contradicted somewhere, holds nowhere), inconclusive (undecided "
-            "everywhere).")
+            "in every cell).")
 
 
 @dataclass(frozen=True)

@@ -588,6 +588,10 @@ def chapter_facts(res: StudyResult, scfg: Mapping[str, Any]) -> dict[str, str]:
                         f"{_list([rate_plane.optimizer_name(o) for o in scfg['optimizers']])}, ratios "
                         f"{', '.join(f'{r:g}' for r in scfg['ratios'])}, {len(scfg['seeds'])} seeds")
     f["pc_scope"] = f["pc_datasets"] + " and the choices " + _list(list(scfg["ablations"]))
+    full = PROFILES["full"]
+    f["pc_full_scope"] = (f"{_list([names.get(d, d) for d in full['datasets']])}, "
+                          f"{_list([rate_plane.optimizer_name(o) for o in full['optimizers']])}, {len(full['ratios'])} ratios from "
+                          f"{min(full['ratios']):g} to {max(full['ratios']):g}, {len(full['seeds'])} seeds")
     f["pc_words"] = word_sentence(word_changes(res.words))
     f["pc_settle_factor"] = str(scfg["steps_factor"])
     f["pc_eval_rows"] = f"{scfg['eval_rows']:,}"
