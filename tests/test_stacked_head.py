@@ -142,11 +142,12 @@ def test_a_few_training_steps_give_the_parameters_of_the_vmap_path(case, dtype, 
 
 
 @pytest.mark.parametrize("by_length", [False, True])
-def test_evaluation_chunks_give_the_same_predictions_bit_for_bit(by_length, monkeypatch):
-    """Each row's prediction is computed from that row alone and the chunks are of near-equal size
-    (none of the few rows a matmul kernel rounds differently), so the evaluation's budget
-    (loop.EVAL_BUDGET) changes no bit of it: float32, SQuAD's and HateXplain's models at width 32,
-    60 rows in chunks of 60, 20 and 8 or 9."""
+def test_evaluation_chunks_give_the_same_predictions(by_length, monkeypatch):
+    """Each row's prediction is computed from that row alone and the chunks are of near-equal size,
+    so the evaluation's budget (loop.EVAL_BUDGET) changes no prediction: float32, SQuAD's and
+    HateXplain's models at width 32, 60 rows in chunks of 60, 20 and 8 or 9. The numbers agree to float32
+    rounding, not bit for bit: a matrix kernel may sum a product of 9 rows in another order than one
+    of 60 on another CPU."""
     for case in ("squad", "hatexplain"):
         models = [make(CASES[case], s, torch.float32, d=32) for s in range(3)]
         data = random_data(60, CASES[case]["readout"], 3)
@@ -155,7 +156,9 @@ def test_evaluation_chunks_give_the_same_predictions_bit_for_bit(by_length, monk
             monkeypatch.setattr(loop, "EVAL_BUDGET", rows * 3 * T * 32)
             out.append(ModelStack(models).predict(data, by_length))
         for attn, probs in out[1:]:
-            assert torch.equal(attn, out[0][0]) and torch.equal(probs, out[0][1])
+            torch.testing.assert_close(attn, out[0][0], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(probs, out[0][1], rtol=1e-5, atol=1e-6)
+            assert torch.equal(probs.argmax(-1), out[0][1].argmax(-1))
 
 
 def test_a_bigru_stack_needs_one_model_per_stack():
