@@ -37,7 +37,7 @@ from qkov_lib import claims, protocol, rate_plane
 from qkov_lib.figure_source import draws
 from qkov_lib.data.batch import spread
 from qkov_lib.profiles import profile_table
-from qkov_lib.studies import realmap
+from qkov_lib.studies import attention_analysis, realmap
 
 
 @dataclass(frozen=True)
@@ -578,7 +578,7 @@ def chapter_facts(res: StudyResult, scfg: Mapping[str, Any]) -> dict[str, str]:
     """What the chapter glues (prefix ``pc_``): one sentence per choice (:func:`verdict_changes`; a choice
     not run says where it would apply), the words an ablation changes, the budget arm's settling steps,
     the sizes and rules it quotes and R3 on SQuAD."""
-    names = {"squad": "SQuAD", "sva": "SVA", "hatexplain": "HateXplain"}
+    names = attention_analysis.DATASET_NAMES
     def not_run(a: str) -> str:
         where = [names[d] for d in realmap.DATASETS if applies(a, d, realmap.map_config(d, scfg["profile"]))]
         return f"not run in this profile (the full profile runs it; it applies to {_list(where)})"

@@ -39,6 +39,8 @@ TAU_SWEEP = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 FRACS = [0.01, 0.05, 0.1, 0.2, 0.5]
 ATTENTIONS = ("model", "uniform", "random")
 CHAPTERS = {"squad": "05_squad", "hatexplain": "06_hatexplain", "sva": "07_sva"}
+#: dataset key -> the name the pages print
+DATASET_NAMES = {"squad": "SQuAD", "hatexplain": "HateXplain", "sva": "SVA"}
 
 
 def baseline_attention(kind: str, key_mask: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

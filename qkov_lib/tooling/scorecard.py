@@ -18,7 +18,7 @@ import pandas as pd
 
 from qkov_lib import claims
 from qkov_lib.tooling import results, schema
-from qkov_lib.studies.attention_analysis import CHAPTERS
+from qkov_lib.studies.attention_analysis import CHAPTERS, DATASET_NAMES
 
 CLAIMS = claims.CLAIMS
 EXTENSIONS = claims.EXTENSIONS
@@ -112,7 +112,7 @@ def claim_rows(results: Iterable[tuple[Path, Mapping[str, Any]]], book_dir: str 
     return pd.DataFrame(rows, columns=cols)
 
 
-DATASETS = {"squad": "SQuAD", "hatexplain": "HateXplain", "sva": "SVA"}  # chapter stem -> dataset name
+DATASETS = DATASET_NAMES  # chapter stem -> dataset name
 
 
 def dataset_name(chapter: str) -> str:
