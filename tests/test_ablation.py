@@ -186,3 +186,21 @@ def test_the_default_arm_trains_the_rate_its_dataset_chapter_tuned_in_the_same_p
     # no file and no given rate: tuned here
     bare = dict(scfg, rates_given=None)
     assert ablation.with_chapter_rates(bare, tmp_path / "none")["rates_source"] == {"squad": "tuned here", "sva": "tuned here"}
+
+
+def test_the_table_shows_beside_each_cell_how_many_runs_of_each_arm_trained():
+    """The control for R1, read over every run: an arm where nothing trains keeps its accuracy."""
+    from types import SimpleNamespace
+
+    table = pd.DataFrame({"optimizer": ["adamw"] * 4, "ratio": [1.0, 1.0, 100.0, 100.0],
+                          "trained": [True, True, True, False]})
+    dead = table.assign(trained=False)
+    got = ablation.trained_counts(SimpleNamespace(table=table))
+    assert got == {("adamw", 1.0): "2/2", ("adamw", 100.0): "1/2"}
+    rows = ablation.delta_rows("squad", "ov_init", cells([("adamw", 100.0, "R1", -0.1, 0.02, 2)]),
+                               cells([("adamw", 100.0, "R1", 0.0, 0.001, 2)]),
+                               (got, ablation.trained_counts(SimpleNamespace(table=dead))))
+    assert rows[0]["trained (default)"] == "ratio 1: 2/2, ratio 100: 1/2"
+    assert rows[0]["trained (ablated)"] == "ratio 1: 0/2, ratio 100: 0/2"
+    assert ablation.delta_rows("squad", "ov_init", cells([("adamw", 100.0, "R1", -0.1, 0.02, 2)]),
+                               cells([("adamw", 100.0, "R1", 0.0, 0.001, 2)]))[0]["trained (ablated)"] == "-"

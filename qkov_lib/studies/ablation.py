@@ -268,7 +268,14 @@ def natural_arm(ncfg: Mapping[str, Any], selected: Mapping[str, float], ratios: 
 
 # --- reading the arms -----------------------------------------------------------------------------------
 TABLE_COLUMNS = ["dataset", "ablation", "optimizer", "ratio", "claim", "default", "default outcome", "ablated",
-                 "ablated outcome", "changes"]
+                 "ablated outcome", "changes", "trained (default)", "trained (ablated)"]
+
+
+def trained_counts(res: realmap.MapResult) -> dict[tuple[str, float], str]:
+    """Per ``(optimizer, ratio)`` of an arm, how many of its runs trained (``"3/4"``): the control beside a
+    cell whose change is read over every run (R1), where "no change" can mean that nothing learned."""
+    return {(o, float(r)): f"{int(g['trained'].sum())}/{len(g)}"
+            for (o, r), g in res.table.groupby(["optimizer", "ratio"], sort=False)}
 
 
 def arm_readings(cells: pd.DataFrame, claim: str) -> dict[tuple[str, float], claims.Reading]:
@@ -299,10 +306,18 @@ def natural_cells(frame: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["claim", "route", "optimizer", "ratio", "mean", "hw", "n"])
 
 
-def delta_rows(dataset: str, ablation: str, default: pd.DataFrame, ablated: pd.DataFrame) -> list[dict[str, Any]]:
+def delta_rows(dataset: str, ablation: str, default: pd.DataFrame, ablated: pd.DataFrame,
+               trained: tuple[Mapping, Mapping] | None = None) -> list[dict[str, Any]]:
     """Rows of :func:`delta_table` for one dataset and ablation from the two arms' protocol cells: per
     optimizer, ratio above 1 and claim it reads (:data:`CLAIM_IDS`), each arm's change with its family
-    interval (``+0.051 ± 0.020 (n = 4)``, a fraction) and cell outcome, and whether the outcomes differ."""
+    interval (``+0.051 ± 0.020 (n = 4)``, a fraction) and cell outcome, and whether the outcomes differ.
+    ``trained``: the two arms' :func:`trained_counts`, shown as ``"ratio 1: 4/4, ratio 100: 1/4"``."""
+
+    def shown(counts: Mapping | None, opt: str, r: float) -> str:
+        if counts is None:
+            return "-"
+        return f"ratio 1: {counts.get((opt, 1.0), '-')}, ratio {r:g}: {counts.get((opt, r), '-')}"
+
     a = check_ablation(ablation)
     rows = []
     for cid in CLAIM_IDS:
@@ -315,7 +330,9 @@ def delta_rows(dataset: str, ablation: str, default: pd.DataFrame, ablated: pd.D
             rows.append({"dataset": dataset, "ablation": ablation, "optimizer": key[0], "ratio": key[1], "claim": cid,
                          "default": rd.text() if rd else "not measured", "default outcome": od,
                          "ablated": rb.text() if rb else "not measured", "ablated outcome": ob,
-                         "changes": od != ob and "not measured" not in (od, ob)})
+                         "changes": od != ob and "not measured" not in (od, ob),
+                         "trained (default)": shown(trained[0] if trained else None, *key),
+                         "trained (ablated)": shown(trained[1] if trained else None, *key)})
     return rows
 
 
@@ -516,7 +533,8 @@ def run_study(scfg: Mapping[str, Any], data_dir=None, device: torch.device | Non
                 full = remeasure(runs["default"], ds.test, None, len(ds.test))
                 runs["evaluation (whole split)"] = full
                 arm = remeasure(runs["default"], ds.test, cfg["eval_rows"], cfg["n_eraser"])
-                rows += delta_rows(name, ab, full.protocol, arm.protocol)
+                both = trained_counts(runs["default"])
+                rows += delta_rows(name, ab, full.protocol, arm.protocol, (both, both))
             elif ab == "natural":
                 from qkov_lib.profiles import resolve
                 from qkov_lib.studies import agreement_roles
@@ -529,7 +547,8 @@ def run_study(scfg: Mapping[str, Any], data_dir=None, device: torch.device | Non
                 continue
             else:
                 arm = train_arm(ds, val, cfg, selected, scfg["ratios"], scfg["seeds"], device, f"{name}: {ab} arm")
-                rows += delta_rows(name, ab, runs["default"].protocol, arm.protocol)
+                rows += delta_rows(name, ab, runs["default"].protocol, arm.protocol,
+                                   (trained_counts(runs["default"]), trained_counts(arm)))
             runs[ab] = arm
             words += word_rows(name, ab, arm.verdicts)
             if ab == "budget" and arm.histories:
